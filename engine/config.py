@@ -1,0 +1,41 @@
+"""Engine configuration. Pool capacity is derived from a memory budget, never given in tokens."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'64MiB' -> 67108864. Accepts plain integers (bytes)."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        from engine.errors import InputError
+        raise InputError(f"cannot parse memory size {text!r}: expected e.g. 512MiB, 2GiB or a byte count")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    # The KV pool is sized from this budget (as SGLang sizes it from memory left after weights);
+    # its capacity in tokens is derived and may disagree with context_length.
+    kv_memory_budget: int = 64 << 20
+    page_size: int = 16
+    context_length: int = 2048
+    max_num_seqs: int = 16
+    max_step_tokens: int = 512          # per-step token budget; longer prompts are prefilled in chunks
+    host_memory_budget: int = 64 << 20  # host (CPU) tier for swapped-out pages
+    check_reads: bool = True            # the read-time provenance check (DESIGN: the one invariant)
+    fail_on_violation: bool = True      # False: record violations but let the read through (vulnerable)
+    zero_on_free: bool = False          # freed pages keep their bytes by default, as in real engines
+    detect_double_free: bool = True
+    scope_secret: bytes = b"kvledger-default-scope-secret"
+    kv_format_version: str = "kvledger-kv-v1"
+    node_id: str = "node0"
+    role: str = "unified"
+    seed: int = 0
+    extra: dict = field(default_factory=dict)

@@ -1,0 +1,39 @@
+"""The host (CPU-memory) tier: swapped-out pages live here as whole slot records.
+
+Offload and reload copy records (K/V of every layer plus tag and writer) in one copy each, so
+tags travel with the bytes; the page header (generation) stays with the device page.
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import InputError, OutOfPages
+from engine.pool import KVPool
+
+
+class HostTier:
+    def __init__(self, pool: KVPool, memory_budget: int):
+        self.pool = pool
+        per_page = pool.page_size * pool.rec_bytes
+        self.num_pages = memory_budget // per_page
+        if memory_budget < 0:
+            raise InputError(f"host memory budget must be >= 0, got {memory_budget}")
+        self.records = torch.zeros((self.num_pages, pool.page_size, pool.rec_bytes), dtype=torch.uint8)
+        self._free = list(range(self.num_pages))[::-1]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def offload(self, device_pages: list[int]) -> list[int]:
+        if len(device_pages) > len(self._free):
+            raise OutOfPages(f"host tier: need {len(device_pages)} page(s), {len(self._free)} free")
+        host_pages = [self._free.pop() for _ in device_pages]
+        self.records[torch.tensor(host_pages)] = self.pool.records[torch.tensor(device_pages, dtype=torch.long)]
+        return host_pages
+
+    def reload(self, host_pages: list[int], device_pages: list[int]) -> None:
+        self.pool.records[torch.tensor(device_pages, dtype=torch.long)] = self.records[torch.tensor(host_pages)]
+
+    def release(self, host_pages: list[int]) -> None:
+        self._free.extend(host_pages)

@@ -1,0 +1,168 @@
+"""The public entry point: ``LLMEngine``.
+
+    engine = LLMEngine(model, tokenizer, EngineConfig(kv_memory_budget=64 << 20))
+    reqs = engine.generate(["The secret is"], SamplingParams(max_tokens=16))
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterable
+
+import torch
+
+from engine.allocator import PageAllocator
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InputError, ReadCheckViolation
+from engine.host import HostTier
+from engine.pool import KVPool
+from engine.request import Request, SamplingParams, Status
+from engine.runner import ModelRunner, StepOutput
+from engine.sampling import sample
+from engine.scheduler import Scheduler
+from engine.tags import TagChain, scope_key
+
+StepObserver = Callable[["LLMEngine", StepOutput], None]
+
+
+class LLMEngine:
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+        self.cfg = cfg = config or EngineConfig()
+        self.model, self.tokenizer = model, tokenizer
+        dtype = getattr(model, "dtype", torch.float32)
+        self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
+                           dtype=dtype, zero_on_free=cfg.zero_on_free)
+        self.allocator = PageAllocator(self.pool, detect_double_free=cfg.detect_double_free)
+        self.host = HostTier(self.pool, cfg.host_memory_budget)
+        self.blocks = BlockManager(self.allocator, self.host, cfg.page_size)
+        self.scheduler = Scheduler(cfg, self.blocks)
+        self.runner = ModelRunner(model, self.pool, cfg.check_reads)
+        self.observers: list[StepObserver] = []
+        self.requests: dict[int, Request] = {}
+        self.steps = 0
+
+    # ---- admission: every check runs before any page is taken ------------------------------
+    def scope_for(self, tenant: str) -> str:
+        return f"tenant:{tenant}"
+
+    def validate(self, prompt_ids: list[int], sp: SamplingParams) -> None:
+        limit = self.cfg.context_length
+        if not prompt_ids:
+            raise InputError("empty prompt: at least one token is required")
+        if len(prompt_ids) > limit:
+            raise InputError(f"prompt is {len(prompt_ids)} tokens, longer than the context length {limit}")
+        if sp.max_tokens <= 0:
+            raise InputError(f"max_tokens must be >= 1, got {sp.max_tokens}")
+        if sp.temperature < 0:
+            raise InputError(f"temperature must be >= 0, got {sp.temperature}")
+        if not 0.0 < sp.top_p <= 1.0:
+            raise InputError(f"top_p must be in (0, 1], got {sp.top_p}")
+        vocab = getattr(self.model, "vocab_size", None) or self.model.cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
+                    rid: str = "") -> Request:
+        sp = sampling or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InputError("a text prompt needs a tokenizer; pass token ids instead")
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+        self.validate(prompt_ids, sp)
+        scope = self.scope_for(tenant)
+        chain = TagChain(scope_key(self.cfg.scope_secret, scope, self.cfg.kv_format_version), self.cfg.kv_format_version)
+        chain.extend(prompt_ids)
+        req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid)
+        self.requests[req.incarnation] = req
+        self.scheduler.add(req)
+        return req
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            if self.scheduler.has_work():
+                stuck = (self.scheduler.waiting or self.scheduler.swapped)[0]
+                self._finish(stuck, error=InputError(
+                    f"request {stuck.incarnation:#x} needs more KV pages than the pool can ever free "
+                    f"({self.allocator.total} pages of {self.cfg.page_size} tokens)"))
+                return [stuck]
+            return []
+        out = self.runner.run(batch)
+        self.steps += 1
+        for obs in self.observers:
+            obs(self, out)
+        violated = set()
+        if out.read_check is not None:
+            bad = out.read_check.bad_slots
+            for b in torch.nonzero(bad.sum(1)).flatten().tolist():
+                req = batch[b].req
+                violated.add(b)
+                if self.cfg.fail_on_violation:
+                    pages = [req.block_table[c] for c in torch.nonzero(bad[b]).flatten().tolist()]
+                    self._finish(req, error=ReadCheckViolation(req.incarnation, pages, int(bad[b].sum())))
+        finished = [s.req for s in batch if s.req.is_finished]
+        for s in batch:
+            if not s.req.is_finished:
+                s.req.num_computed += s.num_tokens
+        if out.sampling:
+            reqs = [batch[b].req for b in out.sampling]
+            toks = sample(out.logits, reqs)
+            now = time.perf_counter()
+            for req, tok in zip(reqs, toks):
+                if req.is_finished:
+                    continue
+                req.output_ids.append(tok)
+                req.chain.extend([tok])
+                if req.status is Status.PREFILLING:
+                    req.first_token_at = now
+                    req.transition(Status.DECODING)
+                reason = self._stop_reason(req, tok)
+                if reason is not None:
+                    self._finish(req, status=reason)
+                    finished.append(req)
+        return finished
+
+    def _stop_reason(self, req: Request, tok: int) -> Status | None:
+        eos = getattr(self.model, "eos_token_id", None)
+        if eos is not None and tok == eos and not req.sampling.ignore_eos:
+            return Status.FINISHED_STOPPED
+        if len(req.output_ids) >= req.sampling.max_tokens or req.seq_len >= self.cfg.context_length:
+            return Status.FINISHED_LENGTH
+        return None
+
+    def _finish(self, req: Request, status: Status | None = None, error: BaseException | None = None) -> None:
+        self.scheduler.remove(req)
+        self.blocks.release(req)
+        if error is not None:
+            req.fail(error)
+        else:
+            req.transition(status)
+
+    def abort(self, req: Request, reason: str = "aborted by client") -> None:
+        if not req.is_finished:
+            self.scheduler.remove(req)
+            self.blocks.release(req)
+            req.error = InputError(reason)
+            req.transition(Status.FINISHED_ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def run_until_done(self, progress: Callable[[int], None] | None = None) -> None:
+        while self.has_unfinished():
+            done = self.step()
+            if progress and done:
+                progress(len(done))
+
+    def generate(self, prompts: Iterable[str | list[int]], sampling: SamplingParams | None = None,
+                 tenant: str = "default") -> list[Request]:
+        reqs = [self.add_request(p, sampling, tenant) for p in prompts]
+        self.run_until_done()
+        return reqs
+
+    def text(self, req: Request) -> str:
+        return self.tokenizer.decode(req.output_ids) if self.tokenizer else ""

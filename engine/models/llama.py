@@ -1,0 +1,154 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU; Qwen2 qkv bias)
+loading an HF-format directory. Attention goes through the paged pool via ``StepContext``."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from engine.errors import ModelLoadError
+from engine.step import StepContext
+
+
+@dataclass(slots=True, frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    max_position_embeddings: int
+    model_type: str
+    eos_token_id: int | None
+
+    @classmethod
+    def from_hf(cls, d: dict) -> "LlamaConfig":
+        mt = d.get("model_type", "llama")
+        if mt not in ("llama", "qwen2", "mistral"):
+            raise ModelLoadError(f"model_type {mt!r} is not a Llama-family decoder (llama, qwen2, mistral)")
+        rope = d.get("rope_parameters") or {}
+        scaling = d.get("rope_scaling")
+        if (rope.get("rope_type", "default") != "default") or (scaling and scaling.get("rope_type", "default") != "default"):
+            raise ModelLoadError("only default RoPE is supported; this checkpoint uses rope scaling")
+        try:
+            heads = d["num_attention_heads"]
+            eos = d.get("eos_token_id")
+            return cls(
+                vocab_size=d["vocab_size"], hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
+                num_layers=d["num_hidden_layers"], num_heads=heads,
+                num_kv_heads=d.get("num_key_value_heads") or heads,
+                head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+                tie_word_embeddings=d.get("tie_word_embeddings", False),
+                qkv_bias=mt == "qwen2" or bool(d.get("attention_bias", False)),
+                max_position_embeddings=d.get("max_position_embeddings", 2048), model_type=mt,
+                eos_token_id=eos[0] if isinstance(eos, list) and eos else eos if isinstance(eos, int) else None)
+        except KeyError as e:
+            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
+    """HF-convention RoPE (rotate_half pairs (i, i + D/2)). x: [T, H, D]."""
+    D = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+    f = positions.float()[:, None] * inv[None, :]
+    emb = torch.cat([f, f], dim=-1)
+    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    x1, x2 = x[..., : D // 2], x[..., D // 2:]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor]):
+        super().__init__()
+        self.cfg = cfg
+        self.w = weights
+        self.num_layers = cfg.num_layers
+        self.kv_dim = cfg.num_kv_heads * cfg.head_dim
+        self.eos_token_id = cfg.eos_token_id
+        self.name = cfg.model_type
+
+    @staticmethod
+    def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        H, qd, kvd = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        s = {"model.embed_tokens.weight": (c.vocab_size, H), "model.norm.weight": (H,)}
+        if not c.tie_word_embeddings:
+            s["lm_head.weight"] = (c.vocab_size, H)
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            s |= {p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+                  p + "self_attn.q_proj.weight": (qd, H), p + "self_attn.k_proj.weight": (kvd, H),
+                  p + "self_attn.v_proj.weight": (kvd, H), p + "self_attn.o_proj.weight": (H, qd),
+                  p + "mlp.gate_proj.weight": (c.intermediate_size, H), p + "mlp.up_proj.weight": (c.intermediate_size, H),
+                  p + "mlp.down_proj.weight": (H, c.intermediate_size)}
+            if c.qkv_bias:
+                s |= {p + "self_attn.q_proj.bias": (qd,), p + "self_attn.k_proj.bias": (kvd,),
+                      p + "self_attn.v_proj.bias": (kvd,)}
+        return s
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+        from safetensors import safe_open
+        path = Path(path)
+        cfg_file = path / "config.json"
+        if not cfg_file.is_file():
+            raise ModelLoadError(f"{path}: no config.json")
+        cfg = LlamaConfig.from_hf(json.loads(cfg_file.read_text()))
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise ModelLoadError(f"{path}: no *.safetensors weights")
+        want = cls.expected_shapes(cfg)
+        weights: dict[str, torch.Tensor] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as fh:
+                for name in fh.keys():
+                    if name in want:
+                        t = fh.get_tensor(name)
+                        if tuple(t.shape) != want[name]:
+                            raise ModelLoadError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
+                                                 f"config.json implies {want[name]}")
+                        weights[name] = t.to(dtype)
+        missing = [n for n in want if n not in weights]
+        if missing:
+            raise ModelLoadError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]}")
+        if cfg.tie_word_embeddings:
+            weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+        return cls(cfg, weights)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+        c, w = self.cfg, self.w
+        T = input_ids.shape[0]
+        x = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
+            q = F.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
+            k = F.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
+            v = F.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
+            q = rope(q.view(T, c.num_heads, c.head_dim), positions, c.rope_theta)
+            k = rope(k.view(T, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+            a = ctx.attend(i, q, k, v, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
+            x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
+            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+            g = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
+            x = x + F.linear(g, w[p + "mlp.down_proj.weight"])
+        x = rms_norm(x[logits_rows], w["model.norm.weight"], c.rms_norm_eps)
+        return F.linear(x, w["lm_head.weight"]).float()

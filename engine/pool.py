@@ -1,0 +1,97 @@
+"""The KV page pool: K/V and the tag plane in ONE preallocated buffer.
+
+Byte layout of one page (all offsets multiples of 8):
+
+    [ generation: int64 ][ slot 0 record ][ slot 1 record ] ... [ slot S-1 record ]
+    slot record = [ content tag: int64 ][ writer incarnation: int64 ][ K: L x kv_dim ][ V: L x kv_dim ]
+
+Because the content tag and writer sit inside the same slot record as the K/V bytes, whatever
+copies K/V by record (transfer landing, offload, reload) copies the tags in the same copy; no
+separate metadata path exists that a one-sided write could skip. The compute paths (prefill,
+decode append) write layer 0's K/V and the tag plane through ``store`` with one slot mapping.
+
+The generation lives in the page header and belongs to the allocator: it changes only when a
+page is (re)allocated, and record copies never touch it. Freed pages are NOT zeroed unless
+``zero_on_free`` (the performance choice that made the GLM-5.3 incident possible).
+"""
+from __future__ import annotations
+
+import torch
+
+from engine.errors import InputError
+
+_HDR = 8        # bytes of page header (generation)
+_TAGB = 16      # bytes of tag + writer at the start of each slot record
+
+
+def _round8(n: int) -> int:
+    return (n + 7) // 8 * 8
+
+
+class KVPool:
+    def __init__(self, num_layers: int, kv_dim: int, page_size: int, memory_budget: int,
+                 dtype: torch.dtype = torch.float32, zero_on_free: bool = False, device: str = "cpu"):
+        if page_size <= 0 or num_layers <= 0 or kv_dim <= 0:
+            raise InputError(f"invalid pool geometry: page_size={page_size}, layers={num_layers}, kv_dim={kv_dim}")
+        self.num_layers, self.kv_dim, self.page_size, self.dtype = num_layers, kv_dim, page_size, dtype
+        self.zero_on_free = zero_on_free
+        esize = torch.empty((), dtype=dtype).element_size()
+        self.esize = esize
+        self.rec_bytes = _round8(_TAGB + 2 * num_layers * kv_dim * esize)
+        self.page_bytes = _HDR + page_size * self.rec_bytes
+        self.num_pages = memory_budget // self.page_bytes
+        if self.num_pages < 1:
+            raise InputError(f"KV memory budget {memory_budget} B holds no page: one page of {page_size} "
+                             f"tokens needs {self.page_bytes} B")
+        self.memory_bytes = self.num_pages * self.page_bytes
+        self.buf = torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device)
+        P, S = self.num_pages, page_size
+        i64 = self.buf.view(torch.int64)
+        pw, rw = self.page_bytes // 8, self.rec_bytes // 8
+        self.generation = i64.as_strided((P,), (pw,), 0)
+        self.tags = i64.as_strided((P, S), (pw, rw), _HDR // 8)
+        self.writers = i64.as_strided((P, S), (pw, rw), _HDR // 8 + 1)
+        el = self.buf.view(dtype)
+        pe, re_ = self.page_bytes // esize, self.rec_bytes // esize
+        base = (_HDR + _TAGB) // esize
+        self._k = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + l * kv_dim) for l in range(num_layers)]
+        self._v = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + (num_layers + l) * kv_dim)
+                   for l in range(num_layers)]
+        self.records = self.buf.as_strided((P, S, self.rec_bytes), (self.page_bytes, self.rec_bytes, 1), _HDR)
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_pages * self.page_size
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self._k[layer]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self._v[layer]
+
+    # ---- compute paths (prefill, decode append) -------------------------------------------
+    def store(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              tags: torch.Tensor | None = None, writers: torch.Tensor | None = None) -> None:
+        """Write one layer's K/V for new tokens; with layer 0 the same slot mapping writes the tag plane."""
+        self._k[layer][pages, offsets] = k.reshape(-1, self.kv_dim).to(self.dtype)
+        self._v[layer][pages, offsets] = v.reshape(-1, self.kv_dim).to(self.dtype)
+        if tags is not None:
+            self.tags[pages, offsets] = tags
+            self.writers[pages, offsets] = writers
+
+    # ---- copy paths (transfer landing, offload, reload): whole records, tags included -----
+    def read_records(self, pages: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return self.records[pages, offsets]
+
+    def write_records(self, pages: torch.Tensor, offsets: torch.Tensor, records: torch.Tensor) -> None:
+        self.records[pages, offsets] = records
+
+    def record_tags(self, records: torch.Tensor) -> torch.Tensor:
+        """Content tags carried inside a batch of copied records (for checksums and the ledger)."""
+        return records[:, :8].contiguous().view(torch.int64).reshape(-1)
+
+    def record_writers(self, records: torch.Tensor) -> torch.Tensor:
+        return records[:, 8:16].contiguous().view(torch.int64).reshape(-1)
+
+    def zero_pages(self, pages: torch.Tensor) -> None:
+        self.records[pages] = 0

@@ -1,0 +1,126 @@
+"""Request state: one explicit state machine with a single terminal predicate.
+
+    WAITING --admit--> PREFILLING --first token--> DECODING --eos/length--> FINISHED_STOPPED/LENGTH
+       ^                   |  ^                       |  ^
+       |                   v  |                       v  |
+       +--- recompute --- (preempted)  SWAPPED <------+--+  (host tier: pages offloaded, later reloaded)
+    any non-terminal state --> FINISHED_ABORTED | FINISHED_ERROR
+
+``is_finished`` is the ONE terminal predicate: every queue and every admission check asks it,
+and it reads ``status`` only - errors are never stored beside the status where a check could
+miss them.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.errors import KvledgerError
+from engine.tags import TagChain
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+
+TERMINAL = frozenset({Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED,
+                      Status.FINISHED_ERROR})
+_ALLOWED = {
+    Status.WAITING: {Status.PREFILLING},
+    Status.PREFILLING: {Status.DECODING, Status.SWAPPED, Status.WAITING},
+    Status.DECODING: {Status.SWAPPED, Status.WAITING} | {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH},
+    Status.SWAPPED: {Status.PREFILLING, Status.DECODING},
+}
+for _s in list(_ALLOWED):
+    _ALLOWED[_s] = _ALLOWED[_s] | {Status.FINISHED_ABORTED, Status.FINISHED_ERROR}
+
+
+class IllegalTransition(KvledgerError):
+    pass
+
+
+# Incarnation ids: unique per attempt, even across processes and reused client ids.
+_PREFIX = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+_COUNTER = itertools.count(1)
+
+
+def new_incarnation() -> int:
+    return (_PREFIX << 31) | next(_COUNTER)
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    ignore_eos: bool = False
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    tenant: str
+    scope: str
+    chain: TagChain
+    rid: str = ""
+    incarnation: int = field(default_factory=new_incarnation)
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    # [0, num_computed) of all_ids have K/V in the pool at block_table; page_gens[i] is the
+    # generation granted for block_table[i] (the read check compares against it).
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    page_gens: list[int] = field(default_factory=list)
+    host_pages: list[int] = field(default_factory=list)
+    error: BaseException | None = None
+    generator: torch.Generator | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    preemptions: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        """The single terminal predicate."""
+        return self.status in TERMINAL
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.is_finished else None
+
+    def transition(self, new: Status) -> None:
+        if new not in _ALLOWED.get(self.status, ()):
+            raise IllegalTransition(f"request {self.incarnation:#x}: {self.status.name} -> {new.name} is not allowed")
+        self.status = new
+        if new in TERMINAL:
+            self.finished_at = time.perf_counter()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.transition(Status.FINISHED_ERROR)
+
+    @property
+    def ttft(self) -> float | None:
+        return None if self.first_token_at is None else self.first_token_at - self.arrival

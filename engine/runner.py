@@ -1,0 +1,68 @@
+"""Builds one step's slot mapping, block tables and expected provenance, and runs the model.
+
+For each scheduled request (seq_len' = num_computed + num_tokens after this step):
+    [0, num_computed)          already in the pool: read, and checked
+    [num_computed, seq_len')   written now (K/V + tag + writer through one slot mapping),
+                               then read and checked like the rest
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from engine.attention import BatchLayout, ReadCheck
+from engine.pool import KVPool
+from engine.scheduler import Scheduled
+from engine.step import StepContext
+
+
+class StepOutput(NamedTuple):
+    """Everything one step did, as tensors (telemetry consumes these, never per-read objects)."""
+    batch: list[Scheduled]
+    layout: BatchLayout
+    slot_pages: torch.Tensor
+    slot_offsets: torch.Tensor
+    new_tags: torch.Tensor
+    new_writers: torch.Tensor
+    read_check: ReadCheck | None
+    page_mass: torch.Tensor
+    logits: torch.Tensor            # [R, vocab] for the requests in `sampling`
+    sampling: list[int]             # batch indices whose last token's logits are in `logits`
+
+
+class ModelRunner:
+    def __init__(self, model, pool: KVPool, check_reads: bool):
+        self.model, self.pool, self.check_reads = model, pool, check_reads
+
+    def run(self, batch: list[Scheduled]) -> StepOutput:
+        S = self.pool.page_size
+        B = len(batch)
+        C = max(len(s.req.block_table) for s in batch)
+        bt = torch.full((B, C), -1, dtype=torch.long)
+        gens = torch.zeros((B, C), dtype=torch.long)
+        exp_tags = torch.zeros((B, C * S), dtype=torch.long)
+        ids, seq_lens, q_lens, sampling, new_writers = [], [], [], [], []
+        for b, (req, n) in enumerate(batch):
+            nb = len(req.block_table)
+            bt[b, :nb] = torch.tensor(req.block_table)
+            gens[b, :nb] = torch.tensor(req.page_gens)
+            end = req.num_computed + n
+            exp_tags[b, :end] = req.chain.tags[:end]
+            ids += req.all_ids[req.num_computed:end]
+            seq_lens.append(end)
+            q_lens.append(n)
+            new_writers.append(torch.full((n,), req.incarnation, dtype=torch.long))
+            if end == req.seq_len:
+                sampling.append(b)
+        lay = BatchLayout.build(bt, seq_lens, q_lens, gens, exp_tags)
+        slot_pages = bt[lay.tok_batch, lay.positions // S]
+        slot_offsets = lay.positions % S
+        new_tags = exp_tags[lay.tok_batch, lay.positions]
+        ctx = StepContext(self.pool, lay, slot_pages, slot_offsets, new_tags, torch.cat(new_writers),
+                          self.check_reads, self.model.num_layers)
+        ends = torch.cumsum(lay.query_lens, 0) - 1
+        rows = ends[torch.tensor(sampling, dtype=torch.long)]
+        logits = self.model.forward(torch.tensor(ids, dtype=torch.long), lay.positions, ctx, rows)
+        return StepOutput(batch, lay, slot_pages, slot_offsets, new_tags, ctx.new_writers, ctx.read_check,
+                          ctx.page_mass, logits, sampling)

@@ -1,0 +1,42 @@
+"""Per-step context handed to a model: where new K/V goes, what each request may read.
+
+Models call ``ctx.attend(layer, q, k, v, ...)``; it stores the new tokens' K/V (and, with layer 0,
+their content tags and writer) through one slot mapping, then runs the paged-attention op, which
+runs the read check on layer 0 when checking is on. Models never touch the pool directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.attention import AttentionOutput, BatchLayout, ReadCheck, paged_attention
+from engine.pool import KVPool
+
+
+@dataclass(slots=True)
+class StepContext:
+    pool: KVPool
+    layout: BatchLayout
+    slot_pages: torch.Tensor      # [T] page of each new token
+    slot_offsets: torch.Tensor    # [T] offset inside that page
+    new_tags: torch.Tensor        # [T] content tag of each new token (the writer's own chain)
+    new_writers: torch.Tensor     # [T] writer incarnation of each new token
+    check: bool
+    num_layers: int
+    read_check: ReadCheck | None = None
+    page_mass: torch.Tensor | None = field(default=None)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
+               head_dim: int, scale: float) -> torch.Tensor:
+        first = layer == 0
+        self.pool.store(layer, self.slot_pages, self.slot_offsets, k, v,
+                        self.new_tags if first else None, self.new_writers if first else None)
+        res: AttentionOutput = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
+                                               check=self.check and first)
+        if first:
+            self.read_check = res.check
+            self.page_mass = res.page_mass / self.num_layers
+        else:
+            self.page_mass += res.page_mass / self.num_layers
+        return res.out

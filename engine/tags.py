@@ -1,0 +1,71 @@
+"""Content tags: what a KV slot *holds*, not who holds its page.
+
+    tag[i] = H_k(tag[i-1] || token[i]),   tag[-1] = H_k(kv_format_version)
+    k      = H_secret(cache scope || kv_format_version)
+
+H is keyed BLAKE2b (8-byte digest, stored as int64). A slot at logical position i may be read by a
+request only if its tag equals the request's own tag[i]: the chain covers the request's whole
+prefix [0..i], so sanctioned prefix sharing (same scope key, same tokens) is plain tag equality,
+while stale bytes, another scope's bytes, a placeholder's bytes or a late write never match.
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import torch
+
+_PACK = struct.Struct("<qi")
+
+
+def scope_key(secret: bytes, scope: str, kv_format_version: str) -> bytes:
+    """The per-scope chain key, derived server-side from the scope (never a client-supplied key)."""
+    return hashlib.blake2b(f"{scope}\x00{kv_format_version}".encode(), key=secret[:64], digest_size=32).digest()
+
+
+def _h(key: bytes, data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, key=key, digest_size=8).digest(), "little", signed=True)
+
+
+class TagChain:
+    """The growing tag chain of one request's own tokens, as an int64 tensor (grown in place)."""
+
+    __slots__ = ("key", "_tags", "_len", "_seed")
+
+    def __init__(self, key: bytes, kv_format_version: str = "kvledger-kv-v1"):
+        self.key = key
+        self._seed = _h(key, kv_format_version.encode())
+        self._tags = torch.empty(64, dtype=torch.int64)
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def extend(self, tokens) -> None:
+        tokens = list(tokens)
+        need = self._len + len(tokens)
+        if need > self._tags.numel():
+            grown = torch.empty(max(need, 2 * self._tags.numel()), dtype=torch.int64)
+            grown[: self._len] = self._tags[: self._len]
+            self._tags = grown
+        prev = int(self._tags[self._len - 1]) if self._len else self._seed
+        out = []
+        for t in tokens:
+            prev = _h(self.key, _PACK.pack(prev, int(t)))
+            out.append(prev)
+        if out:
+            self._tags[self._len: need] = torch.tensor(out, dtype=torch.int64)
+        self._len = need
+
+    def truncate(self, n: int) -> None:
+        self._len = min(self._len, n)
+
+    @property
+    def tags(self) -> torch.Tensor:
+        return self._tags[: self._len]
+
+
+def chain(key: bytes, tokens, kv_format_version: str = "kvledger-kv-v1") -> torch.Tensor:
+    c = TagChain(key, kv_format_version)
+    c.extend(tokens)
+    return c.tags.clone()
