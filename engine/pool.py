@@ -38,7 +38,7 @@ class KVPool:
         esize = torch.empty((), dtype=dtype).element_size()
         self.esize = esize
         self.rec_bytes = _round8(_TAGB + 2 * num_layers * kv_dim * esize)
-        self.page_bytes = _HDR + page_size * self.rec_bytes
+        self.page_bytes = self.page_bytes_for(num_layers, kv_dim, page_size, dtype)
         self.num_pages = memory_budget // self.page_bytes
         if self.num_pages < 1:
             raise InputError(f"KV memory budget {memory_budget} B holds no page: one page of {page_size} "
@@ -58,6 +58,11 @@ class KVPool:
         self._v = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + (num_layers + l) * kv_dim)
                    for l in range(num_layers)]
         self.records = self.buf.as_strided((P, S, self.rec_bytes), (self.page_bytes, self.rec_bytes, 1), _HDR)
+
+    @staticmethod
+    def page_bytes_for(num_layers: int, kv_dim: int, page_size: int, dtype: torch.dtype = torch.float32) -> int:
+        esize = torch.empty((), dtype=dtype).element_size()
+        return _HDR + page_size * _round8(_TAGB + 2 * num_layers * kv_dim * esize)
 
     @property
     def capacity_tokens(self) -> int:

@@ -1,0 +1,45 @@
+"""Regenerate the README's figures from bench/results/*.json (between <!-- bench --> markers)."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def engine_table(r: dict) -> str:
+    t = r["tokens_per_s"]
+    c = r["config"]
+    return "\n".join([
+        f"Tiny Llama (hidden {c['hidden']}, {c['layers']} layers), batch of {c['batch']} prompts of "
+        f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens, {c['new_tokens']} new tokens each, greedy, "
+        f"median of {c['repeats']} interleaved runs on this 2-core CPU machine:",
+        "",
+        "| measurement | tokens/s | ratio |",
+        "| --- | --- | --- |",
+        f"| kvledger (read check on) vs transformers `generate()` | {t['kvledger']:.0f} vs {t['transformers']:.0f} "
+        f"| {r['ratio_kvledger_vs_transformers']:.2f}x |",
+        f"| read check on vs off | {t['kvledger']:.0f} vs {t['check_off']:.0f} | cost {100 * r['read_check_cost']:+.1f} % |",
+        f"| `zero_on_free` on vs off | {t['zero_on_free']:.0f} vs {t['kvledger']:.0f} | cost {100 * r['zero_on_free_cost']:+.1f} % |",
+    ])
+
+
+SECTIONS = {"engine": engine_table}
+
+
+def main() -> None:
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    for name, fn in SECTIONS.items():
+        f = ROOT / "bench" / "results" / f"{name}.json"
+        if not f.exists():
+            continue
+        body = fn(json.loads(f.read_text()))
+        text = re.sub(rf"(<!-- bench:{name} -->).*?(<!-- /bench:{name} -->)",
+                      lambda m: m.group(1) + "\n" + body + "\n" + m.group(2), text, flags=re.S)
+    readme.write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""The tag plane lives in the pool buffer and travels with every record copy."""
+from __future__ import annotations
+
+import torch
+
+from engine.host import HostTier
+from engine.pool import KVPool
+
+
+def test_tags_and_kv_share_one_buffer_and_one_record_copy():
+    pool = KVPool(2, 6, 4, 8 * KVPool.page_bytes_for(2, 6, 4))
+    pages, offs = torch.tensor([1, 1, 3]), torch.tensor([0, 3, 2])
+    k = torch.randn(3, 6)
+    v = torch.randn(3, 6)
+    pool.store(0, pages, offs, k, v, torch.tensor([11, 12, 13]), torch.tensor([7, 7, 8]))
+    pool.store(1, pages, offs, 2 * k, 2 * v)
+    for view in (pool.tags, pool.writers, pool.generation, pool.k(1), pool.v(0)):
+        assert view.untyped_storage().data_ptr() == pool.buf.untyped_storage().data_ptr()
+    recs = pool.read_records(pages, offs)
+    dst_p, dst_o = torch.tensor([5, 6, 6]), torch.tensor([1, 0, 2])
+    pool.write_records(dst_p, dst_o, recs)      # one copy: K/V of both layers + tag + writer
+    assert pool.tags[dst_p, dst_o].tolist() == [11, 12, 13]
+    assert pool.writers[dst_p, dst_o].tolist() == [7, 7, 8]
+    torch.testing.assert_close(pool.k(1)[dst_p, dst_o], 2 * k)
+    torch.testing.assert_close(pool.v(0)[dst_p, dst_o], v)
+    assert pool.record_tags(recs).tolist() == [11, 12, 13]
+    assert pool.generation[5] == 0, "record copies never touch the allocator's generation header"
+
+
+def test_capacity_is_derived_from_the_memory_budget():
+    page = KVPool.page_bytes_for(2, 6, 4)
+    pool = KVPool(2, 6, 4, 10 * page + page - 1)
+    assert pool.num_pages == 10 and pool.capacity_tokens == 40
+
+
+def test_host_tier_round_trip_carries_tags():
+    pool = KVPool(1, 4, 2, 6 * KVPool.page_bytes_for(1, 4, 2))
+    host = HostTier(pool, 1 << 20)
+    pool.store(0, torch.tensor([2, 2]), torch.tensor([0, 1]), torch.ones(2, 4), torch.ones(2, 4),
+               torch.tensor([5, 6]), torch.tensor([9, 9]))
+    hp = host.offload([2])
+    pool.zero_pages(torch.tensor([2]))
+    host.reload(hp, [4])
+    assert pool.tags[4].tolist() == [5, 6] and pool.writers[4].tolist() == [9, 9]
+    assert bool(pool.k(0)[4].eq(1).all())
