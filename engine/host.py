@@ -33,7 +33,10 @@ class HostTier:
         return host_pages
 
     def reload(self, host_pages: list[int], device_pages: list[int]) -> None:
-        self.pool.records[torch.tensor(device_pages, dtype=torch.long)] = self.records[torch.tensor(host_pages)]
+        S = self.pool.page_size
+        dp = torch.tensor(device_pages, dtype=torch.long).repeat_interleave(S)
+        self.pool.write_records(dp, torch.arange(S).repeat(len(device_pages)),
+                                self.records[torch.tensor(host_pages)].reshape(-1, self.pool.rec_bytes))
 
     def release(self, host_pages: list[int]) -> None:
         self._free.extend(host_pages)

@@ -38,6 +38,8 @@ class LLMEngine:
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.pool, cfg.check_reads)
         self.observers: list[StepObserver] = []
+        # disaggregated prefill nodes hand a request's KV off here instead of decoding it
+        self.on_prefill_done: Callable[[Request], None] | None = None
         self.requests: dict[int, Request] = {}
         self.steps = 0
 
@@ -62,8 +64,14 @@ class LLMEngine:
         if bad:
             raise InputError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
 
-    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
-                    rid: str = "") -> Request:
+    def check_fits_pool(self, num_tokens: int) -> None:
+        if num_tokens > self.pool.capacity_tokens:
+            raise InputError(f"prompt is {num_tokens} tokens, larger than node {self.cfg.node_id}'s KV pool of "
+                             f"{self.pool.capacity_tokens} tokens")
+
+    def new_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
+                    rid: str = "", incarnation: int | None = None) -> Request:
+        """Validate and build a request; takes no page and queues nothing."""
         sp = sampling or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -75,10 +83,26 @@ class LLMEngine:
         scope = self.scope_for(tenant)
         chain = TagChain(scope_key(self.cfg.scope_secret, scope, self.cfg.kv_format_version), self.cfg.kv_format_version)
         chain.extend(prompt_ids)
-        req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid)
+        req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid, prompt_tokens_billed=len(prompt_ids))
+        if incarnation is not None:
+            req.incarnation = incarnation
+        return req
+
+    def add_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
+                    rid: str = "") -> Request:
+        req = self.new_request(prompt, sampling, tenant, rid)
+        self.check_fits_pool(len(req.prompt_ids))
+        self.enqueue(req)
+        return req
+
+    def enqueue(self, req: Request) -> None:
         self.requests[req.incarnation] = req
         self.scheduler.add(req)
-        return req
+
+    def enqueue_running(self, req: Request) -> None:
+        """Disaggregated decode: a request whose KV already landed joins the running batch."""
+        self.requests[req.incarnation] = req
+        self.scheduler.running.append(req)
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -119,6 +143,11 @@ class LLMEngine:
                 req.chain.extend([tok])
                 if req.status is Status.PREFILLING:
                     req.first_token_at = now
+                    if self.on_prefill_done is not None:      # disaggregated: hand off, keep pages
+                        self.scheduler.remove(req)
+                        req.transition(Status.TRANSFERRING)
+                        self.on_prefill_done(req)
+                        continue
                     req.transition(Status.DECODING)
                 reason = self._stop_reason(req, tok)
                 if reason is not None:

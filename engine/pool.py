@@ -58,6 +58,9 @@ class KVPool:
         self._v = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + (num_layers + l) * kv_dim)
                    for l in range(num_layers)]
         self.records = self.buf.as_strided((P, S, self.rec_bytes), (self.page_bytes, self.rec_bytes, 1), _HDR)
+        # Bumped by every write path below (never read by the engine): lets the independent
+        # oracle re-fingerprint only slots whose bytes may have changed.
+        self.write_seq = torch.zeros((P, S), dtype=torch.int64)
 
     @staticmethod
     def page_bytes_for(num_layers: int, kv_dim: int, page_size: int, dtype: torch.dtype = torch.float32) -> int:
@@ -78,6 +81,8 @@ class KVPool:
     def store(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               tags: torch.Tensor | None = None, writers: torch.Tensor | None = None) -> None:
         """Write one layer's K/V for new tokens; with layer 0 the same slot mapping writes the tag plane."""
+        if layer == 0:
+            self.write_seq[pages, offsets] += 1
         self._k[layer][pages, offsets] = k.reshape(-1, self.kv_dim).to(self.dtype)
         self._v[layer][pages, offsets] = v.reshape(-1, self.kv_dim).to(self.dtype)
         if tags is not None:
@@ -90,6 +95,7 @@ class KVPool:
 
     def write_records(self, pages: torch.Tensor, offsets: torch.Tensor, records: torch.Tensor) -> None:
         self.records[pages, offsets] = records
+        self.write_seq[pages, offsets] += 1
 
     def record_tags(self, records: torch.Tensor) -> torch.Tensor:
         """Content tags carried inside a batch of copied records (for checksums and the ledger)."""
@@ -100,3 +106,4 @@ class KVPool:
 
     def zero_pages(self, pages: torch.Tensor) -> None:
         self.records[pages] = 0
+        self.write_seq[pages] += 1

@@ -1,5 +1,7 @@
 """Request state: one explicit state machine with a single terminal predicate.
 
+    disaggregated: decode WAITING --bootstrap--> TRANSFERRING --KV landed--> DECODING
+                   prefill PREFILLING --first token--> TRANSFERRING --drained--> FINISHED_LENGTH
     WAITING --admit--> PREFILLING --first token--> DECODING --eos/length--> FINISHED_STOPPED/LENGTH
        ^                   |  ^                       |  ^
        |                   v  |                       v  |
@@ -29,6 +31,7 @@ class Status(enum.Enum):
     PREFILLING = "prefilling"
     DECODING = "decoding"
     SWAPPED = "swapped"
+    TRANSFERRING = "transferring"   # disaggregated: KV in flight (prefill: pages held; decode: pages reserved)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -38,8 +41,9 @@ class Status(enum.Enum):
 TERMINAL = frozenset({Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED,
                       Status.FINISHED_ERROR})
 _ALLOWED = {
-    Status.WAITING: {Status.PREFILLING},
-    Status.PREFILLING: {Status.DECODING, Status.SWAPPED, Status.WAITING},
+    Status.WAITING: {Status.PREFILLING, Status.TRANSFERRING},
+    Status.PREFILLING: {Status.DECODING, Status.SWAPPED, Status.WAITING, Status.TRANSFERRING},
+    Status.TRANSFERRING: {Status.DECODING, Status.FINISHED_STOPPED, Status.FINISHED_LENGTH},
     Status.DECODING: {Status.SWAPPED, Status.WAITING} | {Status.FINISHED_STOPPED, Status.FINISHED_LENGTH},
     Status.SWAPPED: {Status.PREFILLING, Status.DECODING},
 }
@@ -87,6 +91,10 @@ class Request:
     page_gens: list[int] = field(default_factory=list)
     host_pages: list[int] = field(default_factory=list)
     error: BaseException | None = None
+    # Where an engine without the single-terminal-predicate guard parks a rejection (SGLang's
+    # set_finish_with_abort): beside the status, where `is_finished` does not look.
+    to_finish: BaseException | None = None
+    prompt_tokens_billed: int = 0
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
     first_token_at: float | None = None

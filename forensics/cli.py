@@ -52,6 +52,59 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_replay(args) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from engine.scenarios import SCENARIOS, glm53
+
+    con = Console()
+    if args.list:
+        for name, what in SCENARIOS.items():
+            print(f"{name}\t{what}")
+        return 0
+    if args.scenario is None:
+        return _die("replay needs a SCENARIO (see kvledger replay --list)")
+    if args.scenario not in SCENARIOS:
+        return _die(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"replaying {args.scenario} ({args.policy}, {args.mode})", total=None)
+        res = glm53(args.policy, args.mode, seed=args.seed, context=args.context_length, victims=args.victims,
+                    max_tokens=args.max_tokens, progress=lambda n: bar.advance(task, n))
+    t = Table(title=f"kvledger replay {args.scenario}: policy={res.policy}, mode={res.mode}, context={res.context}")
+    t.add_column("node")
+    t.add_column("KV pool (tokens)", justify="right")
+    t.add_column("vs context", justify="right")
+    for node, cap in res.pools.items():
+        t.add_row(node, str(cap), ("[red]" if cap < res.context else "[green]") + f"{cap / res.context:.3f}")
+    con.print(t)
+    ok = [r for r in res.requests if r.error is None]
+    con.print(f"requests: {len(res.requests)}  served: {len(ok)}  errors: {len(res.requests) - len(ok)}  "
+              f"longer than their prefill pool: {len(res.over_pool)}  "
+              f"pool free counts back to initial: {res.pages_balanced}")
+    rt = Table(title="requests longer than their prefill node's pool")
+    for c in ("incarnation", "prompt tokens (billed)", "outcome", "foreign slots read (oracle)", "donors"):
+        rt.add_column(c)
+    for r in res.over_pool:
+        ex = res.exposures.get(r.incarnation, [])
+        foreign = [e for e in ex if e.donor != r.incarnation]
+        outcome = f"[red]error: {r.error}" if r.error else f"HTTP 200, {len(r.output_ids)} tokens, TTFT {r.ttft * 1e3:.0f} ms"
+        rt.add_row(f"{r.incarnation:#x}", str(r.prompt_tokens_billed), outcome, str(len(foreign)),
+                   str(len({e.donor for e in foreign})))
+    con.print(rt)
+    readers = res.foreign_readers
+    con.print(f"responses that read foreign slots: [bold]{len(readers)}[/]  "
+              f"(oracle: clean re-run of each response's own tokens vs what it read)")
+    served_over = [r for r in res.over_pool if r.error is None]
+    rate = len({i for i, _, _ in res.surfaced}) / len(served_over) if served_over else 0.0
+    con.print(f"canaries planted: {len(res.canaries)}; surfaced in another tenant's output: {len(res.surfaced)} "
+              f"(surfacing rate {rate:.0%} of served over-pool responses)")
+    for inc, tenant, canary in res.surfaced:
+        con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc:#x} of tenant {tenant}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -68,6 +121,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
     g.set_defaults(func=cmd_generate)
+    r = sub.add_parser("replay", help="run a scenario (glm53, ...) and print what happened")
+    r.add_argument("scenario", nargs="?", help="scenario name; --list names them")
+    r.add_argument("--list", action="store_true", help="list the scenarios")
+    r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable")
+    r.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
+    r.add_argument("--store", default="./kvledger-store", help="telemetry store (not written yet: see the telemetry issue)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--context-length", type=int, default=1024, help="scaled context; pools keep the incident's ratio")
+    r.add_argument("--victims", type=int, default=4, help="prompts longer than the small prefill pool")
+    r.add_argument("--max-tokens", type=int, default=160)
+    r.set_defaults(func=cmd_replay)
     return p
 
 

@@ -55,15 +55,22 @@ def test_checkpoint_shape_mismatch_names_the_tensor(tiny_llama, tmp_path):
         load_model(str(bad))
 
 
-def test_prompt_over_the_pool_fails_that_request_alone():
+def test_prompt_over_the_pool_is_rejected_in_unified_mode_before_any_page_is_taken():
     from engine.pool import KVPool
     eng = recall_engine(kv_memory_budget=3 * KVPool.page_bytes_for(2, 1536, 16), context_length=4096)
     assert eng.pool.capacity_tokens == 48
-    big = eng.add_request("y" * 100, SamplingParams(max_tokens=2))
-    small = eng.add_request("z" * 10, SamplingParams(max_tokens=2))
+    with pytest.raises(InputError, match="larger than node node0's KV pool of 48 tokens"):
+        eng.add_request("y" * 100, SamplingParams(max_tokens=2))
+    assert eng.allocator.num_free == eng.allocator.total and not eng.has_unfinished()
+
+
+def test_request_that_outgrows_the_pool_while_decoding_fails_alone():
+    from engine.pool import KVPool
+    eng = recall_engine(kv_memory_budget=3 * KVPool.page_bytes_for(2, 1536, 16), context_length=4096,
+                        host_memory_budget=0)
+    big = eng.add_request("y" * 40, SamplingParams(max_tokens=30))
     eng.run_until_done()
     assert big.status is Status.FINISHED_ERROR and "more KV pages than the pool" in str(big.error)
-    assert small.status is Status.FINISHED_LENGTH
     assert eng.allocator.num_free == eng.allocator.total
 
 

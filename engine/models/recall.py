@@ -58,6 +58,7 @@ class RecallModel:
         eye = torch.eye(V, dtype=dtype)
         self.embed = torch.zeros(V, H, dtype=dtype)
         self.embed[:, :V] = eye
+        self.embed[0] = 0.0    # byte 0 (NUL, never in text) is "no token": it matches and copies nothing
         # layer 1: queries and keys are biases only (weights zero); values copy block 0.
         inv = 1.0 / (ROPE_THETA ** (torch.arange(0, V, 2, dtype=torch.float64) / V))
         half = V // 2

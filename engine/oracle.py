@@ -1,0 +1,117 @@
+"""The ground-truth oracle of DESIGN.md, independent of the ledger, the tag plane and faults.
+
+- Reads: after every step, for each request in the batch, the K/V bytes of every slot it read
+  ([0, seq_len) through its block table) are fingerprinted - only slots whose bytes may have
+  changed since this request last saw them (pool.write_seq) are gathered again.
+- Writes: every slot a step computed is fingerprinted with the incarnation the runner computed it
+  for; every transfer landing with the transfer's incarnation. This is the hash index of writes.
+- Verdict: each response's own tokens go through a clean, unpaged forward pass (dense causal
+  attention, no pool); read slots whose K/V differ from the clean K/V are exposures; the donor is
+  whoever wrote those exact bytes (-1: bytes nobody wrote, e.g. a never-used page).
+The tag plane (content tags, writer ids) is never consulted: fingerprints skip those 16 bytes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+_TAGB = 16
+SKETCH = 16
+
+
+class Exposure(NamedTuple):
+    response: int
+    donor: int
+    page: int
+    position: int
+
+
+class _DenseContext:
+    """Stands in for StepContext: plain causal attention over one whole sequence, no pool."""
+
+    def __init__(self):
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+    def attend(self, layer, q, k, v, num_kv_heads, head_dim, scale):
+        T, Hq, D = q.shape
+        self.k.append(k.reshape(T, -1).float())
+        self.v.append(v.reshape(T, -1).float())
+        kk = k.reshape(T, num_kv_heads, head_dim).repeat_interleave(Hq // num_kv_heads, dim=1)
+        vv = v.reshape(T, num_kv_heads, head_dim).repeat_interleave(Hq // num_kv_heads, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, kk) * scale
+        s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        return torch.einsum("hqk,khd->qhd", torch.softmax(s, -1), vv).reshape(T, Hq * D)
+
+
+class Oracle:
+    def __init__(self, model, seed: int = 1234):
+        self.model = model
+        g = torch.Generator().manual_seed(seed)
+        n_floats = 2 * model.num_layers * model.kv_dim
+        self._proj = torch.randn(n_floats, SKETCH, generator=g)
+        self._w: torch.Tensor | None = None
+        self._g = g
+        self.index: dict[int, int] = {}                  # fingerprint -> writer incarnation
+        self._seen: dict[tuple[int, int], torch.Tensor] = {}     # (pool id, incarnation) -> write_seq seen per position
+        self._reads: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+
+    # ---- fingerprints ------------------------------------------------------------------------
+    def _fingerprint(self, pool, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        body = records[:, _TAGB:].contiguous()
+        words = body.view(torch.int64)
+        if self._w is None or self._w.numel() != words.shape[1]:
+            self._w = torch.randint(1, 2 ** 62, (words.shape[1],), generator=self._g) * 2 + 1
+        fp = (words * self._w).sum(1)
+        n = 2 * self.model.num_layers * self.model.kv_dim * pool.esize
+        floats = body[:, :n].view(pool.dtype).float()
+        return fp, floats @ self._proj
+
+    # ---- observers ---------------------------------------------------------------------------
+    def observe_step(self, engine, out) -> None:
+        pool, S = engine.pool, engine.pool.page_size
+        fp, _ = self._fingerprint(pool, pool.read_records(out.slot_pages, out.slot_offsets))
+        writers = torch.tensor([out.batch[b].req.incarnation for b in out.layout.tok_batch.tolist()], dtype=torch.long)
+        self.index.update(zip(fp.tolist(), writers.tolist()))
+        for b, (req, _) in enumerate(out.batch):
+            n = int(out.layout.seq_lens[b])
+            pos = torch.arange(n)
+            pages = out.layout.block_tables[b][pos // S]
+            offs = pos % S
+            ver = pool.write_seq[pages, offs]
+            key = (id(pool), req.incarnation)
+            seen = self._seen.get(key)
+            changed = torch.ones(n, dtype=torch.bool)
+            if seen is not None:
+                m = min(n, seen.numel())
+                changed[:m] = ver[:m] != seen[:m]
+            self._seen[key] = ver
+            if changed.any():
+                idx = torch.nonzero(changed).flatten()
+                f, sk = self._fingerprint(pool, pool.read_records(pages[idx], offs[idx]))
+                self._reads.setdefault(req.incarnation, []).append((idx, pages[idx], f, sk))
+
+    def observe_landing(self, pool, pages, offsets, incarnation: int) -> None:
+        fp, _ = self._fingerprint(pool, pool.read_records(pages, offsets))
+        self.index.update((f, incarnation) for f in fp.tolist())
+
+    # ---- verdict -----------------------------------------------------------------------------
+    @torch.inference_mode()
+    def clean_sketch(self, tokens: list[int]) -> torch.Tensor:
+        ctx = _DenseContext()
+        ids = torch.tensor(tokens, dtype=torch.long)
+        self.model.forward(ids, torch.arange(len(tokens)), ctx, torch.tensor([len(tokens) - 1]))
+        return torch.cat(ctx.k + ctx.v, dim=1) @ self._proj
+
+    def exposures(self, response, tol: float = 1e-3) -> list[Exposure]:
+        reads = self._reads.get(response.incarnation)
+        if not reads:
+            return []
+        pos, pages, fps, sk = (torch.cat(x) for x in zip(*reads))
+        clean = self.clean_sketch(response.all_ids)[pos]
+        bad = ((sk - clean).abs().amax(1) > tol * (1 + clean.abs().amax(1)))
+        out = set()
+        for p, pg, f in zip(pos[bad].tolist(), pages[bad].tolist(), fps[bad].tolist()):
+            out.add(Exposure(response.incarnation, self.index.get(f, -1), pg, p))
+        return sorted(out)

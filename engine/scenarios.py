@@ -1,0 +1,133 @@
+"""Replay scenarios. ``glm53``: the GLM-5.3 incident, scaled to this machine.
+
+Scale: context 1,048,576 / prefill pool 681,280 tokens (ratio 0.6497) becomes context C /
+pool round(0.6497 C) on the smaller prefill node; a "canary" prefill node has a pool >= C (in the
+incident it was unaffected, which is how the root cause was found). Several tenants send
+background traffic (recall model, text from Python's own ``pydoc_data.topics``, one unguessable
+canary in every other prompt, well under 1 % of bytes); a few prompts are longer than the small
+prefill pool but within the context.
+"""
+from __future__ import annotations
+
+import random
+import secrets
+from dataclasses import dataclass, field
+
+from engine.config import EngineConfig
+from engine.disagg import DisaggCluster, Guards
+from engine.errors import KvledgerError
+from engine.llm import LLMEngine
+from engine.models import load_model
+from engine.oracle import Exposure, Oracle
+from engine.pool import KVPool
+from engine.request import Request, SamplingParams
+
+INCIDENT_CONTEXT, INCIDENT_POOL = 1_048_576, 681_280
+SCENARIOS = {"glm53": "the GLM-5.3 reject path: over-pool prompts get a placeholder, decode reads stale pages"}
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    mode: str
+    context: int
+    pools: dict[str, int]
+    requests: list[Request]
+    over_pool: list[Request]
+    exposures: dict[int, list[Exposure]]
+    canaries: dict[str, str]                     # canary -> owning tenant
+    pages_balanced: bool = False                 # every pool's free count back to its initial value
+    surfaced: list[tuple[int, str, str]] = field(default_factory=list)   # (incarnation, reader tenant, canary)
+
+    @property
+    def foreign_readers(self) -> list[Request]:
+        return [r for r in self.requests if any(e.donor != r.incarnation for e in self.exposures.get(r.incarnation, []))]
+
+
+def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str, str], tenants: list[str]):
+    from pydoc_data.topics import topics
+    texts = [t for t in topics.values() if len(t) > hi]
+    out = []
+    for i in range(n):
+        tenant = tenants[i % len(tenants)]
+        t = rng.choice(texts)
+        start = rng.randrange(0, len(t) - hi)
+        body = t[start:start + rng.randrange(lo, hi)].encode("ascii", "replace").decode()
+        if i % 2 == 0:
+            canary = "CANARY-" + secrets.token_hex(5)
+            canaries[canary] = tenant
+            cut = len(body) // 2
+            body = body[:cut] + f" the secret is {canary}; " + body[cut:]
+        out.append((tenant, body))
+    return out
+
+
+def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
+          victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
+          guards: Guards | None = None) -> ReplayResult:
+    guards = guards or Guards.policy(policy)
+    if mode not in ("disaggregated", "unified"):
+        raise KvledgerError(f"unknown mode {mode!r}: expected 'disaggregated' or 'unified'")
+    model, tok = load_model("recall")
+    page = 16
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, page)
+    small = round(context * INCIDENT_POOL / INCIDENT_CONTEXT)
+    cfg = lambda tokens, node: EngineConfig(kv_memory_budget=(tokens // page) * pb, page_size=page,  # noqa: E731
+                                            context_length=context, node_id=node, max_num_seqs=8,
+                                            check_reads=True, fail_on_violation=guards.read_check)
+    rng = random.Random(seed)
+    canaries: dict[str, str] = {}
+    tenants = ["acme", "globex", "initech"]
+    traffic = _background(rng, background, small // 2, int(small * 0.95), canaries, tenants)
+    long_ones = [("umbrella", _background(rng, 1, small + page, context - max_tokens - 8, {}, ["x"])[0][1])
+                 for _ in range(victims)]
+    # waves: background first (cycles the decode pool), then long prompts mixed with the rest
+    waves = [traffic[: background // 2], traffic[background // 2:] + long_ones]
+    oracle = Oracle(model, seed)
+    reqs: list[Request] = []
+    over: list[Request] = []
+    if mode == "unified":
+        eng = LLMEngine(model, tok, cfg(small, "unified0"))
+        eng.observers.append(oracle.observe_step)
+        pools = {"unified0": eng.pool.capacity_tokens}
+        for wave in waves:
+            for tenant, text in wave:
+                try:
+                    r = eng.add_request(text, SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8), tenant)
+                except KvledgerError as e:
+                    r = eng.new_request(text, SamplingParams(max_tokens=1), tenant)
+                    r.fail(e)
+                reqs.append(r)
+                over += [r] if len(r.prompt_ids) > eng.pool.capacity_tokens else []
+            eng.run_until_done(progress)
+        balanced = eng.allocator.num_free == eng.allocator.total
+    else:
+        cluster = DisaggCluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
+                                cfg(2 * context, "decode0"), guards)
+        for n in cluster.nodes:
+            n.observers.append(oracle.observe_step)
+        cluster.landing_observers.append(oracle.observe_landing)
+        pools = {n.cfg.node_id: n.pool.capacity_tokens for n in cluster.nodes}
+        for wave in waves:
+            for i, (tenant, text) in enumerate(wave):
+                sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
+                node = 0 if tenant == "umbrella" or i % 2 == 0 else 1
+                try:
+                    r = cluster.submit(text, sp, tenant, prefill_node=node)
+                except KvledgerError as e:        # rejected before bootstrap: the original error
+                    r = cluster.decode.new_request(text, sp, tenant)
+                    r.fail(e)
+                reqs.append(r)
+                over += [r] if len(r.prompt_ids) > cluster.prefills[node].pool.capacity_tokens else []
+            while cluster.has_work():
+                cluster.step()
+        cluster.close()
+        balanced = all(n.allocator.num_free == n.allocator.total for n in cluster.nodes)
+    exposures = {r.incarnation: oracle.exposures(r) for r in reqs if r.error is None}
+    res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced)
+    for r in reqs:
+        text = tok.decode(r.output_ids)
+        for c, owner in canaries.items():
+            if c in text and owner != r.tenant:
+                res.surfaced.append((r.incarnation, r.tenant, c))
+    return res
