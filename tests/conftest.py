@@ -4,7 +4,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.pool import KVPool

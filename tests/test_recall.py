@@ -1,8 +1,6 @@
 """The recall model regurgitates what followed the same n-gram, wherever that KV sits."""
 from __future__ import annotations
 
-import pytest
-import torch
 
 from engine.config import EngineConfig
 from engine.errors import ReadCheckViolation
@@ -49,15 +47,15 @@ def _point_at_foreign_pages(eng):
     b.block_table = list(a.block_table)
     b.page_gens = [eng.allocator.share(p) for p in a.block_table]
     b.num_computed = n
+    eng.scheduler.waiting.remove(b)
+    eng.scheduler.running.append(b)
+    b.transition(Status.PREFILLING)
     return a, b
 
 
 def test_request_reading_another_requests_pages_emits_its_text_when_unchecked():
     eng = recall_engine(check_reads=False)
     a, b = _point_at_foreign_pages(eng)
-    eng.scheduler.waiting.remove(b)
-    eng.scheduler.running.append(b)
-    b.transition(Status.PREFILLING)
     eng.run_until_done()
     assert CANARY in eng.text(b)
 
@@ -65,9 +63,6 @@ def test_request_reading_another_requests_pages_emits_its_text_when_unchecked():
 def test_read_check_fails_only_the_reader_of_foreign_pages():
     eng = recall_engine(check_reads=True)
     a, b = _point_at_foreign_pages(eng)
-    eng.scheduler.waiting.remove(b)
-    eng.scheduler.running.append(b)
-    b.transition(Status.PREFILLING)
     c = eng.add_request("the budget is approved. the budget is", SamplingParams(max_tokens=12), tenant="carol")
     eng.run_until_done()
     assert b.status is Status.FINISHED_ERROR and isinstance(b.error, ReadCheckViolation)
