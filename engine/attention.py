@@ -27,6 +27,7 @@ class ReadCheck(NamedTuple):
     slots_read: torch.Tensor    # [B, C] int64: slots of that page inside [0, seq_len)
     found_writers: torch.Tensor  # [B, C, S] int64: writer incarnation found in the tag plane
     found_gen: torch.Tensor     # [B, C] int64: generation found in the page header
+    bad_mask: torch.Tensor      # [B, C] int64: bit s set <=> slot s of that page failed
 
 
 class AttentionOutput(NamedTuple):
@@ -68,9 +69,10 @@ def read_check(pool: KVPool, lay: BatchLayout) -> ReadCheck:
     found_gen = pool.generation[bt]                                            # [B, C]
     gen_bad = (found_gen != lay.expected_gen).repeat_interleave(S, dim=1)      # [B, C*S]
     tag_bad = pool.tags[bt].reshape(B, C * S) != lay.expected_tags
-    bad = (gen_bad | tag_bad) & in_range
-    return ReadCheck(bad.view(B, C, S).sum(-1), in_range.view(B, C, S).sum(-1),
-                     pool.writers[bt], found_gen)
+    bad = ((gen_bad | tag_bad) & in_range).view(B, C, S)
+    bits = torch.ones(S, dtype=torch.long) << torch.arange(S)
+    return ReadCheck(bad.sum(-1), in_range.view(B, C, S).sum(-1), pool.writers[bt], found_gen,
+                     (bad.long() * bits).sum(-1))
 
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,

@@ -22,7 +22,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -30,6 +30,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError, KvledgerError, OutOfPages
 from engine.llm import LLMEngine
 from engine.pool import KVPool
+from engine.recorder import NULL_RECORDER, Recorder, TransferRecord
 from engine.request import Request, SamplingParams, Status
 
 PLACEHOLDER_TOKEN = 0   # what set_finish_with_abort puts in place of the rejected prompt
@@ -73,11 +74,16 @@ class TransferJob(NamedTuple):
     dst_offsets: torch.Tensor
     checksum_src: str
     first_token: int
+    dst_clock: Callable[[], int]  # the receiver's logical clock, ticked once per landed batch
+    seq: int = 0                  # transfer sequence number on the source node
+    src_node: str = ""
+    submitted_at: float = 0.0
 
 
 class Completion(NamedTuple):
     job: TransferJob
     landed: torch.Tensor         # logical positions whose records landed
+    landed_lclock: torch.Tensor  # receiver's logical clock when each of them landed
 
 
 class TransferEngine:
@@ -101,13 +107,14 @@ class TransferEngine:
 
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
-            landed = []
+            landed, clocks = [job.positions[:0]], [job.positions[:0]]
             for i in range(0, len(job.positions), self.batch_slots):
                 sl = slice(i, i + self.batch_slots)
                 recs = job.src.read_records(job.src_pages[sl], job.src_offsets[sl])
                 job.dst.write_records(job.dst_pages[sl], job.dst_offsets[sl], recs)
                 landed.append(job.positions[sl])
-            self._done.put(Completion(job, torch.cat(landed) if landed else job.positions[:0]))
+                clocks.append(torch.full((len(landed[-1]),), job.dst_clock(), dtype=torch.long))
+            self._done.put(Completion(job, torch.cat(landed), torch.cat(clocks)))
 
     def completed(self, wait: float = 0.0) -> list[Completion]:
         out = []
@@ -133,22 +140,26 @@ class DisaggCluster:
     """A router in front of several prefill nodes (each its own pool) and one decode node."""
 
     def __init__(self, model, tokenizer, prefill_cfgs: list[EngineConfig], decode_cfg: EngineConfig,
-                 guards: Guards, transfer_batch_slots: int = 64):
+                 guards: Guards, transfer_batch_slots: int = 64, recorder: Recorder | None = None):
         self.guards = guards
+        self.rec = rec = recorder or NULL_RECORDER
         decode_cfg.fail_on_violation = guards.read_check
         decode_cfg.check_reads = True            # recording is separate from protection
         self.prefills = []
         for cfg in prefill_cfgs:
             cfg.fail_on_violation = guards.read_check
-            node = LLMEngine(model, tokenizer, cfg)
+            cfg.role = "prefill"
+            node = LLMEngine(model, tokenizer, cfg, rec)
             node.on_prefill_done = self._handoff
+            node.transfer_seq = itertools.count(1)
             self.prefills.append(node)
-        self.decode = LLMEngine(model, tokenizer, decode_cfg)
+        decode_cfg.role = "decode"
+        self.decode = LLMEngine(model, tokenizer, decode_cfg, rec)
         self.transfer = TransferEngine(transfer_batch_slots)
         self.halves: dict[int, tuple[LLMEngine, Request, Request]] = {}   # incarnation -> (node, prefill, decode)
         self.backlog: deque[tuple[LLMEngine, Request, Request]] = deque()     # waiting for decode pages
         self.responses: list[Request] = []
-        self.landing_observers: list = []        # (pool, pages, offsets, incarnation) after each landing
+        self.landing_observers: list = []        # (decode engine, Completion) after each landing
 
     @property
     def nodes(self) -> list[LLMEngine]:
@@ -168,17 +179,26 @@ class DisaggCluster:
 
     def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
                prefill_node: int = 0) -> Request:
-        """Route one request. Returns the client-visible (decode-side) request."""
+        """Route one request. Returns the client-visible (decode-side) request; a rejected one comes
+        back finished with its original error. Bad input raises before anything is recorded."""
+        if not 0 <= prefill_node < len(self.prefills):
+            raise InputError(f"prefill node {prefill_node} does not exist (0..{len(self.prefills) - 1})")
         node = self.prefills[prefill_node]
         dreq = self.decode.new_request(prompt, sampling, tenant)          # validates before any page is taken
-        if self.guards.reject_before_bootstrap:
-            node.check_fits_pool(len(dreq.prompt_ids))                  # original error, nothing reserved
         preq = node.new_request(list(dreq.prompt_ids), SamplingParams(max_tokens=1, ignore_eos=True), tenant,
                                 incarnation=dreq.incarnation)
-        if len(dreq.prompt_ids) > self.decode.pool.capacity_tokens:
-            raise OutOfPages(f"decode node's pool of {self.decode.pool.capacity_tokens} tokens can never hold "
-                             f"{len(dreq.prompt_ids)}")
+        self.rec.request_arrived(self.decode, dreq)
         self.responses.append(dreq)
+        if self.guards.reject_before_bootstrap:
+            try:
+                node.check_fits_pool(len(dreq.prompt_ids))              # original error, nothing reserved
+                self.rec.guard_checked(self.decode, "reject_before_bootstrap", failed=False)
+            except InputError as e:
+                self.rec.guard_checked(self.decode, "reject_before_bootstrap", failed=True)
+                return self._reject(self.decode, dreq, "router", e)
+        if len(dreq.prompt_ids) > self.decode.pool.capacity_tokens:
+            return self._reject(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", OutOfPages(
+                f"decode node's pool of {self.decode.pool.capacity_tokens} tokens can never hold {len(dreq.prompt_ids)}"))
         self.backlog.append((node, preq, dreq))
         self._bootstrap()
         return dreq
@@ -192,13 +212,22 @@ class DisaggCluster:
             self.backlog.popleft()
             self._admit_prefill(node, preq, dreq)
 
+    def _reject(self, engine: LLMEngine, req: Request, where: str, error: BaseException) -> Request:
+        self.rec.rejected(engine, req, where, error)
+        req.fail(error)
+        return req
+
     def _admit_prefill(self, node: LLMEngine, preq: Request, dreq: Request) -> None:
         dreq.transition(Status.TRANSFERRING)
+        dreq.transfer_started_at = time.perf_counter()
         self.halves[dreq.incarnation] = (node, preq, dreq)
         try:
             node.check_fits_pool(len(preq.prompt_ids))
         except InputError as e:
+            self.rec.rejected(node, dreq, f"prefill:{node.cfg.node_id}", e)
             self.set_finish_with_abort(preq, e)
+        if self.guards.terminal_predicate:
+            self.rec.guard_checked(node, "terminal_predicate", failed=preq.is_finished)
         if preq.is_finished:                      # the only check admission makes
             self._cancel(dreq, preq.error)
         else:
@@ -216,29 +245,45 @@ class DisaggCluster:
         sp, so = _slots(preq, S, pos)
         dp, do = _slots(dreq, self.decode.cfg.page_size, pos)
         job = TransferJob(self.transfer.next_id(), preq.incarnation, node.pool, self.decode.pool, pos, sp, so, dp, do,
-                          records_checksum(node.pool.read_records(sp, so)), preq.output_ids[0])
+                          records_checksum(node.pool.read_records(sp, so)), preq.output_ids[0], self.decode.tick,
+                          next(node.transfer_seq), node.cfg.node_id, time.perf_counter())
         self.transfer.submit(job)                  # prefill then reports "transfer complete" when it drains
 
     def _landed(self, c: Completion) -> None:
         node, preq, dreq = self.halves[c.job.incarnation]
         for obs in self.landing_observers:
-            obs(c.job.dst, c.job.dst_pages, c.job.dst_offsets, c.job.incarnation)
+            obs(self.decode, c)
         node.blocks.release(preq)                  # source pages go back only after the writes drained
         preq.transition(Status.FINISHED_LENGTH)
-        if dreq.is_finished:
-            return
+        dreq.transfer_landed_at = time.perf_counter()
         reserved = len(dreq.prompt_ids)
-        if self.guards.landed_set_check and not torch.equal(torch.unique(c.landed), torch.arange(reserved)):
-            return self._cancel(dreq, TransferError(
-                f"request {dreq.incarnation:#x}: {c.landed.numel()} of {reserved} reserved slots landed; "
-                f"not generating (prefill said: {preq.to_finish or 'done'})"))
-        if self.guards.checksum:
+        checksum_dst, outcome = None, "admitted"
+        if dreq.is_finished:
+            outcome = "abandoned: request already finished"
+        elif self.guards.landed_set_check and not torch.equal(torch.unique(c.landed), torch.arange(reserved)):
+            outcome = (f"rejected: {c.landed.numel()} of {reserved} reserved slots landed; not generating "
+                       f"(prefill said: {preq.to_finish or 'done'})")
+        elif self.guards.checksum:
             dp, do = _slots(dreq, self.decode.cfg.page_size, c.job.positions)
-            got = records_checksum(self.decode.pool.read_records(dp, do))
-            if got != c.job.checksum_src:
-                return self._cancel(dreq, TransferError(f"request {dreq.incarnation:#x}: transfer {c.job.transfer_id} "
-                                                        f"checksum mismatch ({got} != {c.job.checksum_src})"))
+            checksum_dst = records_checksum(self.decode.pool.read_records(dp, do))
+            if checksum_dst != c.job.checksum_src:
+                outcome = f"rejected: transfer {c.job.transfer_id} checksum mismatch ({checksum_dst} != {c.job.checksum_src})"
+        if self.guards.landed_set_check and not outcome.startswith("abandoned"):
+            self.rec.guard_checked(self.decode, "landed_set_check", failed="slots landed" in outcome)
+        if checksum_dst is not None:
+            self.rec.guard_checked(self.decode, "checksum", failed="checksum" in outcome)
+        self.rec.transfer_landed(self.decode, TransferRecord(
+            c.job.transfer_id, c.job.seq, dreq.incarnation, c.job.src_node, self.decode.cfg.node_id,
+            torch.arange(reserved), c.job.positions, c.landed, c.landed_lclock, c.job.dst_pages, c.job.dst_offsets, c.job.checksum_src,
+            checksum_dst, outcome, c.job.submitted_at, dreq.transfer_landed_at))
+        if outcome.startswith("abandoned"):
+            return
+        if outcome.startswith("rejected"):
+            error = TransferError(f"request {dreq.incarnation:#x}: {outcome.removeprefix('rejected: ')}")
+            self.rec.rejected(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", error)
+            return self._cancel(dreq, error)
         # decode trusts "transfer complete": the whole reserved prompt counts as computed
+        dreq.prefilled_tokens = int(c.landed.numel())
         dreq.num_computed = reserved
         dreq.output_ids.append(c.job.first_token)
         dreq.chain.extend([c.job.first_token])

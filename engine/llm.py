@@ -5,6 +5,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable, Iterable
 
@@ -16,6 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError, ReadCheckViolation
 from engine.host import HostTier
 from engine.pool import KVPool
+from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
 from engine.runner import ModelRunner, StepOutput
 from engine.sampling import sample
@@ -26,7 +28,7 @@ StepObserver = Callable[["LLMEngine", StepOutput], None]
 
 
 class LLMEngine:
-    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None):
+    def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, recorder: Recorder | None = None):
         self.cfg = cfg = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         dtype = getattr(model, "dtype", torch.float32)
@@ -42,6 +44,12 @@ class LLMEngine:
         self.on_prefill_done: Callable[[Request], None] | None = None
         self.requests: dict[int, Request] = {}
         self.steps = 0
+        self._clock = itertools.count(1)   # logical clock: every step and every landed transfer batch ticks it
+        self.lclock = 0
+        self.rec = recorder or NULL_RECORDER
+        self.blocks.on_release = lambda req, pages: self.rec.pages_released(self, req, pages)
+        self.blocks.on_move = lambda req, path, pages, pos: self.rec.pages_moved(self, req, path, pages, pos)
+        self.rec.node_started(self)
 
     # ---- admission: every check runs before any page is taken ------------------------------
     def scope_for(self, tenant: str) -> str:
@@ -96,6 +104,7 @@ class LLMEngine:
         return req
 
     def enqueue(self, req: Request) -> None:
+        self.rec.request_arrived(self, req)
         self.requests[req.incarnation] = req
         self.scheduler.add(req)
 
@@ -103,6 +112,11 @@ class LLMEngine:
         """Disaggregated decode: a request whose KV already landed joins the running batch."""
         self.requests[req.incarnation] = req
         self.scheduler.running.append(req)
+
+    def tick(self) -> int:
+        """Advance this node's logical clock (thread-safe: transfer workers tick it on landing)."""
+        self.lclock = next(self._clock)
+        return self.lclock
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
@@ -115,16 +129,26 @@ class LLMEngine:
                     f"({self.allocator.total} pages of {self.cfg.page_size} tokens)"))
                 return [stuck]
             return []
+        now = time.perf_counter()
+        for req, n in batch:
+            if req.prefill_started_at is None:
+                req.prefill_started_at = now
+            if req.num_computed < len(req.prompt_ids):       # prompt positions this node computes itself
+                req.prefilled_tokens = max(req.prefilled_tokens, min(req.num_computed + n, len(req.prompt_ids)))
+        self.tick()
         out = self.runner.run(batch)
         self.steps += 1
+        self.rec.step(self, out)
         for obs in self.observers:
             obs(self, out)
-        violated = set()
         if out.read_check is not None:
             bad = out.read_check.bad_slots
-            for b in torch.nonzero(bad.sum(1)).flatten().tolist():
+            failing = torch.nonzero(bad.sum(1)).flatten().tolist()
+            if self.cfg.fail_on_violation:
+                self.rec.guard_checked(self, "read_check", failed=False, count=len(batch) - len(failing))
+                self.rec.guard_checked(self, "read_check", failed=True, count=len(failing))
+            for b in failing:
                 req = batch[b].req
-                violated.add(b)
                 if self.cfg.fail_on_violation:
                     pages = [req.block_table[c] for c in torch.nonzero(bad[b]).flatten().tolist()]
                     self._finish(req, error=ReadCheckViolation(req.incarnation, pages, int(bad[b].sum())))

@@ -7,7 +7,10 @@
   for; every transfer landing with the transfer's incarnation. This is the hash index of writes.
 - Verdict: each response's own tokens go through a clean, unpaged forward pass (dense causal
   attention, no pool); read slots whose K/V differ from the clean K/V are exposures; the donor is
-  whoever wrote those exact bytes (-1: bytes nobody wrote, e.g. a never-used page).
+  whoever wrote those exact bytes into that very slot (identical bytes do recur: the recall
+  model's K/V at a position depends on a couple of tokens, so two texts sharing "    " at the same
+  positions write identical records); failing that, whoever wrote those bytes anywhere (records
+  reloaded from the host tier); -1: bytes nobody wrote (e.g. a never-used page).
 The tag plane (content tags, writer ids) is never consulted: fingerprints skip those 16 bytes.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ SKETCH = 16
 class Exposure(NamedTuple):
     response: int
     donor: int
+    node: str
     page: int
     position: int
 
@@ -54,6 +58,7 @@ class Oracle:
         self._w: torch.Tensor | None = None
         self._g = g
         self.index: dict[int, int] = {}                  # fingerprint -> writer incarnation
+        self.index_at: dict[tuple[int, str, int, int], int] = {}   # (fingerprint, node, page, slot) -> writer
         self._seen: dict[tuple[int, int], torch.Tensor] = {}     # (pool id, incarnation) -> write_seq seen per position
         self._reads: dict[int, list[tuple[torch.Tensor, ...]]] = {}
 
@@ -72,8 +77,8 @@ class Oracle:
     def observe_step(self, engine, out) -> None:
         pool, S = engine.pool, engine.pool.page_size
         fp, _ = self._fingerprint(pool, pool.read_records(out.slot_pages, out.slot_offsets))
-        writers = torch.tensor([out.batch[b].req.incarnation for b in out.layout.tok_batch.tolist()], dtype=torch.long)
-        self.index.update(zip(fp.tolist(), writers.tolist()))
+        writers = [out.batch[b].req.incarnation for b in out.layout.tok_batch.tolist()]
+        self._index(engine.cfg.node_id, fp, out.slot_pages, out.slot_offsets, writers)
         for b, (req, _) in enumerate(out.batch):
             n = int(out.layout.seq_lens[b])
             pos = torch.arange(n)
@@ -90,11 +95,20 @@ class Oracle:
             if changed.any():
                 idx = torch.nonzero(changed).flatten()
                 f, sk = self._fingerprint(pool, pool.read_records(pages[idx], offs[idx]))
-                self._reads.setdefault(req.incarnation, []).append((idx, pages[idx], f, sk))
+                self._reads.setdefault(req.incarnation, []).append((engine.cfg.node_id, idx, pages[idx], offs[idx], f, sk))
 
-    def observe_landing(self, pool, pages, offsets, incarnation: int) -> None:
-        fp, _ = self._fingerprint(pool, pool.read_records(pages, offsets))
-        self.index.update((f, incarnation) for f in fp.tolist())
+    def observe_landing(self, engine, completion) -> None:
+        job, pool = completion.job, engine.pool
+        fp, _ = self._fingerprint(pool, pool.read_records(job.dst_pages, job.dst_offsets))
+        self._index(engine.cfg.node_id, fp, job.dst_pages, job.dst_offsets, [job.incarnation] * fp.numel())
+
+    def _index(self, node: str, fp: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, writers: list[int]) -> None:
+        fps = fp.tolist()
+        self.index.update(zip(fps, writers))
+        self.index_at.update(zip(zip(fps, [node] * len(fps), pages.tolist(), offsets.tolist()), writers))
+
+    def donor(self, fp: int, node: str, page: int, slot: int) -> int:
+        return self.index_at.get((fp, node, page, slot), self.index.get(fp, -1))
 
     # ---- verdict -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -108,10 +122,12 @@ class Oracle:
         reads = self._reads.get(response.incarnation)
         if not reads:
             return []
-        pos, pages, fps, sk = (torch.cat(x) for x in zip(*reads))
+        nodes = [n for n, idx, *_ in reads for _ in range(idx.numel())]
+        pos, pages, offs, fps, sk = (torch.cat(x) for x in list(zip(*reads))[1:])
         clean = self.clean_sketch(response.all_ids)[pos]
         bad = ((sk - clean).abs().amax(1) > tol * (1 + clean.abs().amax(1)))
         out = set()
-        for p, pg, f in zip(pos[bad].tolist(), pages[bad].tolist(), fps[bad].tolist()):
-            out.add(Exposure(response.incarnation, self.index.get(f, -1), pg, p))
+        for i, p, pg, o, f in zip(torch.nonzero(bad).flatten().tolist(), pos[bad].tolist(), pages[bad].tolist(),
+                                  offs[bad].tolist(), fps[bad].tolist()):
+            out.add(Exposure(response.incarnation, self.donor(f, nodes[i], pg, o), nodes[i], pg, p))
         return sorted(out)

@@ -31,8 +31,9 @@ def _round8(n: int) -> int:
 class KVPool:
     def __init__(self, num_layers: int, kv_dim: int, page_size: int, memory_budget: int,
                  dtype: torch.dtype = torch.float32, zero_on_free: bool = False, device: str = "cpu"):
-        if page_size <= 0 or num_layers <= 0 or kv_dim <= 0:
-            raise InputError(f"invalid pool geometry: page_size={page_size}, layers={num_layers}, kv_dim={kv_dim}")
+        if not 0 < page_size <= 63 or num_layers <= 0 or kv_dim <= 0:
+            raise InputError(f"invalid pool geometry: page_size={page_size} (1..63: the read check keeps one bit "
+                             f"per slot), layers={num_layers}, kv_dim={kv_dim}")
         self.num_layers, self.kv_dim, self.page_size, self.dtype = num_layers, kv_dim, page_size, dtype
         self.zero_on_free = zero_on_free
         esize = torch.empty((), dtype=dtype).element_size()

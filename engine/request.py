@@ -19,6 +19,7 @@ import itertools
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -97,9 +98,14 @@ class Request:
     prompt_tokens_billed: int = 0
     generator: torch.Generator | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    prefill_started_at: float | None = None
+    prefilled_tokens: int = 0          # prompt tokens whose KV this request's own compute (or transfer) produced
+    transfer_started_at: float | None = None
+    transfer_landed_at: float | None = None
     first_token_at: float | None = None
     finished_at: float | None = None
     preemptions: int = 0
+    on_finish: list[Callable[["Request"], None]] = field(default_factory=list)   # called once, on the terminal transition
 
     @property
     def all_ids(self) -> list[int]:
@@ -124,6 +130,8 @@ class Request:
         self.status = new
         if new in TERMINAL:
             self.finished_at = time.perf_counter()
+            for callback in self.on_finish:
+                callback(self)
 
     def fail(self, error: BaseException) -> None:
         self.error = error

@@ -38,6 +38,7 @@ class ReplayResult:
     canaries: dict[str, str]                     # canary -> owning tenant
     pages_balanced: bool = False                 # every pool's free count back to its initial value
     surfaced: list[tuple[int, str, str]] = field(default_factory=list)   # (incarnation, reader tenant, canary)
+    telemetry: dict | None = None                # Telemetry.close() counts when a store was written
 
     @property
     def foreign_readers(self) -> list[Request]:
@@ -64,7 +65,9 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
 
 def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
           victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
-          guards: Guards | None = None) -> ReplayResult:
+          guards: Guards | None = None, store: str | None = None, flush_interval: float = 1.0) -> ReplayResult:
+    """Run the scaled incident. With ``store``, every node records spans, metrics and the page
+    ledger there (protection and recording are separate: both policies record)."""
     guards = guards or Guards.policy(policy)
     if mode not in ("disaggregated", "unified"):
         raise KvledgerError(f"unknown mode {mode!r}: expected 'disaggregated' or 'unified'")
@@ -84,18 +87,29 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
     # waves: background first (cycles the decode pool), then long prompts mixed with the rest
     waves = [traffic[: background // 2], traffic[background // 2:] + long_ones]
     oracle = Oracle(model, seed)
+    tel = None
+    if store is not None:
+        from dataclasses import asdict
+
+        from telemetry import Telemetry
+        tel = Telemetry(store, policy=policy if guards == Guards.policy(policy) else "custom", model_name="recall",
+                        guards=asdict(guards) if mode == "disaggregated" else {"read_check": guards.read_check},
+                        flush_interval=flush_interval)
     reqs: list[Request] = []
     over: list[Request] = []
     if mode == "unified":
-        eng = LLMEngine(model, tok, cfg(small, "unified0"))
+        eng = LLMEngine(model, tok, cfg(small, "unified0"), recorder=tel)
         eng.observers.append(oracle.observe_step)
         pools = {"unified0": eng.pool.capacity_tokens}
         for wave in waves:
             for tenant, text in wave:
+                r = eng.new_request(text, SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8), tenant)
                 try:
-                    r = eng.add_request(text, SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8), tenant)
-                except KvledgerError as e:
-                    r = eng.new_request(text, SamplingParams(max_tokens=1), tenant)
+                    eng.check_fits_pool(len(r.prompt_ids))
+                    eng.enqueue(r)
+                except KvledgerError as e:          # unified: the over-pool prompt gets its error
+                    eng.rec.request_arrived(eng, r)
+                    eng.rec.rejected(eng, r, f"admission:{eng.cfg.node_id}", e)
                     r.fail(e)
                 reqs.append(r)
                 over += [r] if len(r.prompt_ids) > eng.pool.capacity_tokens else []
@@ -103,7 +117,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
         balanced = eng.allocator.num_free == eng.allocator.total
     else:
         cluster = DisaggCluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
-                                cfg(2 * context, "decode0"), guards)
+                                cfg(2 * context, "decode0"), guards, recorder=tel)
         for n in cluster.nodes:
             n.observers.append(oracle.observe_step)
         cluster.landing_observers.append(oracle.observe_landing)
@@ -112,11 +126,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
             for i, (tenant, text) in enumerate(wave):
                 sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
                 node = 0 if tenant == "umbrella" or i % 2 == 0 else 1
-                try:
-                    r = cluster.submit(text, sp, tenant, prefill_node=node)
-                except KvledgerError as e:        # rejected before bootstrap: the original error
-                    r = cluster.decode.new_request(text, sp, tenant)
-                    r.fail(e)
+                r = cluster.submit(text, sp, tenant, prefill_node=node)   # a rejection comes back failed
                 reqs.append(r)
                 over += [r] if len(r.prompt_ids) > cluster.prefills[node].pool.capacity_tokens else []
             while cluster.has_work():
@@ -125,6 +135,8 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
         balanced = all(n.allocator.num_free == n.allocator.total for n in cluster.nodes)
     exposures = {r.incarnation: oracle.exposures(r) for r in reqs if r.error is None}
     res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced)
+    if tel is not None:
+        res.telemetry = tel.close()
     for r in reqs:
         text = tok.decode(r.output_ids)
         for c, owner in canaries.items():

@@ -71,7 +71,8 @@ def cmd_replay(args) -> int:
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"replaying {args.scenario} ({args.policy}, {args.mode})", total=None)
         res = glm53(args.policy, args.mode, seed=args.seed, context=args.context_length, victims=args.victims,
-                    max_tokens=args.max_tokens, progress=lambda n: bar.advance(task, n))
+                    max_tokens=args.max_tokens, progress=lambda n: bar.advance(task, n),
+                    store=None if args.no_store else args.store)
     t = Table(title=f"kvledger replay {args.scenario}: policy={res.policy}, mode={res.mode}, context={res.context}")
     t.add_column("node")
     t.add_column("KV pool (tokens)", justify="right")
@@ -102,7 +103,36 @@ def cmd_replay(args) -> int:
               f"(surfacing rate {rate:.0%} of served over-pool responses)")
     for inc, tenant, canary in res.surfaced:
         con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc:#x} of tenant {tenant}")
+    if res.telemetry is not None:
+        tm = res.telemetry
+        con.print(f"store {args.store}: {tm['segments']} segments, {sum(tm['rows'].values())} rows "
+                  f"({tm['rows']['page_reads']} page-read runs, {tm['rows']['page_writes']} slot writes, "
+                  f"{tm['spans_exported']} spans, {tm['spans_dropped']} dropped); "
+                  f"next: kvledger forensics exposures --store {args.store}")
     return 0
+
+
+def cmd_verify(args) -> int:
+    from telemetry.store import verify
+
+    v = verify(args.store)
+    for w in v.warnings:
+        print(f"warning: {w}", file=sys.stderr)
+    if not v.ok:
+        print(f"kvledger: store {args.store} is BROKEN at {v.broken} (after {v.segments} good segments, "
+              f"{v.rows} rows)", file=sys.stderr)
+        return 1
+    print(f"store {args.store}: chain intact, {v.segments} segments, {v.rows} rows, head {v.head}")
+    return 0
+
+
+def cmd_forensics(args) -> int:
+    from forensics.api import Forensics
+    from forensics.output import emit
+
+    fx = Forensics(args.store)
+    df = fx.query(args.query, start=args.start, end=args.end)
+    return emit(df, args.format, title=f"kvledger forensics {args.query} ({args.store})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,13 +156,48 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--list", action="store_true", help="list the scenarios")
     r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable")
     r.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
-    r.add_argument("--store", default="./kvledger-store", help="telemetry store (not written yet: see the telemetry issue)")
+    r.add_argument("--store", default="./kvledger-store", help="where spans, metrics and the page ledger land (default ./kvledger-store)")
+    r.add_argument("--no-store", action="store_true", help="record nothing (the oracle still judges the run)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--context-length", type=int, default=1024, help="scaled context; pools keep the incident's ratio")
     r.add_argument("--victims", type=int, default=4, help="prompts longer than the small prefill pool")
     r.add_argument("--max-tokens", type=int, default=160)
     r.set_defaults(func=cmd_replay)
+    v = sub.add_parser("verify", help="verify the store's segment chain; non-zero exit naming the first broken link")
+    v.add_argument("--store", default="./kvledger-store")
+    v.set_defaults(func=cmd_verify)
+    f = sub.add_parser("forensics", help="forensic queries over the store")
+    f.add_argument("query", choices=FORENSIC_QUERIES, help="; ".join(f"{k}: {v}" for k, v in FORENSIC_QUERIES.items()))
+    f.add_argument("--store", default="./kvledger-store")
+    f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
+                   help="json: one array of objects on stdout; parquet: binary on stdout (redirect it)")
+    f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
+    f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
+    f.set_defaults(func=cmd_forensics)
     return p
+
+
+FORENSIC_QUERIES = {
+    "exposures": "responses that read KV slots not written by their own chain, per donor",
+    "scores": "exposure score per response (README: Exposure score)",
+    "tenants": "donor -> recipient tenant matrix (pseudonyms)",
+    "ttft": "time to first token vs uncached prompt tokens, the floor, and usage honesty",
+    "impact": "responses whose billed prompt exceeds their prefill node's pool (the incident predicate)",
+    "exploitation": "tenants sending abnormal volumes of over-pool or boundary-length prompts",
+    "transfers": "KV transfers: reserved vs landed slot sets, checksums",
+    "guards": "guard liveness: on, checks run, failures; red when on but idle",
+    "releases": "page releases: immediate vs deferred, ended by drain or timeout",
+    "preflight": "per node: KV pool tokens vs context length, policy, guards",
+}
+
+
+def _timestamp(text: str):
+    import datetime as dt
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-09-01T12:00:00)") from None
+    return t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t
 
 
 def main(argv: list[str] | None = None) -> int:

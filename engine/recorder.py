@@ -1,0 +1,77 @@
+"""What the engine tells a recorder, from its real read and write paths (contract).
+
+The engine calls these at the exact points where things happen; ``telemetry.Telemetry`` turns
+them into spans, metrics and page-ledger rows. The base class records nothing, so an engine
+without telemetry pays a method call per step and nothing per read.
+
+Every call hands over the engine's own state (the StepOutput tensors the attention op used, the
+block table being released, the transfer's slot sets) - a recorder never recomputes or guesses.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.llm import LLMEngine
+    from engine.request import Request
+    from engine.runner import StepOutput
+
+
+class TransferRecord(NamedTuple):
+    transfer_id: int
+    seq: int                     # transfer sequence number on the source node
+    incarnation: int
+    src_node: str
+    dst_node: str
+    reserved: torch.Tensor       # logical positions decode reserved
+    sent: torch.Tensor           # logical positions prefill sent
+    landed: torch.Tensor         # logical positions whose records landed
+    landed_lclock: torch.Tensor  # receiver's logical clock when each landed
+    dst_pages: torch.Tensor      # where the sent positions landed
+    dst_offsets: torch.Tensor
+    checksum_src: str
+    checksum_dst: str | None     # None: decode did not verify
+    outcome: str                 # admitted | rejected: <reason>
+    submitted_at: float          # perf_counter seconds
+    landed_at: float
+
+
+class Recorder:
+    """No-op recorder; subclasses override what they record."""
+
+    def node_started(self, engine: "LLMEngine") -> None:
+        """Once per node, after its pool is sized (config snapshot, preflight)."""
+
+    def request_arrived(self, engine: "LLMEngine", req: "Request") -> None:
+        """A request (incarnation) was accepted by a node; called before any page is taken for it."""
+
+    def step(self, engine: "LLMEngine", out: "StepOutput") -> None:
+        """After a model step: the slots it wrote and everything its attention read."""
+
+    def pages_moved(self, engine: "LLMEngine", req: "Request", path: str, pages: list[int],
+                    positions: torch.Tensor) -> None:
+        """Records copied by a path other than a model step: offload (host pages), reload."""
+
+    def pages_released(self, engine: "LLMEngine", req: "Request", pages: list[int], kind: str = "immediate",
+                       ended_by: str = "immediate", hold_ns: int = 0) -> None:
+        """A request's device pages went back to the free list."""
+
+    def transfer_landed(self, engine: "LLMEngine", rec: TransferRecord) -> None:
+        """A KV transfer's writes drained into ``engine``'s pool, and decode's verdict on it."""
+
+    def guard_checked(self, engine: "LLMEngine", guard: str, failed: bool, count: int = 1) -> None:
+        """A guard ran ``count`` checks (liveness: a guard that is on but never runs is visible)."""
+
+    def rejected(self, engine: "LLMEngine", req: "Request", where: str, error: BaseException) -> None:
+        """A request was rejected at the router, a prefill node or decode, with its original error."""
+
+    def request_finished(self, engine: "LLMEngine", req: "Request") -> None:
+        """The request reached a terminal state on ``engine``."""
+
+    def close(self) -> None:
+        """Flush everything (clean shutdown)."""
+
+
+NULL_RECORDER = Recorder()

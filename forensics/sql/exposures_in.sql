@@ -1,0 +1,39 @@
+-- Table macro exposures_in(t0, t1): one row per (response incarnation, donor incarnation): what
+-- the response read of the donor's KV - pages, foreign tokens (slots), attention mass on those
+-- pages (summed over read steps), decode steps, first/last time, both sides' tenants (pseudonyms)
+-- and severity: 'surfaced' when the response's output shares a keyed n-gram with the donor's
+-- prompt, else 'read'. Window: failing reads whose first time is in [t0, t1].
+CREATE OR REPLACE TEMP MACRO exposures_in(t0, t1) AS TABLE
+WITH e AS (
+    SELECT * FROM exposure_slots WHERE ts_first BETWEEN t0 AND t1
+),
+runs AS (   -- mass is per read run and page, not per slot: count each run once
+    SELECT DISTINCT response, donor, node, page, block_index, lclock_first, attention_mass FROM e
+),
+mass AS (
+    SELECT response, donor, sum(attention_mass) AS attention_mass FROM runs GROUP BY ALL
+),
+shared AS (   -- keyed n-grams of the response's output found in the donor's prompt
+    SELECT m.response, m.donor, count(*) AS shared_ngrams
+    FROM mass m
+    JOIN ngrams o ON o.incarnation = m.response AND o.role = 'output'
+    JOIN ngrams p ON p.incarnation = m.donor AND p.role = 'prompt' AND p.hash = o.hash
+    GROUP BY ALL
+)
+SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_tenant,
+       list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
+       count(DISTINCT (e.node, e.page)) AS pages,
+       list(DISTINCT e.node || ':' || e.page::VARCHAR) AS node_pages,
+       count(DISTINCT (e.node, e.position)) AS foreign_tokens,
+       any_value(m.attention_mass) AS attention_mass,
+       CASE WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,
+       coalesce(any_value(s.shared_ngrams), 0) AS shared_ngrams,
+       min(e.step_first) AS first_step, max(e.step_last) AS last_step,
+       min(e.ts_first) AS first_read, max(e.ts_last) AS last_read
+FROM e
+JOIN mass m USING (response, donor)
+LEFT JOIN shared s USING (response, donor)
+LEFT JOIN requests r ON r.incarnation = e.response
+LEFT JOIN requests d ON d.incarnation = e.donor
+GROUP BY e.response, r.tenant_h, e.donor, d.tenant_h
+ORDER BY first_read, e.response, e.donor

@@ -1,0 +1,40 @@
+"""The store schema, read from ``schema.sql`` (the one source of truth) into Arrow schemas."""
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import duckdb
+import pyarrow as pa
+
+SCHEMA_SQL = Path(__file__).with_name("schema.sql")
+
+
+@cache
+def arrow_schemas() -> dict[str, pa.Schema]:
+    """table name -> Arrow schema, as DuckDB itself maps the DDL."""
+    con = duckdb.connect()
+    con.execute(SCHEMA_SQL.read_text())
+    names = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()]
+    out = {}
+    for name in names:
+        out[name] = con.table(name).limit(0).to_arrow_table().schema
+    con.close()
+    return out
+
+
+def tables() -> list[str]:
+    return list(arrow_schemas())
+
+
+def empty(table: str) -> pa.Table:
+    return arrow_schemas()[table].empty_table()
+
+
+def conform(table: str, data: pa.Table) -> pa.Table:
+    """Cast to the schema's types and column order (dictionary -> string etc., done in C++)."""
+    schema = arrow_schemas()[table]
+    missing = [f.name for f in schema if f.name not in data.column_names]
+    if missing:
+        raise ValueError(f"{table}: missing columns {missing}")
+    return data.select(schema.names).cast(schema)

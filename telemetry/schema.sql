@@ -1,0 +1,160 @@
+-- kvledger store schema: the single source of truth for every table (Arrow schemas, the
+-- segment writer, the forensic queries and the README all derive from this file).
+--
+-- Logical order: `lclock` is a per-node counter bumped by every engine step and every transfer
+-- landing on that node; joins and ordering use it (and `step`, transfer `seq`), never wall
+-- clocks, which are for people (`ts`, unix nanoseconds as TIMESTAMP_NS).
+-- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
+-- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
+
+-- One row per KV slot written: prefill, decode append, transfer landing, offload, reload.
+CREATE TABLE page_writes (
+    node        VARCHAR NOT NULL,
+    lclock      BIGINT NOT NULL,
+    ts          TIMESTAMP_NS NOT NULL,
+    page        INTEGER NOT NULL,     -- page index in that node's pool (host tier: host page)
+    generation  BIGINT NOT NULL,      -- the page's allocation generation at write time
+    slot        SMALLINT NOT NULL,    -- offset inside the page
+    position    INTEGER NOT NULL,     -- logical token position in the writer's sequence
+    writer      BIGINT NOT NULL,      -- writer request incarnation (from the tag plane's writer word)
+    tag_h       BIGINT NOT NULL,      -- keyed pseudonym of the slot's content tag
+    path        VARCHAR NOT NULL,     -- prefill | decode | transfer_landing | offload | reload
+    trace_id    VARCHAR,
+    span_id     VARCHAR
+);
+
+-- One row per (reader, page, generation, block-table column) over a run of steps in which what
+-- the reader found there (generation, failing slots, writers) did not change. Lossless: every
+-- read step is inside exactly one row's [step_first, step_last] with n_reads counting them.
+CREATE TABLE page_reads (
+    node            VARCHAR NOT NULL,
+    reader          BIGINT NOT NULL,  -- reader request incarnation
+    page            INTEGER NOT NULL,
+    generation      BIGINT NOT NULL,  -- generation the reader was granted for this page
+    found_generation BIGINT NOT NULL, -- generation found in the page header at read time
+    block_index     INTEGER NOT NULL, -- column in the reader's block table: positions block_index*S + slot
+    slots_read      SMALLINT NOT NULL,
+    bad_mask        BIGINT NOT NULL,  -- bit s set: slot s failed the read check (generation or content tag)
+    check_passed    BOOLEAN NOT NULL,
+    found_writers   BIGINT[] NOT NULL, -- writer incarnation per slot found in the tag plane
+    attention_mass  DOUBLE NOT NULL,  -- summed over the run: mean softmax mass on the page per step
+    step_first      BIGINT NOT NULL,
+    step_last       BIGINT NOT NULL,
+    lclock_first    BIGINT NOT NULL,
+    lclock_last     BIGINT NOT NULL,
+    n_reads         INTEGER NOT NULL,
+    ts_first        TIMESTAMP_NS NOT NULL,
+    ts_last         TIMESTAMP_NS NOT NULL,
+    trace_id        VARCHAR,
+    span_id         VARCHAR
+);
+
+-- One row per KV transfer (disaggregated mode), written when it lands or fails.
+CREATE TABLE transfers (
+    transfer_id     BIGINT NOT NULL,
+    seq             BIGINT NOT NULL,  -- transfer sequence number on the source node
+    incarnation     BIGINT NOT NULL,
+    src_node        VARCHAR NOT NULL,
+    dst_node        VARCHAR NOT NULL,
+    reserved_slots  INTEGER[] NOT NULL,  -- logical positions decode reserved
+    sent_slots      INTEGER[] NOT NULL,  -- logical positions prefill sent
+    landed_slots    INTEGER[] NOT NULL,  -- logical positions whose records landed
+    checksum_src    VARCHAR,
+    checksum_dst    VARCHAR,              -- NULL when decode did not verify
+    checksum_ok     BOOLEAN,
+    outcome         VARCHAR NOT NULL,     -- admitted | rejected: <reason> | abandoned
+    lclock_dst      BIGINT NOT NULL,
+    ts_submit       TIMESTAMP_NS NOT NULL,
+    ts_landed       TIMESTAMP_NS NOT NULL,
+    trace_id        VARCHAR,
+    span_id         VARCHAR
+);
+
+-- One row per page-set release.
+CREATE TABLE releases (
+    node        VARCHAR NOT NULL,
+    incarnation BIGINT NOT NULL,
+    pages       INTEGER[] NOT NULL,
+    kind        VARCHAR NOT NULL,     -- immediate | deferred
+    ended_by    VARCHAR NOT NULL,     -- immediate | drain | timeout
+    hold_ns     BIGINT NOT NULL,
+    lclock      BIGINT NOT NULL,
+    ts          TIMESTAMP_NS NOT NULL
+);
+
+-- One row per node at start (and whenever its configuration changes).
+CREATE TABLE config_snapshots (
+    node            VARCHAR NOT NULL,
+    role            VARCHAR NOT NULL,
+    ts              TIMESTAMP_NS NOT NULL,
+    pool_tokens     BIGINT NOT NULL,
+    context_length  BIGINT NOT NULL,
+    page_size       INTEGER NOT NULL,
+    pool_fits_context BOOLEAN NOT NULL,
+    policy          VARCHAR NOT NULL,
+    guards          MAP(VARCHAR, BOOLEAN) NOT NULL,
+    isolation_level VARCHAR NOT NULL,
+    model           VARCHAR NOT NULL,
+    kv_format_version VARCHAR NOT NULL,
+    kvledger_version VARCHAR NOT NULL
+);
+
+-- Spans, modelled on the OpenTelemetry Collector's ClickHouse `otel_traces` table; attributes as
+-- maps, hot fields promoted to typed columns (snake_case, after the Collector's columns).
+CREATE TABLE spans (
+    "Timestamp"        TIMESTAMP_NS NOT NULL,
+    "TraceId"          VARCHAR NOT NULL,
+    "SpanId"           VARCHAR NOT NULL,
+    "ParentSpanId"     VARCHAR NOT NULL,
+    "TraceState"       VARCHAR NOT NULL,
+    "SpanName"         VARCHAR NOT NULL,
+    "SpanKind"         VARCHAR NOT NULL,
+    "ServiceName"      VARCHAR NOT NULL,
+    "ResourceAttributes" MAP(VARCHAR, VARCHAR) NOT NULL,
+    "ScopeName"        VARCHAR NOT NULL,
+    "ScopeVersion"     VARCHAR NOT NULL,
+    "SpanAttributes"   MAP(VARCHAR, VARCHAR) NOT NULL,
+    "Duration"         BIGINT NOT NULL,   -- nanoseconds
+    "StatusCode"       VARCHAR NOT NULL,
+    "StatusMessage"    VARCHAR NOT NULL,
+    "Events.Timestamp" TIMESTAMP_NS[] NOT NULL,
+    "Events.Name"      VARCHAR[] NOT NULL,
+    "Links.TraceId"    VARCHAR[] NOT NULL,
+    "Links.SpanId"     VARCHAR[] NOT NULL,
+    incarnation        BIGINT,
+    node               VARCHAR,
+    operation          VARCHAR,           -- request | admission | prefill | kv_transfer | decode
+    tenant_h           VARCHAR,
+    scope_h            VARCHAR,
+    input_tokens       BIGINT,            -- billed prompt tokens (gen_ai.usage.input_tokens)
+    prefilled_tokens   BIGINT,            -- prompt tokens whose KV this request actually computed
+    cached_tokens      BIGINT,            -- served from the prefix cache
+    output_tokens      BIGINT,
+    ttft_s             DOUBLE,
+    finish_reason      VARCHAR,
+    error_type         VARCHAR,
+    rejected_at        VARCHAR            -- router | prefill:<node> | decode:<node>
+);
+
+-- Metric points from the OpenTelemetry metrics SDK (one row per data point per export).
+CREATE TABLE metrics (
+    ts              TIMESTAMP_NS NOT NULL,
+    node            VARCHAR NOT NULL,
+    name            VARCHAR NOT NULL,
+    kind            VARCHAR NOT NULL,     -- sum | gauge | histogram
+    attributes      MAP(VARCHAR, VARCHAR) NOT NULL,
+    value           DOUBLE,               -- sum / gauge value
+    count           BIGINT,               -- histogram
+    sum             DOUBLE,
+    bucket_counts   BIGINT[],
+    boundaries      DOUBLE[]
+);
+
+-- Keyed hashes (store secret) of every n-gram of n tokens of each request's prompt and output,
+-- computed when the request finishes: forensics tells "surfaced" from "read" with no plaintext.
+CREATE TABLE ngrams (
+    incarnation BIGINT NOT NULL,
+    role        VARCHAR NOT NULL,     -- prompt | output
+    n           SMALLINT NOT NULL,
+    hash        BIGINT NOT NULL
+);

@@ -1,0 +1,290 @@
+"""The store: immutable Parquet segments, chained by a keyed hash, read through DuckDB.
+
+DuckDB allows one writing process and no concurrent reader on one database file, yet the
+dashboard reads while the engine writes. So the engine never holds a database file: its
+``SegmentWriter`` writes each batch of rows as an immutable Parquet segment (temp file, fsync,
+rename), then appends a chain link for it (temp file, rename). Readers open an in-memory DuckDB
+over exactly the chained segments, so a reader never sees a half-written file.
+
+    ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
+    ROOT/chain/<seq>.json                   {seq, table, file, rows, sha256, prev, link}
+    ROOT/secret.key                         store secret (or $KVLEDGER_STORE_SECRET)
+    ROOT/writer.lock                        one writer at a time (flock)
+
+link = HMAC(chain key, prev link | seq | table | file | rows | sha256(file)): a segment edited,
+removed, reordered or inserted breaks the chain at that point (`verify` names it).
+
+Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
+seconds (default 1 s), when ``max_rows`` are buffered, and on close. After ``kill -9`` at most
+the last ``flush_interval`` seconds of rows (plus one segment being written) are lost; a segment
+written but not yet linked is reported by ``verify`` as an unlinked tail, ignored by readers, and
+linked by the next writer that opens the store (``adopted``).
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable, NamedTuple
+
+import duckdb
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from engine.errors import KvledgerError
+from telemetry.keys import Keys, load_secret
+from telemetry.schema import arrow_schemas, conform, empty
+
+GENESIS = "0" * 64
+
+
+class StoreError(KvledgerError):
+    pass
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    write(tmp)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+class Link(NamedTuple):
+    seq: int
+    table: str
+    file: str
+    rows: int
+    sha256: str
+    prev: str
+    link: str
+
+    def payload(self) -> str:
+        return f"{self.seq}|{self.table}|{self.file}|{self.rows}|{self.sha256}"
+
+
+def read_chain(root: Path) -> list[Link]:
+    out = []
+    for p in sorted((root / "chain").glob("[0-9]*.json")):
+        try:
+            out.append(Link(**json.loads(p.read_text())))
+        except (ValueError, TypeError) as e:
+            raise StoreError(f"chain entry {p.name} is unreadable: {e}") from None
+    return out
+
+
+class SegmentWriter:
+    """Buffers columnar batches per table and writes chained Parquet segments from one thread.
+
+    ``submit`` puts a batch on a bounded queue and blocks when it is full (back-pressure, never
+    loss). ``prepare`` maps a table name to a function applied to its rows before they are
+    written (the page ledger coalesces read runs there, off the engine's thread).
+    """
+
+    def __init__(self, root: str | Path, flush_interval: float = 1.0, max_rows: int = 1_000_000,
+                 queue_size: int = 256, prepare: dict[str, Callable[[pa.Table], pa.Table]] | None = None):
+        self.root = Path(root)
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store path {self.root} exists and is not a directory")
+        (self.root / "chain").mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.root / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreError(f"store {self.root} already has a writer (another engine process holds writer.lock)") from None
+        self.keys = Keys(load_secret(self.root))
+        chain = read_chain(self.root)
+        self._seq = chain[-1].seq + 1 if chain else 0
+        self._prev = chain[-1].link if chain else GENESIS
+        self.adopted = self._adopt_unlinked_tail()
+        self.flush_interval, self.max_rows = flush_interval, max_rows
+        self.prepare = prepare or {}
+        self.schemas = arrow_schemas()
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._buf: dict[str, list[pa.Table]] = {t: [] for t in self.schemas}
+        self._rows: dict[str, int] = dict.fromkeys(self.schemas, 0)
+        self.rows_written: dict[str, int] = dict.fromkeys(self.schemas, 0)
+        self.segments_written = 0
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
+        self._thread.start()
+
+    # ---- producer side -------------------------------------------------------------------------
+    def submit(self, table: str, data: pa.Table | dict) -> None:
+        if table not in self.schemas:
+            raise StoreError(f"unknown table {table!r}; schema.sql defines {sorted(self.schemas)}")
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+        if self._closed:
+            raise StoreError("store writer is closed")
+        if isinstance(data, dict):
+            data = pa.table(data)
+        if data.num_rows:
+            self._q.put((table, data))
+
+    def flush(self) -> None:
+        """Write every buffered row now and wait until it is linked."""
+        done = threading.Event()
+        self._q.put(("__flush__", done))
+        done.wait()
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        self._q.put(None)
+        self._thread.join()
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        os.close(self._lock_fd)
+
+    # ---- the writer thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        last = time.monotonic()
+        while True:
+            timeout = max(0.0, self.flush_interval - (time.monotonic() - last))
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                item = ("__tick__", None)
+            if item is None:
+                return
+            table, data = item
+            try:
+                if table == "__flush__":
+                    self._write_all()
+                    data.set()
+                    continue
+                if table != "__tick__":
+                    self._buf[table].append(data)
+                    self._rows[table] += data.num_rows
+                    if self._rows[table] >= self.max_rows:
+                        self._write(table)
+                if time.monotonic() - last >= self.flush_interval:
+                    self._write_all()
+                    last = time.monotonic()
+            except BaseException as e:        # surfaced to the producer on its next call
+                self.error = e
+                if table == "__flush__":
+                    data.set()
+
+    def _adopt_unlinked_tail(self) -> list[str]:
+        """Link segments a killed writer renamed into place but did not link (they are complete:
+        rename follows fsync), so a crash loses only rows that never reached a segment."""
+        adopted = []
+        for p in sorted(self.root.glob("segments/*/[0-9]*.parquet"), key=lambda p: int(p.stem)):
+            if int(p.stem) >= self._seq:
+                rel = str(p.relative_to(self.root))
+                self._link(int(p.stem), p.parent.name, rel, pq.ParquetFile(p).metadata.num_rows)
+                adopted.append(rel)
+        return adopted
+
+    def _link(self, seq: int, table: str, rel: str, rows: int) -> None:
+        link = Link(seq, table, rel, rows, _sha256(self.root / rel), self._prev, "")
+        link = link._replace(link=self.keys.link(self._prev, link.payload()))
+        _atomic_write(self.root / "chain" / f"{seq:09d}.json",
+                      lambda tmp: tmp.write_text(json.dumps(link._asdict())))
+        self._seq, self._prev = seq + 1, link.link
+
+    def _write_all(self) -> None:
+        for t in self.schemas:
+            if self._rows[t]:
+                self._write(t)
+
+    def _write(self, table: str) -> None:
+        data = pa.concat_tables(self._buf[table], promote_options="permissive")
+        if table in self.prepare:
+            data = self.prepare[table](data)
+        data = conform(table, data)
+        seq = self._seq
+        rel = f"segments/{table}/{seq:09d}.parquet"
+        path = self.root / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="zstd"))
+        self._link(seq, table, rel, data.num_rows)
+        self.rows_written[table] += data.num_rows
+        self.segments_written += 1
+        self._buf[table], self._rows[table] = [], 0
+
+
+# ---- readers ---------------------------------------------------------------------------------
+def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with one view per table over the chained segments (read-only use)."""
+    root = Path(root)
+    if not (root / "chain").is_dir():
+        raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
+    con = duckdb.connect()
+    by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
+    for link in read_chain(root):
+        if link.table in by_table and (root / link.file).exists():
+            by_table[link.table].append(str(root / link.file))
+    for table, files in by_table.items():
+        rel = con.read_parquet(files) if files else con.from_arrow(empty(table))
+        rel.create_view(table)
+    return con
+
+
+class Verdict(NamedTuple):
+    ok: bool
+    segments: int
+    rows: int
+    head: str                 # the last good link: the store's digest
+    broken: str | None        # the first broken link, named
+    warnings: list[str]
+
+
+def verify(root: str | Path) -> Verdict:
+    root = Path(root)
+    if not (root / "chain").is_dir():
+        raise StoreError(f"no kvledger store at {root}")
+    keys = Keys(load_secret(root))
+    prev, rows, warnings = GENESIS, 0, []
+    chain = read_chain(root)
+    for i, link in enumerate(chain):
+        where = f"segment {link.seq} ({link.file})"
+        problem = None
+        if link.seq != (chain[i - 1].seq + 1 if i else 0):
+            problem = f"sequence gap: expected {chain[i - 1].seq + 1 if i else 0}, found {link.seq} (a segment was removed)"
+        elif link.prev != prev:
+            problem = "does not link to the previous segment (reordered or inserted)"
+        elif keys.link(prev, link.payload()) != link.link:
+            problem = "link hash does not match its entry (the entry was edited)"
+        elif not (root / link.file).exists():
+            problem = "segment file is missing"
+        elif _sha256(root / link.file) != link.sha256:
+            problem = "segment content does not match its hash (the file was modified)"
+        if problem:
+            return Verdict(False, i, rows, prev, f"{where}: {problem}", warnings)
+        prev, rows = link.link, rows + link.rows
+    linked = {c.file for c in chain}
+    last = chain[-1].seq if chain else -1
+    for p in sorted(root.glob("segments/*/[0-9]*.parquet")):
+        rel = str(p.relative_to(root))
+        if rel in linked:
+            continue
+        if int(p.stem) > last:
+            warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
+                            "readers ignore it until the next writer links it")
+        else:
+            return Verdict(False, len(chain), rows, prev, f"{rel}: segment not in the chain (inserted)", warnings)
+    return Verdict(True, len(chain), rows, prev, None, warnings)
