@@ -152,6 +152,8 @@ class DisaggCluster:
             node = LLMEngine(model, tokenizer, cfg, rec)
             node.on_prefill_done = self._handoff
             node.transfer_seq = itertools.count(1)
+            node.pages_held_outside = lambda n=node: any(
+                h[0] is n and h[1].status is Status.TRANSFERRING for h in self.halves.values())
             self.prefills.append(node)
         decode_cfg.role = "decode"
         self.decode = LLMEngine(model, tokenizer, decode_cfg, rec)
@@ -250,7 +252,7 @@ class DisaggCluster:
         self.transfer.submit(job)                  # prefill then reports "transfer complete" when it drains
 
     def _landed(self, c: Completion) -> None:
-        node, preq, dreq = self.halves[c.job.incarnation]
+        node, preq, dreq = self.halves.pop(c.job.incarnation)
         for obs in self.landing_observers:
             obs(self.decode, c)
         node.blocks.release(preq)                  # source pages go back only after the writes drained

@@ -42,6 +42,9 @@ class LLMEngine:
         self.observers: list[StepObserver] = []
         # disaggregated prefill nodes hand a request's KV off here instead of decoding it
         self.on_prefill_done: Callable[[Request], None] | None = None
+        # pages held by requests outside the scheduler (disaggregated: KV still being sent); while
+        # any are, an empty schedule means "wait", not "this request can never fit"
+        self.pages_held_outside: Callable[[], bool] = lambda: False
         self.requests: dict[int, Request] = {}
         self.steps = 0
         self._clock = itertools.count(1)   # logical clock: every step and every landed transfer batch ticks it
@@ -122,7 +125,7 @@ class LLMEngine:
     def step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() and not self.pages_held_outside():
                 stuck = (self.scheduler.waiting or self.scheduler.swapped)[0]
                 self._finish(stuck, error=InputError(
                     f"request {stuck.incarnation:#x} needs more KV pages than the pool can ever free "

@@ -39,6 +39,7 @@ class ReplayResult:
     pages_balanced: bool = False                 # every pool's free count back to its initial value
     surfaced: list[tuple[int, str, str]] = field(default_factory=list)   # (incarnation, reader tenant, canary)
     telemetry: dict | None = None                # Telemetry.close() counts when a store was written
+    free_pages: dict[str, tuple[int, int]] = field(default_factory=dict)   # node -> (free, total) at the end
 
     @property
     def foreign_readers(self) -> list[Request]:
@@ -114,7 +115,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
                 reqs.append(r)
                 over += [r] if len(r.prompt_ids) > eng.pool.capacity_tokens else []
             eng.run_until_done(progress)
-        balanced = eng.allocator.num_free == eng.allocator.total
+        nodes = [eng]
     else:
         cluster = DisaggCluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
                                 cfg(2 * context, "decode0"), guards, recorder=tel)
@@ -132,9 +133,11 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
             while cluster.has_work():
                 cluster.step()
         cluster.close()
-        balanced = all(n.allocator.num_free == n.allocator.total for n in cluster.nodes)
+        nodes = cluster.nodes
+    free = {n.cfg.node_id: (n.allocator.num_free, n.allocator.total) for n in nodes}
+    balanced = all(f == t for f, t in free.values())
     exposures = {r.incarnation: oracle.exposures(r) for r in reqs if r.error is None}
-    res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced)
+    res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced, free_pages=free)
     if tel is not None:
         res.telemetry = tel.close()
     for r in reqs:

@@ -28,6 +28,33 @@ def small_config(model, pages: int, page_size: int = 4, **kw) -> EngineConfig:
     return EngineConfig(kv_memory_budget=budget_for_pages(model, pages, page_size), page_size=page_size, **kw)
 
 
+# ---- the GLM-5.3 replay, recorded into a store: shared by the incident and forensics tests -----
+# (tests using these carry @pytest.mark.xdist_group("glm53") so one xdist worker computes them once)
+GLM53_SMALL = dict(context=1024, victims=2, background=8, max_tokens=24, seed=3)
+
+
+def _replay(tmp_path_factory, policy: str, mode: str = "disaggregated"):
+    from engine.scenarios import glm53
+    store = tmp_path_factory.mktemp(f"store-{policy}-{mode}")
+    res = glm53(policy, mode, store=str(store), flush_interval=0.2, **GLM53_SMALL)
+    return res, store
+
+
+@pytest.fixture(scope="session")
+def glm53_vulnerable(tmp_path_factory):
+    return _replay(tmp_path_factory, "vulnerable")
+
+
+@pytest.fixture(scope="session")
+def glm53_hardened(tmp_path_factory):
+    return _replay(tmp_path_factory, "hardened")
+
+
+@pytest.fixture(scope="session")
+def glm53_unified(tmp_path_factory):
+    return _replay(tmp_path_factory, "vulnerable", "unified")
+
+
 # ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine) ----------
 _bad_skips: list[str] = []
 

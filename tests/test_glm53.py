@@ -7,17 +7,19 @@ import pytest
 from engine.disagg import Guards
 from engine.scenarios import glm53
 
-SMALL = dict(context=1024, victims=2, background=8, max_tokens=24, seed=3)
+from tests.conftest import GLM53_SMALL as SMALL
+
+pytestmark = pytest.mark.xdist_group("glm53")
 
 
-@pytest.fixture(scope="module")
-def vulnerable():
-    return glm53("vulnerable", "disaggregated", **SMALL)
+@pytest.fixture
+def vulnerable(glm53_vulnerable):
+    return glm53_vulnerable[0]
 
 
-@pytest.fixture(scope="module")
-def hardened():
-    return glm53("hardened", "disaggregated", **SMALL)
+@pytest.fixture
+def hardened(glm53_hardened):
+    return glm53_hardened[0]
 
 
 def test_every_pool_returns_to_its_initial_free_count(vulnerable, hardened):
@@ -52,8 +54,8 @@ def test_hardened_rejects_with_the_original_error_and_nobody_reads_foreign_slots
     assert others_v == others_h
 
 
-def test_unified_vulnerable_errors_instead_of_leaking():
-    res = glm53("vulnerable", "unified", **SMALL)
+def test_unified_vulnerable_errors_instead_of_leaking(glm53_unified):
+    res = glm53_unified[0]
     assert res.over_pool and all(r.finish_reason == "error" for r in res.over_pool)
     assert res.foreign_readers == []
 
@@ -64,7 +66,7 @@ def test_single_guards_against_the_incident(guard):
     checksum alone does not (prefill checksums its one placeholder token, decode verifies exactly that)."""
     only = Guards(**{f: f == guard for f in Guards.__dataclass_fields__})
     res = glm53("vulnerable", "disaggregated", guards=only, **SMALL)
-    assert res.pages_balanced
+    assert res.pages_balanced, res.free_pages
     leaked = [r for r in res.over_pool if r.error is None and res.exposures[r.incarnation]]
     if guard == "checksum":
         assert len(leaked) == SMALL["victims"]

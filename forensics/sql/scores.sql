@@ -5,7 +5,8 @@ SELECT response, any_value(response_tenant) AS tenant,
        sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END)::BIGINT AS foreign_tokens,
        count(DISTINCT donor) FILTER (WHERE donor <> -1) AS donors,
        bool_or(severity = 'surfaced') AS surfaced,
-       sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END) * CASE WHEN bool_or(severity = 'surfaced') THEN 10 ELSE 1 END::BIGINT AS score,
+       (sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END)
+        * CASE WHEN bool_or(severity = 'surfaced') THEN 10 ELSE 1 END)::BIGINT AS score,
        min(first_read) AS first_read, max(last_read) AS last_read
 FROM exposures_in($from, $to)
 GROUP BY response

@@ -1,0 +1,33 @@
+"""Disaggregated serving mechanics that the incident tests do not pin down."""
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.disagg import DisaggCluster, Guards
+from engine.models import load_model
+from engine.pool import KVPool
+from engine.request import SamplingParams, Status
+
+
+def _cluster(prefill_tokens: int, decode_tokens: int) -> DisaggCluster:
+    model, tok = load_model("recall")
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)
+    cfg = lambda tokens, node: EngineConfig(kv_memory_budget=tokens // 16 * pb, page_size=16,  # noqa: E731
+                                            context_length=512, node_id=node)
+    return DisaggCluster(model, tok, [cfg(prefill_tokens, "p0")], cfg(decode_tokens, "d0"), Guards.policy("hardened"))
+
+
+def test_prefill_node_waits_while_its_pages_are_still_being_sent():
+    """A prefill pool full of KV awaiting transfer means "wait", never "this prompt can never fit"."""
+    cl = _cluster(prefill_tokens=160, decode_tokens=1024)
+    try:
+        a = cl.submit("a" * 100, SamplingParams(max_tokens=2), "t1")
+        b = cl.submit("b" * 100, SamplingParams(max_tokens=2), "t2")
+        node = cl.prefills[0]
+        node.step()                                   # prefills a, hands off: a's pages held until it lands
+        assert node.pages_held_outside()
+        assert node.step() == [] and not b.is_finished   # b cannot be scheduled yet, and is not failed
+        cl.run_until_done()
+        assert a.status is Status.FINISHED_LENGTH and b.status is Status.FINISHED_LENGTH
+        assert all(n.allocator.num_free == n.allocator.total for n in cl.nodes)
+    finally:
+        cl.close()

@@ -1,0 +1,122 @@
+"""Forensics reconstructs, from the store alone, exactly what the oracle of DESIGN.md sees:
+(response, donor incarnation, node, page, position) sets equal - precision and recall 1.0."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from engine.scenarios import glm53
+from forensics.api import Forensics
+from forensics.cli import main
+from tests.conftest import GLM53_SMALL
+
+pytestmark = pytest.mark.xdist_group("glm53")
+
+
+def oracle_set(res) -> set[tuple]:
+    return {tuple(e) for ex in res.exposures.values() for e in ex if e.donor != e.response}
+
+
+def forensic_set(store) -> set[tuple]:
+    slots = Forensics(store).exposure_slots()
+    return set(zip(slots["response"], slots["donor"], slots["node"], slots["page"], slots["position"]))
+
+
+def test_vulnerable_exposures_equal_the_oracle_slot_for_slot(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    truth, found = oracle_set(res), forensic_set(store)
+    assert truth, "the vulnerable replay must expose something"
+    assert found == truth                       # precision and recall exactly 1.0
+
+
+@pytest.mark.parametrize("run", ["glm53_hardened", "glm53_unified"])
+def test_nothing_reported_where_the_oracle_sees_nothing(run, request):
+    res, store = request.getfixturevalue(run)
+    assert oracle_set(res) == set() and forensic_set(store) == set()
+    assert Forensics(store).exposures().is_empty()
+
+
+def test_exposure_rows_name_every_over_pool_response_and_its_donors(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    ex = Forensics(store).exposures()
+    assert set(ex["response"]) == {r.incarnation for r in res.over_pool}
+    for r in res.over_pool:
+        donors = {e.donor for e in res.exposures[r.incarnation]} - {r.incarnation}
+        assert set(ex.filter(ex["response"] == r.incarnation)["donor"]) == donors
+    assert set(ex["kinds"].explode()) <= {"stale", "foreign", "unwritten"}
+    assert (ex["foreign_tokens"] > 0).all() and (ex["attention_mass"] >= 0).all()
+
+
+def test_cli_counts_equal_the_oracle(glm53_vulnerable, capsys):
+    res, store = glm53_vulnerable
+    assert main(["forensics", "exposures", "--store", str(store), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {(r["response"], r["donor"]) for r in rows} == {t[:2] for t in oracle_set(res)}
+    assert sum(r["foreign_tokens"] for r in rows) == len({(t[0], t[1], t[2], t[4]) for t in oracle_set(res)})
+
+
+def test_usage_honesty_and_the_impact_predicate_find_the_victims(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    fx = Forensics(store)
+    ttft = fx.query("ttft")
+    dishonest = set(ttft.filter(ttft["usage_dishonest"])["incarnation"])
+    assert dishonest == {r.incarnation for r in res.over_pool}          # billed 700+ tokens, prefilled 1
+    impact = fx.query("impact")
+    assert set(impact["incarnation"]) == {r.incarnation for r in res.over_pool}
+    assert (impact["prompt_tokens_billed"] > impact["pool_tokens"]).all()
+
+
+def test_preflight_and_guard_liveness_come_from_the_store(glm53_vulnerable, glm53_hardened):
+    pre = Forensics(glm53_vulnerable[1]).query("preflight")
+    small = pre.filter(pre["node"] == "prefill0")
+    assert not small["pool_fits_context"][0] and small["policy"][0] == "vulnerable"
+    guards = Forensics(glm53_hardened[1]).query("guards")
+    on = guards.filter(guards["enabled"])
+    assert set(on["guard"]) == {"terminal_predicate", "reject_before_bootstrap", "landed_set_check", "checksum",
+                                "read_check"}
+    # reject_before_bootstrap rejected the over-pool prompts at the router, so downstream guards never saw them
+    rbb = guards.filter(guards["guard"] == "reject_before_bootstrap")
+    assert rbb["failed"][0] == GLM53_SMALL["victims"]
+    assert not guards.filter(guards["guard"] == "read_check")["idle_but_on"][0]
+    assert (Forensics(glm53_vulnerable[1]).query("guards")["enabled"] == False).all()  # noqa: E712
+
+
+def test_transfers_show_reserved_versus_landed_sets(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    tr = Forensics(store).query("transfers")
+    bad = tr.filter(~tr["landed_equals_reserved"])
+    assert set(bad["incarnation"]) == {r.incarnation for r in res.over_pool}
+    assert (bad["landed"] == 1).all() and (bad["outcome"] == "admitted").all()   # vulnerable decode trusted it
+
+
+def test_without_the_ledger_writer_forensics_finds_nothing(tmp_path):
+    """The ledger is the only source: switch its writer off and the reconstruction fails."""
+    from telemetry import Telemetry
+    import engine.scenarios as sc
+
+    orig = sc.__dict__.get("Telemetry")
+    store = tmp_path / "no-ledger"
+
+    class NoLedger(Telemetry):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, "record_ledger": False})
+
+    import telemetry
+    telemetry.Telemetry, saved = NoLedger, telemetry.Telemetry
+    try:
+        res = glm53("vulnerable", "disaggregated", store=str(store), **{**GLM53_SMALL, "victims": 1, "background": 4})
+    finally:
+        telemetry.Telemetry = saved
+    assert orig is None
+    assert oracle_set(res), "the oracle still sees the leak"
+    assert forensic_set(store) == set()
+
+
+def test_a_store_copy_is_enough(glm53_vulnerable, tmp_path):
+    """Forensics needs nothing but the store directory (e.g. shipped to the security team)."""
+    res, store = glm53_vulnerable
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy, ignore=shutil.ignore_patterns("writer.lock"))
+    assert forensic_set(copy) == oracle_set(res)
