@@ -179,8 +179,12 @@ class _Node:
         self.ended = _EndedCounter()
         self.exporter = StoreSpanExporter(tel.writer)
         self.tracers.add_span_processor(self.ended)
-        self.tracers.add_span_processor(BatchSpanProcessor(self.exporter, max_queue_size=tel.span_queue_size,
-                                                           meter_provider=self.meters))
+        # the SDK's own queue metrics (otel.sdk.processor.span.processed{error.type=queue_full}) are
+        # behind this switch; on unless the operator set it
+        os.environ.setdefault("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+        self.tracers.add_span_processor(BatchSpanProcessor(
+            self.exporter, max_queue_size=tel.span_queue_size, max_export_batch_size=min(512, tel.span_queue_size),
+            meter_provider=self.meters))
         if (otlp := _otlp_processor()) is not None:
             self.tracers.add_span_processor(otlp)
         self.tracer = self.tracers.get_tracer("kvledger", tel.version, schema_url=SCHEMA_URL)

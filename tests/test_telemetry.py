@@ -1,0 +1,131 @@
+"""Spans, metrics and ledger rows come from the engine's own paths, follow the GenAI semantic
+conventions, join to each other, keep tenants and text out of the store, and count every drop."""
+from __future__ import annotations
+
+import http.server
+import threading
+import time
+
+import polars as pl
+import pytest
+
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.models import load_model
+from engine.request import SamplingParams
+from forensics.api import Forensics
+from telemetry import Telemetry, open_store
+from telemetry.otel import TTFT_BUCKETS, StoreSpanExporter
+
+pytestmark = pytest.mark.xdist_group("glm53")
+
+
+def test_one_trace_per_request_with_children_across_nodes(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    spans = open_store(store).sql('SELECT * FROM spans').pl()
+    roots = spans.filter(pl.col("operation") == "request")
+    assert sorted(roots["incarnation"]) == sorted(r.incarnation for r in res.requests)
+    assert roots["TraceId"].n_unique() == roots.height
+    r0 = roots.row(0, named=True)
+    attrs = dict(r0["SpanAttributes"]) if not isinstance(r0["SpanAttributes"], dict) else r0["SpanAttributes"]
+    assert r0["SpanName"] == "text_completion recall" and r0["SpanKind"] == "SERVER"
+    assert attrs["gen_ai.operation.name"] == "text_completion" and attrs["gen_ai.provider.name"] == "kvledger"
+    assert attrs["gen_ai.request.model"] == "recall" and int(attrs["gen_ai.usage.input_tokens"]) > 0
+    assert attrs["gen_ai.response.id"] == f"{r0['incarnation']:x}"
+    kids = spans.join(roots.select("TraceId", pl.col("SpanId").alias("root")), on="TraceId")
+    kids = kids.filter(pl.col("operation") != "request")
+    assert (kids["ParentSpanId"] == kids["root"]).all()
+    assert set(kids["operation"]) == {"admission", "prefill", "kv_transfer", "decode"}
+    prefill_nodes = set(kids.filter(pl.col("operation") == "prefill")["node"])
+    assert prefill_nodes == {"prefill0", "prefill1-canary"}          # linked across nodes, same trace
+
+
+def test_ledger_rows_carry_their_requests_trace(glm53_vulnerable):
+    _, store = glm53_vulnerable
+    con = open_store(store)
+    unmatched = con.sql("""SELECT count(*) FROM page_reads r JOIN spans s ON s.incarnation = r.reader
+                           AND s.operation = 'request' WHERE r.trace_id <> s."TraceId" """).fetchall()
+    assert unmatched == [(0,)]
+    assert con.sql("SELECT count(*) FROM page_reads WHERE trace_id IS NULL").fetchall() == [(0,)]
+
+
+def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    m = open_store(store).sql("""SELECT node, bucket_counts, boundaries, count FROM metrics
+                                 WHERE name = 'gen_ai.server.time_to_first_token'
+                                 QUALIFY row_number() OVER (PARTITION BY node ORDER BY ts DESC) = 1""").pl()
+    assert m["boundaries"][0].to_list() == TTFT_BUCKETS
+    assert m["count"].sum() == sum(r.first_token_at is not None for r in res.requests)
+
+
+def test_no_tenant_id_canary_or_prompt_text_in_the_store(glm53_vulnerable):
+    res, store = glm53_vulnerable
+    con = open_store(store)
+    needles = ["acme", "globex", "initech", "umbrella", "CANARY", res.requests[0].tenant]
+    needles.append(bytes(res.requests[0].prompt_ids[100:130]).decode())
+    tables = [r[0] for r in con.sql("SELECT view_name FROM duckdb_views() WHERE NOT internal").fetchall()]
+    for t in tables:
+        dump = str(con.sql(f'SELECT * FROM "{t}"').fetchall())
+        for n in needles:
+            assert n not in dump, f"{n!r} stored in clear in {t}"
+
+
+def _engine(tel: Telemetry) -> LLMEngine:
+    model, tok = load_model("recall")
+    return LLMEngine(model, tok, EngineConfig(kv_memory_budget=8 << 20, context_length=512), recorder=tel)
+
+
+def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
+    real = StoreSpanExporter.export
+    monkeypatch.setattr(StoreSpanExporter, "export", lambda self, spans: (time.sleep(0.3), real(self, spans))[1])
+    tel = Telemetry(tmp_path / "s", span_queue_size=2, model_name="recall", metric_interval=60)
+    eng = _engine(tel)
+    eng.generate([f"prompt number {i} " * 4 for i in range(12)], SamplingParams(max_tokens=4))
+    stats = tel.close()
+    assert stats["spans_dropped"] > 0 and stats["spans_dropped"] == stats["spans_ended"] - stats["spans_exported"]
+    con = open_store(tmp_path / "s")
+    assert con.sql("SELECT count(*) FROM spans").fetchall() == [(stats["spans_exported"],)]
+    sdk = con.sql("""SELECT sum(v) FROM (SELECT arg_max(value, ts) AS v FROM metrics
+                     WHERE name = 'otel.sdk.processor.span.processed' AND attributes['error.type'] = 'queue_full'
+                     GROUP BY node)""").fetchall()
+    assert sdk == [(stats["spans_dropped"],)]
+
+
+def test_spans_also_go_to_an_otlp_collector(tmp_path, monkeypatch):
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+
+    got: list[bytes] = []
+
+    class Collector(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            got.append(self.rfile.read(int(self.headers["Content-Length"])))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Collector)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", f"http://127.0.0.1:{srv.server_port}")
+    try:
+        tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+        _engine(tel).generate(["hello otlp"], SamplingParams(max_tokens=3))
+        tel.close()
+    finally:
+        srv.shutdown()
+    names = set()
+    for body in got:
+        req = ExportTraceServiceRequest.FromString(body)
+        names |= {s.name for rs in req.resource_spans for ss in rs.scope_spans for s in ss.spans}
+    assert "text_completion recall" in names and "decode recall" in names
+
+
+def test_usage_fields_of_a_unified_request(tmp_path):
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    eng = _engine(tel)
+    (r,) = eng.generate(["abcdefgh" * 5], SamplingParams(max_tokens=5))
+    tel.close()
+    row = Forensics(tmp_path / "s").requests().row(0, named=True)
+    assert (row["prompt_tokens_billed"], row["prompt_tokens_prefilled"], row["output_tokens"]) == (40, 40, 5)
+    assert row["finish_reason"] == "length" and row["ttft_s"] == pytest.approx(r.ttft, abs=1e-6)
