@@ -16,104 +16,128 @@ import time
 from typing import Callable
 
 import numpy as np
-import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 import torch
 
 from engine.attention import read_check
 from engine.recorder import TransferRecord
 from telemetry.keys import Keys
-from telemetry.store import SegmentWriter
+from telemetry.store import Coded, SegmentWriter
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
-_READ_RUN_KEY = ["node", "reader", "block_index", "page", "generation"]
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def _ts(n: int, ns: int) -> pa.Array:
-    return pa.array(np.full(n, ns, dtype=np.int64), pa.timestamp("ns"))
+def _ts(n: int, ns: int) -> np.ndarray:
+    return np.full(n, ns, dtype=np.int64)
 
 
-def _dict(values: list, idx: np.ndarray) -> pa.DictionaryArray:
-    """A string column of len(idx) rows from a few distinct values (cast to string in C++ later)."""
-    return pa.DictionaryArray.from_arrays(pa.array(idx.astype(np.int32)), pa.array(values, pa.string()))
-
-
-def _lists(values: np.ndarray, width: int) -> pa.ListArray:
-    n = len(values) // width if width else 0
-    return pa.ListArray.from_arrays(pa.array(np.arange(n + 1, dtype=np.int32) * width), pa.array(values))
+def _dict(values: list, idx: np.ndarray) -> Coded:
+    """A string column of len(idx) rows from a few distinct values (Arrow is built on the writer thread)."""
+    return Coded(idx.astype(np.int32, copy=False), values)
 
 
 def coalesce_reads(t: pa.Table) -> pa.Table:
     """Merge consecutive reads of one page by one reader that found the same thing (lossless:
-    n_reads counts the steps, [step_first, step_last] spans them, attention mass is summed)."""
-    df = pl.from_arrow(t).sort(_READ_RUN_KEY + ["lclock_first"])
-    same = [pl.col(c) for c in _READ_RUN_KEY + ["found_generation", "bad_mask"]]
-    df = df.with_columns(_w=pl.col("found_writers").hash())
-    changed = pl.any_horizontal([(e != e.shift(1)).fill_null(True) for e in same + [pl.col("_w")]])
-    df = df.with_columns(_run=changed.cum_sum())
-    out = df.group_by("_run", maintain_order=True).agg(
-        *[pl.col(c).first() for c in _READ_RUN_KEY + ["found_generation", "bad_mask", "check_passed",
-                                                       "found_writers", "trace_id", "span_id"]],
-        pl.col("slots_read").max(), pl.col("attention_mass").sum(),
-        pl.col("step_first").min(), pl.col("step_last").max(), pl.col("lclock_first").min(),
-        pl.col("lclock_last").max(), pl.col("n_reads").sum(), pl.col("ts_first").min(), pl.col("ts_last").max())
-    return out.drop("_run").to_arrow()
+    n_reads counts the steps, [step_first, step_last] spans them, attention mass is summed).
+    Runs on the writer thread; numpy lexsort + reduceat, no per-row Python."""
+    n = t.num_rows
+    if n == 0:
+        return t
+    col = lambda c: t.column(c).combine_chunks()  # noqa: E731
+    node = pc.dictionary_encode(col("node")).indices.to_numpy()
+    writers = col("found_writers").flatten().to_numpy().reshape(n, -1)
+    wsig = (writers * _SIG[: writers.shape[1]]).sum(axis=1)
+    keys = [col(c).to_numpy() for c in ("reader", "block_index", "page", "generation")]
+    same = [col(c).to_numpy() for c in ("found_generation", "bad_mask")] + [wsig]
+    lclock = col("lclock_first").to_numpy()
+    order = np.lexsort([lclock, *keys[::-1], node])
+    fields = [node, *keys, *same]
+    change = np.zeros(n, dtype=bool)
+    change[0] = True
+    for f in fields:
+        fs = f[order]
+        change[1:] |= fs[1:] != fs[:-1]
+    starts = np.flatnonzero(change)
+    out = t.take(pa.array(order[starts]))
+
+    def agg(name: str, ufunc) -> pa.Array:
+        return pa.array(ufunc.reduceat(col(name).to_numpy()[order], starts), out.schema.field(name).type)
+
+    for name, ufunc in (("slots_read", np.maximum), ("attention_mass", np.add), ("step_first", np.minimum),
+                        ("step_last", np.maximum), ("lclock_first", np.minimum), ("lclock_last", np.maximum),
+                        ("n_reads", np.add)):
+        out = out.set_column(out.schema.get_field_index(name), name, agg(name, ufunc))
+    for name, ufunc in (("ts_first", np.minimum), ("ts_last", np.maximum)):
+        v = ufunc.reduceat(col(name).cast(pa.int64()).to_numpy()[order], starts)
+        out = out.set_column(out.schema.get_field_index(name), name, pa.array(v).cast(out.schema.field(name).type))
+    return out
+
+
+_SIG = (np.arange(1, 65, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 - (1 << 64)) | 1)
 
 
 class PageLedger:
     def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds):
         self.writer, self.keys, self.span_ids = writer, keys, span_ids
 
-    def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, pa.Array]:
+    def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, Coded]:
         ids = [self.span_ids(i) for i in incarnations]
         return {"trace_id": _dict([t for t, _ in ids], idx), "span_id": _dict([s for _, s in ids], idx)}
 
-    def _writes(self, engine, pages: torch.Tensor, offsets: torch.Tensor, positions: torch.Tensor,
-                writers: torch.Tensor, tags: torch.Tensor, path_idx: np.ndarray, paths: list[str],
-                lclock: torch.Tensor | int, ids: dict[str, pa.Array], generation: torch.Tensor | None = None,
-                node: str | None = None) -> None:
-        n = pages.numel()
-        if not n:
-            return
-        gen = engine.pool.generation[pages] if generation is None else generation
+    def _write_cols(self, node: str, n: int, lclock: "np.ndarray | int", pages, generation, offsets, positions,
+                    writers, tags, path_idx: np.ndarray, paths: list[str], ids: dict[str, Coded]) -> dict:
+        """page_writes columns (call on the writer thread where possible: it runs the keyed mix)."""
         lc = np.full(n, lclock, dtype=np.int64) if isinstance(lclock, int) else _np(lclock).astype(np.int64)
-        self.writer.submit("page_writes", {
-            "node": _dict([node or engine.cfg.node_id], np.zeros(n)), "lclock": lc, "ts": _ts(n, time.time_ns()),
-            "page": _np(pages).astype(np.int32), "generation": _np(gen), "slot": _np(offsets).astype(np.int16),
-            "position": _np(positions).astype(np.int32), "writer": _np(writers),
-            "tag_h": self.keys.tag_pseudonyms(_np(tags)), "path": _dict(paths, path_idx), **ids})
+        return {"node": _dict([node], np.zeros(n)), "lclock": lc, "ts": _ts(n, time.time_ns()),
+                "page": _np(pages).astype(np.int32), "generation": _np(generation), "slot": _np(offsets).astype(np.int16),
+                "position": _np(positions).astype(np.int32), "writer": _np(writers),
+                "tag_h": self.keys.tag_pseudonyms(_np(tags)), "path": _dict(paths, path_idx), **ids}
 
     # ---- a model step: its writes, then everything its attention read ---------------------------
     def on_step(self, engine, out) -> None:
-        lay, incs = out.layout, [s.req.incarnation for s in out.batch]
+        """Engine thread: capture what only exists now (page generations, the read check, ids);
+        the columns are built on the writer thread from the step's own (immutable) tensors."""
+        chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
+        incs = [s.req.incarnation for s in out.batch]
+        snap = (engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs,
+                [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch],
+                engine.pool.generation[out.slot_pages], engine.pool.page_size, out, chk)
+        self.writer.submit_lazy(lambda: self._step_rows(*snap))
+
+    def _step_rows(self, node, steps, lclock, ts_ns, incs, ids, prompt_lens, gen_written, S, out, chk):
+        lay = out.layout
         tok_b = _np(lay.tok_batch)
-        prompt_len = torch.tensor([len(s.req.prompt_ids) for s in out.batch])
-        is_decode = _np((lay.positions >= prompt_len[lay.tok_batch]).to(torch.int32))
-        self._writes(engine, out.slot_pages, out.slot_offsets, lay.positions, out.new_writers, out.new_tags,
-                     is_decode, ["prefill", "decode"], engine.lclock, self._ids(incs, tok_b))
-        chk = out.read_check if out.read_check is not None else read_check(engine.pool, lay)
-        S = engine.pool.page_size
-        read = (lay.block_tables >= 0) & (chk.slots_read > 0)                    # [B, C]
-        b_idx, c_idx = (_np(x) for x in torch.nonzero(read, as_tuple=True))
-        n = len(b_idx)
-        slots_read = chk.slots_read[read]
-        in_run = torch.arange(S)[None, :] < slots_read[:, None]
-        writers = torch.where(in_run, chk.found_writers[read], -1)               # -1: slot not read
-        ts = _ts(n, time.time_ns())
-        self.writer.submit("page_reads", {
-            "node": _dict([engine.cfg.node_id], np.zeros(n)), "reader": np.asarray(incs, dtype=np.int64)[b_idx],
-            "page": _np(lay.block_tables[read]).astype(np.int32), "generation": _np(lay.expected_gen[read]),
-            "found_generation": _np(chk.found_gen[read]), "block_index": c_idx.astype(np.int32),
-            "slots_read": _np(slots_read).astype(np.int16), "bad_mask": _np(chk.bad_mask[read]),
-            "check_passed": _np(chk.bad_slots[read] == 0), "found_writers": _lists(_np(writers).ravel(), S),
-            "attention_mass": _np(out.page_mass[read]).astype(np.float64),
-            "step_first": np.full(n, engine.steps, dtype=np.int64), "step_last": np.full(n, engine.steps, dtype=np.int64),
-            "lclock_first": np.full(n, engine.lclock, dtype=np.int64), "lclock_last": np.full(n, engine.lclock, dtype=np.int64),
-            "n_reads": np.ones(n, dtype=np.int32), "ts_first": ts, "ts_last": ts, **self._ids(incs, b_idx)})
+        traces, spans = [t for t, _ in ids], [s for _, s in ids]
+        is_decode = _np((lay.positions >= torch.tensor(prompt_lens)[lay.tok_batch]).to(torch.int32))
+        writes = self._write_cols(node, len(tok_b), lclock, out.slot_pages, gen_written, out.slot_offsets,
+                                  lay.positions, out.new_writers, out.new_tags, is_decode, ["prefill", "decode"],
+                                  {"trace_id": _dict(traces, tok_b), "span_id": _dict(spans, tok_b)})
+        read = ((lay.block_tables >= 0) & (chk.slots_read > 0)).flatten()      # [B*C]: pages this step read
+        flat = torch.nonzero(read).flatten()
+        n = flat.numel()
+        # one gather for every [B, C] column: page, granted gen, found gen, slots read, bad mask, bad count
+        cols = torch.stack([lay.block_tables, lay.expected_gen, chk.found_gen, chk.slots_read, chk.bad_mask,
+                            chk.bad_slots]).flatten(1)[:, flat].numpy()
+        C = lay.block_tables.shape[1]
+        b_idx, c_idx = (flat // C).numpy(), (flat % C).numpy()
+        in_run = torch.arange(S)[None, :] < torch.from_numpy(cols[3])[:, None]
+        writers = torch.where(in_run, chk.found_writers.flatten(0, 1)[flat], -1).numpy()   # -1: slot not read
+        ts, step, lc = _ts(n, ts_ns), np.full(n, steps, dtype=np.int64), np.full(n, lclock, dtype=np.int64)
+        reads = {
+            "node": _dict([node], np.zeros(n)), "reader": np.asarray(incs, dtype=np.int64)[b_idx],
+            "page": cols[0].astype(np.int32), "generation": cols[1], "found_generation": cols[2],
+            "block_index": c_idx.astype(np.int32), "slots_read": cols[3].astype(np.int16), "bad_mask": cols[4],
+            "check_passed": cols[5] == 0, "found_writers": writers,
+            "attention_mass": out.page_mass.flatten()[flat].numpy().astype(np.float64),
+            "step_first": step, "step_last": step, "lclock_first": lc, "lclock_last": lc,
+            "n_reads": np.ones(n, dtype=np.int32), "ts_first": ts, "ts_last": ts,
+            "trace_id": _dict(traces, b_idx), "span_id": _dict(spans, b_idx)}
+        return [("page_writes", writes), ("page_reads", reads)]
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:
@@ -129,17 +153,21 @@ class PageLedger:
         else:
             tags, writers, gen = engine.pool.tags[page_of, offs], engine.pool.writers[page_of, offs], None
         n = positions.numel()
-        self._writes(engine, page_of, offs, positions, writers, tags, np.zeros(n), [path], engine.lclock,
-                     self._ids([req.incarnation], np.zeros(n)), generation=gen, node=node)
+        gen = engine.pool.generation[page_of] if gen is None else gen
+        self.writer.submit("page_writes", self._write_cols(node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs,
+                                                           positions, writers, tags, np.zeros(n), [path],
+                                                           self._ids([req.incarnation], np.zeros(n))))
 
     # ---- a transfer: its landed writes (read back from the receiver's tag plane) and its verdict ---
     def on_transfer(self, engine, rec: TransferRecord) -> None:
         idx = torch.searchsorted(rec.sent, rec.landed)
         pages, offs = rec.dst_pages[idx], rec.dst_offsets[idx]
         n = pages.numel()
-        ids = self._ids([rec.incarnation], np.zeros(max(n, 1)))
-        self._writes(engine, pages, offs, rec.landed, engine.pool.writers[pages, offs], engine.pool.tags[pages, offs],
-                     np.zeros(n), ["transfer_landing"], rec.landed_lclock, {k: v[:n] for k, v in ids.items()})
+        if n:
+            self.writer.submit("page_writes", self._write_cols(
+                engine.cfg.node_id, n, rec.landed_lclock, pages, engine.pool.generation[pages], offs, rec.landed,
+                engine.pool.writers[pages, offs], engine.pool.tags[pages, offs], np.zeros(n), ["transfer_landing"],
+                self._ids([rec.incarnation], np.zeros(n))))
         trace, span = self.span_ids(rec.incarnation)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src
         to_ns = _perf_to_unix_ns

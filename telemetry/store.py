@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Callable, NamedTuple
 
 import duckdb
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -64,6 +65,41 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     finally:
         os.close(fd)
     os.replace(tmp, path)
+
+
+class Coded(NamedTuple):
+    """A string column as codes into a few distinct values; becomes Arrow on the writer thread."""
+    codes: np.ndarray
+    values: list
+
+
+Columns = dict[str, "np.ndarray | Coded"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings
+
+
+def _num_rows(data: "pa.Table | Columns") -> int:
+    if isinstance(data, pa.Table):
+        return data.num_rows
+    first = next(iter(data.values()))
+    return len(first.codes if isinstance(first, Coded) else first)
+
+
+def columns_to_arrow(batches: list[Columns]) -> pa.Table:
+    """Concatenate column batches (same keys) into one Arrow table, all in numpy/C++."""
+    out = {}
+    for name in batches[0]:
+        parts = [b[name] for b in batches]
+        if isinstance(parts[0], Coded):
+            uniq: dict = {}
+            codes = [np.array([uniq.setdefault(v, len(uniq)) for v in p.values], dtype=np.int32)[p.codes] for p in parts]
+            out[name] = pa.DictionaryArray.from_arrays(np.concatenate(codes), pa.array(list(uniq), pa.string()))
+            continue
+        arr = np.concatenate(parts)
+        if arr.ndim == 2:
+            offsets = np.arange(arr.shape[0] + 1, dtype=np.int32) * arr.shape[1]
+            out[name] = pa.ListArray.from_arrays(offsets, pa.array(arr.ravel()))
+        else:
+            out[name] = pa.array(arr)
+    return pa.table(out)
 
 
 class Link(NamedTuple):
@@ -128,17 +164,22 @@ class SegmentWriter:
         self._thread.start()
 
     # ---- producer side -------------------------------------------------------------------------
-    def submit(self, table: str, data: pa.Table | dict) -> None:
+    def submit(self, table: str, data: "pa.Table | Columns") -> None:
         if table not in self.schemas:
             raise StoreError(f"unknown table {table!r}; schema.sql defines {sorted(self.schemas)}")
         if self.error is not None:
             raise StoreError(f"store writer failed: {self.error}") from self.error
         if self._closed:
             raise StoreError("store writer is closed")
-        if isinstance(data, dict):
-            data = pa.table(data)
-        if data.num_rows:
+        if _num_rows(data):
             self._q.put((table, data))
+
+    def submit_lazy(self, build: Callable[[], list[tuple[str, "pa.Table | Columns"]]]) -> None:
+        """Queue a function the writer thread calls to build (table, rows) pairs: the engine hands over
+        its step's immutable tensors and goes on; the column work happens here, off its path."""
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+        self._q.put(("__lazy__", build))
 
     def flush(self) -> None:
         """Write every buffered row now and wait until it is linked."""
@@ -175,11 +216,13 @@ class SegmentWriter:
                     self._write_all()
                     data.set()
                     continue
-                if table != "__tick__":
-                    self._buf[table].append(data)
-                    self._rows[table] += data.num_rows
-                    if self._rows[table] >= self.max_rows:
-                        self._write(table)
+                items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
+                for t, d in items:
+                    if _num_rows(d):
+                        self._buf[t].append(d)
+                        self._rows[t] += _num_rows(d)
+                        if self._rows[t] >= self.max_rows:
+                            self._write(t)
                 if time.monotonic() - last >= self.flush_interval:
                     self._write_all()
                     last = time.monotonic()
@@ -212,7 +255,11 @@ class SegmentWriter:
                 self._write(t)
 
     def _write(self, table: str) -> None:
-        data = pa.concat_tables(self._buf[table], promote_options="permissive")
+        raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
+        tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
+        if raw:
+            tables.append(conform(table, columns_to_arrow(raw)))
+        data = pa.concat_tables(tables)
         if table in self.prepare:
             data = self.prepare[table](data)
         data = conform(table, data)
@@ -220,7 +267,7 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="zstd"))
+        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="lz4"))
         self._link(seq, table, rel, data.num_rows)
         self.rows_written[table] += data.num_rows
         self.segments_written += 1

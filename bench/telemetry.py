@@ -1,0 +1,102 @@
+"""Telemetry cost and ledger ingest, measured side by side in one run.
+
+1. decode tokens/s of the same workload with no recorder, with spans + metrics only, and with
+   spans + metrics + the page ledger (all into a real store), interleaved: the cost ratios.
+2. ledger ingest, end to end: real StepOutputs captured from a decode-heavy batch are fed through
+   the ledger (numpy columns -> bounded queue -> writer thread -> coalesce -> Parquet segment ->
+   chain link) as fast as it takes them; rows/s counts per-step read rows plus slot writes.
+Writes bench/results/telemetry.json.
+"""
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._common import interleaved, write  # noqa: E402
+from engine.config import EngineConfig  # noqa: E402
+from engine.llm import LLMEngine  # noqa: E402
+from engine.models.llama import LlamaModel  # noqa: E402
+from engine.request import SamplingParams  # noqa: E402
+from telemetry import Telemetry  # noqa: E402
+from tests.tiny_models import build_tiny  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--ingest-steps", type=int, default=300)
+    ap.add_argument("--ingest-context", type=int, default=2048)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    tmp = Path(tempfile.mkdtemp())
+    build_tiny("llama", tmp / "tiny", hidden=256, layers=4)
+    model = LlamaModel.from_pretrained(tmp / "tiny")
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist() for n in torch.randint(16, 200, (args.batch,), generator=g)]
+    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    cfg = lambda: EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch)  # noqa: E731
+    tels = {"spans": Telemetry(tmp / "spans", record_ledger=False, model_name="tiny"),
+            "spans_ledger": Telemetry(tmp / "ledger", model_name="tiny")}
+    engines = {"off": LLMEngine(model, None, cfg()), **{k: LLMEngine(model, None, cfg(), recorder=t) for k, t in tels.items()}}
+    t = interleaved({k: (lambda e=e: e.generate(prompts, sp)) for k, e in engines.items()}, args.repeats)
+    new_tokens = args.batch * args.new_tokens
+    tps = {k: new_tokens / v for k, v in t.items()}
+    closed = {k: tel.close() for k, tel in tels.items()}
+
+    # ---- ingest: capture real decode steps of a long-context batch, then replay them into a ledger
+    captured = []
+    eng = LLMEngine(model, None, EngineConfig(kv_memory_budget=1 << 30, page_size=16, max_num_seqs=32,
+                                              max_step_tokens=8192, context_length=4096))
+    eng.observers.append(lambda e, out: captured.append(out))
+    long = [torch.randint(3, 512, (args.ingest_context,), generator=g).tolist() for _ in range(32)]
+    eng.generate(long, SamplingParams(max_tokens=4, ignore_eos=True))
+    step = max(captured, key=lambda o: int((o.layout.block_tables >= 0).sum()))   # the step that read most pages
+    tel = Telemetry(tmp / "ingest", model_name="tiny", flush_interval=1.0)
+    node = type("Node", (), {})()
+    node.cfg, node.pool, node.steps, node.lclock = eng.cfg, eng.pool, 0, 0
+    reads_per_step = int(((step.layout.block_tables >= 0) & (step.read_check.slots_read > 0)).sum())
+    writes_per_step = int(step.slot_pages.numel())
+    t0 = time.perf_counter()
+    for i in range(args.ingest_steps):
+        node.steps = node.lclock = i + 1
+        tel.ledger.on_step(node, step)
+    submitted = time.perf_counter() - t0
+    tel.writer.flush()
+    total = time.perf_counter() - t0
+    rows_in = args.ingest_steps * (reads_per_step + writes_per_step)
+    stored = dict(tel.writer.rows_written)
+    tel.writer.close()
+    size = sum(p.stat().st_size for p in (tmp / "ingest").rglob("*.parquet"))
+    res = {"config": {"model": "tiny llama hidden 256, 4 layers", "batch": args.batch, "new_tokens": args.new_tokens,
+                      "repeats": args.repeats, "ingest_batch": len(step.batch), "ingest_context": args.ingest_context,
+                      "ingest_steps": args.ingest_steps},
+           "tokens_per_s": tps,
+           "spans_cost": 1 - tps["spans"] / tps["off"],
+           "spans_ledger_cost": 1 - tps["spans_ledger"] / tps["off"],
+           "store_rows": {k: c["rows"] for k, c in closed.items()},
+           "ingest": {"rows_in": rows_in, "reads_per_step": reads_per_step, "writes_per_step": writes_per_step,
+                      "seconds_engine_side": submitted, "seconds_end_to_end": total,
+                      "rows_per_s_end_to_end": rows_in / total, "rows_per_s_engine_side": rows_in / submitted,
+                      "rows_stored": stored["page_reads"] + stored["page_writes"], "bytes_on_disk": size}}
+    out = write("telemetry", res)
+    print(f"decode tokens/s: off {tps['off']:.0f}, spans {tps['spans']:.0f} (cost {100 * res['spans_cost']:+.1f} %), "
+          f"spans + ledger {tps['spans_ledger']:.0f} (cost {100 * res['spans_ledger_cost']:+.1f} %)")
+    ing = res["ingest"]
+    print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
+          f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
+          f"{ing['rows_stored']} rows stored after coalescing, {size / 2**20:.1f} MiB")
+    print(f"wrote {out}")
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
