@@ -135,6 +135,23 @@ def cmd_forensics(args) -> int:
     return emit(df, args.format, title=f"kvledger forensics {args.query} ({args.store})")
 
 
+def cmd_report(args) -> int:
+    from forensics.report import build, parse_event, write
+
+    try:
+        events = [parse_event(e) for e in args.event]
+    except ValueError as e:
+        return _die(str(e))
+    report = build(args.store, args.start, args.end, events, args.include_excerpts)
+    for p in write(report, args.out):
+        print(p)
+    c = report["counts"]
+    print(f"{c['affected_responses']} affected response(s), {c['recipient_tenants']} recipient and "
+          f"{c['donor_tenants']} donor tenant(s); chain {'intact' if report['provenance']['chain_ok'] else 'BROKEN'}",
+          file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -174,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     f.set_defaults(func=cmd_forensics)
+    rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
+    rp.add_argument("--store", default="./kvledger-store")
+    rp.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
+    rp.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
+    rp.add_argument("--out", required=True, help="output directory")
+    rp.add_argument("--event", action="append", default=[], metavar="'TIME WHAT'",
+                    help="an operator event for the timeline, e.g. '2026-09-01T10:00 report received' (repeatable)")
+    rp.add_argument("--include-excerpts", action="store_true",
+                    help="add the keyed n-gram evidence per exposure (the store holds no plaintext)")
+    rp.set_defaults(func=cmd_report)
     return p
 
 

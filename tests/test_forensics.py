@@ -120,3 +120,27 @@ def test_a_store_copy_is_enough(glm53_vulnerable, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(store, copy, ignore=shutil.ignore_patterns("writer.lock"))
     assert forensic_set(copy) == oracle_set(res)
+
+
+def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulnerable, tmp_path, capsys):
+    res, store = glm53_vulnerable
+    out = tmp_path / "report"
+    assert main(["report", "--store", str(store), "--out", str(out),
+                 "--event", "2026-09-01T10:00 report received from a customer"]) == 0
+    rep = json.loads((out / "report.json").read_text())                 # validated against the schema on write
+    truth = oracle_set(res)
+    assert rep["counts"]["affected_responses"] == len({t[0] for t in truth})
+    assert rep["counts"]["donor_requests"] == len({t[1] for t in truth} - {-1})
+    assert rep["counts"]["foreign_tokens"] == len({(t[0], t[1], t[2], t[4]) for t in truth if t[1] != -1})
+    assert rep["counts"]["usage_dishonest_responses"] == len(res.over_pool)
+    assert rep["provenance"]["chain_ok"] and len(rep["provenance"]["query_sha256"]) >= 10
+    assert rep["clock_72h"]["deadline"].startswith("2026-09-04T10:00")
+    assert {r["incarnation"] for r in rep["what_happened"]["over_pool_requests"]} == {r.incarnation for r in res.over_pool}
+    surfaced = {r["response"] for r in rep["responses"] if r["surfaced"]}
+    assert {inc for inc, _, _ in res.surfaced} <= surfaced      # every canary that surfaced is flagged
+    text = "".join(p.read_text() for p in out.iterdir())
+    for secret in list(res.canaries) + ["acme", "globex", "initech", "umbrella"]:
+        assert secret not in text
+    assert "<table>" in (out / "report.html").read_text()
+    assert main(["report", "--store", str(store), "--out", str(out), "--event", "yesterday lunch"]) == 2
+    assert "expected 'ISO-TIME what happened'" in capsys.readouterr().err

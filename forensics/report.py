@@ -1,0 +1,253 @@
+"""The disclosure report: Markdown, HTML, JSON (validated against ``report.schema.json``) and CSV.
+
+Structure after GDPR Art. 33(3) - nature of the breach, categories and approximate numbers of
+data subjects and records, likely consequences, measures taken - and after the incident report
+this project is built around (what happened and why, exact window, counts, timeline, remediation,
+recommendations). Every number comes from the named queries over the store; provenance records
+the store's chain head and the SHA-256 of every query file. No leaked content and no canary is
+ever included: the store holds none; ``--include-excerpts`` adds the keyed n-gram evidence only.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+from typing import NamedTuple
+
+import jsonschema
+import polars as pl
+from markdown_it import MarkdownIt
+
+from forensics.api import Forensics, query_hashes
+from forensics.output import json_rows
+from telemetry.store import verify
+
+SCHEMA = Path(__file__).with_name("report.schema.json")
+CWE = [{"id": "CWE-226", "name": "Sensitive Information in Resource Not Removed Before Reuse"},
+       {"id": "CWE-908", "name": "Use of Uninitialized Resource"}]
+UPSTREAM = ["SGLang v0.5.20: a rejected request is retired before bootstrap with its original error; admission "
+            "queues check one terminal predicate",
+            "decode verifies that the landed slot set equals the reserved set before generating",
+            "per-transfer checksums in logical token order, verified before generation",
+            "deferred release of transfer pages until in-flight writes drain",
+            "read-time provenance check (generation + content tag per KV slot)"]
+RECOMMENDATIONS = ["Size every node's KV pool to at least the advertised context length, or lower the context "
+                   "(`kvledger preflight` exits non-zero otherwise).",
+                   "Turn on every hardened guard and watch their liveness: a guard that is on but runs no checks "
+                   "protects nothing.",
+                   "Record page reads and writes in both policies: protection and recording are separate, and "
+                   "forensics works only on what was recorded.",
+                   "Alert on usage honesty (billed prompt tokens > prefilled + cached) and on TTFT below the "
+                   "prefill floor: they were the visible symptoms of this incident."]
+
+
+class Event(NamedTuple):
+    time: dt.datetime
+    what: str
+
+
+def parse_event(text: str) -> Event:
+    """'2026-09-01T10:00 report received' -> Event."""
+    when, _, what = text.partition(" ")
+    try:
+        t = dt.datetime.fromisoformat(when)
+    except ValueError:
+        raise ValueError(f"event {text!r}: expected 'ISO-TIME what happened', e.g. '2026-09-01T10:00 report received'") from None
+    if not what.strip():
+        raise ValueError(f"event {text!r} says when but not what happened")
+    return Event(t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t, what.strip())
+
+
+def _rows(df: pl.DataFrame) -> list[dict]:
+    return json.loads(json_rows(df))
+
+
+def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime | None = None,
+          events: list[Event] = (), include_excerpts: bool = False) -> dict:
+    fx = Forensics(store)
+    v = verify(store)
+    ex = fx.query("exposures", start, end)
+    scores = fx.query("scores", start, end)
+    tenants = fx.query("tenants", start, end)
+    pre = fx.query("preflight")
+    guards = fx.query("guards")
+    impact = fx.query("impact", start, end)
+    ttft = fx.query("ttft", start, end)
+    transfers = fx.query("transfers", start, end)
+    releases = fx.query("releases", start, end)
+    real = ex.filter(pl.col("donor") != -1)
+    recipients = sorted(set(real["response_tenant"].drop_nulls()))
+    donors = sorted(set(real["donor_tenant"].drop_nulls()))
+    first = ex["first_read"].min() if ex.height else None
+    last = ex["last_read"].max() if ex.height else None
+    notify = []
+    for t in donors:
+        rows = real.filter(pl.col("donor_tenant") == t)
+        notify.append({"tenant": t, "role": "donor", "responses": rows["response"].n_unique(),
+                       "statement": f"Your data was exposed to {rows['response'].n_unique()} response(s) of other "
+                                    f"customers ({int(rows['foreign_tokens'].sum())} tokens of KV cache)."})
+    for t in recipients:
+        rows = real.filter(pl.col("response_tenant") == t)
+        notify.append({"tenant": t, "role": "recipient", "responses": rows["response"].n_unique(),
+                       "statement": f"{rows['response'].n_unique()} of your responses were computed over other "
+                                    f"customers' data ({int(rows['foreign_tokens'].sum())} tokens); their content "
+                                    f"may not reflect your prompt."})
+    timeline = [{"time": _iso(r["snapshot_at"]), "source": "store", "event": f"node {r['node']} started: pool "
+                 f"{r['pool_tokens']} tokens vs context {r['context_length']}, policy {r['policy']}"}
+                for r in pre.iter_rows(named=True)]
+    if first is not None:
+        timeline.append({"time": _iso(first), "source": "store", "event": "first foreign KV read"})
+        timeline.append({"time": _iso(last), "source": "store", "event": "last foreign KV read"})
+    timeline += [{"time": _iso(e.time), "source": "operator", "event": e.what} for e in events]
+    timeline.sort(key=lambda e: e["time"])
+    aware = min((e.time for e in events if any(k in e.what.lower() for k in ("report", "declared", "aware"))),
+                default=None)
+    clock = {"became_aware": aware.isoformat() if aware else None,
+             "deadline": (aware + dt.timedelta(hours=72)).isoformat() if aware else None,
+             "note": "GDPR Art. 33(1): notify the supervisory authority within 72 hours of becoming aware"}
+    small_pools = [r for r in pre.iter_rows(named=True) if not r["pool_fits_context"]]
+    report = {
+        "title": "KV cache cross-request exposure - disclosure report",
+        "generated_at": dt.datetime.now(dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="seconds"),
+        "window": {"from": _iso(start), "to": _iso(end), "first_exposure": _iso(first), "last_exposure": _iso(last)},
+        "what_happened": {
+            "summary": (f"{scores.height} response(s) read KV cache slots written by other requests "
+                        f"({int(real['foreign_tokens'].sum()) if real.height else 0} tokens from "
+                        f"{real['donor'].n_unique() if real.height else 0} donor request(s)). "
+                        + (f"{len(small_pools)} node(s) had a KV pool smaller than the context length "
+                           f"({', '.join(r['node'] for r in small_pools)}): prompts longer than the pool took a "
+                           "reject path that let decode attend over pages it had reserved but never received."
+                           if small_pools else "Every node's pool fits its context length.")),
+            "cwe": CWE,
+            "config_snapshots": _rows(pre),
+            "over_pool_requests": _rows(impact),
+        },
+        "counts": {"affected_responses": scores.height,
+                   "surfaced_responses": int(scores["surfaced"].sum()) if scores.height else 0,
+                   "recipient_tenants": len(recipients), "donor_tenants": len(donors),
+                   "donor_requests": real["donor"].n_unique() if real.height else 0,
+                   "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
+                   "usage_dishonest_responses": int(ttft["usage_dishonest"].sum()) if ttft.height else 0,
+                   "transfers_with_integrity_failures": int((~transfers["integrity_ok"]).sum()) if transfers.height else 0},
+        "data_categories": ["KV cache (attention keys and values) computed from other customers' prompts and "
+                            "outputs: may encode any content they sent, including personal data and credentials",
+                            "derived model outputs delivered to the wrong customer"],
+        "likely_consequences": "Recipients' responses may contain fragments of donors' prompts (see severity: "
+                               "'surfaced' means a keyed n-gram of the donor's prompt appears in the output).",
+        "notifications": notify,
+        "tenant_matrix": _rows(tenants),
+        "responses": _rows(scores),
+        "timeline": timeline,
+        "clock_72h": clock,
+        "remediation": {"guards": _rows(guards), "releases": _rows(releases), "upstream_fixes": UPSTREAM},
+        "recommendations": RECOMMENDATIONS,
+        "provenance": {"store": str(store), "chain_ok": v.ok, "chain_head": v.head, "segments": v.segments,
+                       "rows": v.rows, "first_broken_link": v.broken, "kvledger_version": _version(),
+                       "query_sha256": query_hashes()},
+    }
+    if include_excerpts:
+        report["excerpts"] = {"note": "the store holds no plaintext; evidence is the count of keyed n-grams of the "
+                                      "donor's prompt found in the recipient's output",
+                              "pairs": _rows(ex.select("response", "donor", "severity", "shared_ngrams"))}
+    jsonschema.validate(report, json.loads(SCHEMA.read_text()))
+    return report
+
+
+def _iso(t) -> str | None:
+    return None if t is None else t.isoformat() if hasattr(t, "isoformat") else str(t)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("kvledger")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def _md_table(rows: list[dict], cols: list[str]) -> str:
+    if not rows:
+        return "_none_\n"
+    out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
+    out += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    return "\n".join(out) + "\n"
+
+
+def markdown(r: dict) -> str:
+    c, w, p = r["counts"], r["window"], r["provenance"]
+    return f"""# {r['title']}
+
+Generated {r['generated_at']} UTC by kvledger {p['kvledger_version']}.
+
+## What happened and why
+{r['what_happened']['summary']}
+
+Weakness classes: {', '.join(f"{x['id']} ({x['name']})" for x in r['what_happened']['cwe'])}.
+
+### Node configuration (from config snapshots)
+{_md_table(r['what_happened']['config_snapshots'], ['node', 'role', 'pool_tokens', 'context_length', 'pool_fits_context', 'policy'])}
+### Requests longer than their prefill node's pool
+{_md_table(r['what_happened']['over_pool_requests'], ['incarnation', 'tenant_h', 'arrived_at', 'prefill_node', 'prompt_tokens_billed', 'pool_tokens', 'finish_reason'])}
+## Window
+First foreign read: {w['first_exposure'] or '-'}; last: {w['last_exposure'] or '-'} (report window {w['from'] or 'start of store'} to {w['to'] or 'end of store'}).
+
+## Counts
+| | |
+| --- | --- |
+| affected responses | {c['affected_responses']} |
+| responses where donor content surfaced | {c['surfaced_responses']} |
+| recipient tenants | {c['recipient_tenants']} |
+| donor tenants | {c['donor_tenants']} |
+| donor requests | {c['donor_requests']} |
+| foreign KV tokens read | {c['foreign_tokens']} |
+| responses billed for more prompt than was prefilled | {c['usage_dishonest_responses']} |
+| KV transfers failing integrity | {c['transfers_with_integrity_failures']} |
+
+## Data categories
+{chr(10).join('- ' + d for d in r['data_categories'])}
+
+Likely consequences: {r['likely_consequences']}
+
+## Whom to notify
+Tenants are store-keyed pseudonyms; map them to customers with the store secret's owner. Neither side is told the other's identity.
+
+{_md_table(r['notifications'], ['tenant', 'role', 'responses', 'statement'])}
+## Timeline
+{_md_table(r['timeline'], ['time', 'source', 'event'])}
+72-hour clock: became aware {r['clock_72h']['became_aware'] or '(add an operator event such as "report received")'}; deadline {r['clock_72h']['deadline'] or '-'}.
+
+## Remediation
+Guards (on, checks run, failures; idle_but_on means protection that was not happening):
+{_md_table(r['remediation']['guards'], ['guard', 'enabled', 'checks', 'failed', 'idle_but_on'])}
+Upstream fixes: {'; '.join(r['remediation']['upstream_fixes'])}.
+
+## Recommendations to other operators
+{chr(10).join('- ' + x for x in r['recommendations'])}
+
+## Provenance
+Store `{p['store']}`: chain {'intact' if p['chain_ok'] else 'BROKEN at ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows, head `{p['chain_head']}`.
+Queries (SHA-256): {', '.join(f'{k} `{v[:12]}`' for k, v in p['query_sha256'].items())}.
+"""
+
+
+def write(report: dict, out: str | Path) -> list[Path]:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    md = markdown(report)
+    files = {"report.md": md, "report.json": json.dumps(report, indent=2) + "\n",
+             "report.html": "<!doctype html><meta charset='utf-8'><title>kvledger disclosure report</title>"
+                            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}table{border-collapse:collapse}"
+                            "td,th{border:1px solid #ccc;padding:2px 6px}</style>\n"
+                            + MarkdownIt("commonmark", {"html": False}).enable("table").render(md)}
+    paths = []
+    for name, text in files.items():
+        (out / name).write_text(text)
+        paths.append(out / name)
+    for name, rows in (("notifications.csv", report["notifications"]), ("responses.csv", report["responses"]),
+                       ("tenant_matrix.csv", report["tenant_matrix"])):
+        df = pl.DataFrame(rows) if rows else pl.DataFrame({"empty": []})
+        df = df.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(";") for c, t in df.schema.items()
+                              if isinstance(t, pl.List)])
+        df.write_csv(out / name)
+        paths.append(out / name)
+    return paths
