@@ -35,6 +35,7 @@ class EngineConfig:
     detect_double_free: bool = True
     scope_secret: bytes = b"kvledger-default-scope-secret"
     kv_format_version: str = "kvledger-kv-v1"
+    preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/preflight.py)
     node_id: str = "node0"
     role: str = "unified"
     seed: int = 0

@@ -187,8 +187,6 @@ class DisaggCluster:
             raise InputError(f"prefill node {prefill_node} does not exist (0..{len(self.prefills) - 1})")
         node = self.prefills[prefill_node]
         dreq = self.decode.new_request(prompt, sampling, tenant)          # validates before any page is taken
-        preq = node.new_request(list(dreq.prompt_ids), SamplingParams(max_tokens=1, ignore_eos=True), tenant,
-                                incarnation=dreq.incarnation)
         self.rec.request_arrived(self.decode, dreq)
         self.responses.append(dreq)
         if self.guards.reject_before_bootstrap:
@@ -198,6 +196,11 @@ class DisaggCluster:
             except InputError as e:
                 self.rec.guard_checked(self.decode, "reject_before_bootstrap", failed=True)
                 return self._reject(self.decode, dreq, "router", e)
+        try:                                     # the prefill node's own limits (its context may be lower)
+            preq = node.new_request(list(dreq.prompt_ids), SamplingParams(max_tokens=1, ignore_eos=True), tenant,
+                                    incarnation=dreq.incarnation)
+        except InputError as e:
+            return self._reject(self.decode, dreq, f"prefill:{node.cfg.node_id}", e)
         if len(dreq.prompt_ids) > self.decode.pool.capacity_tokens:
             return self._reject(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", OutOfPages(
                 f"decode node's pool of {self.decode.pool.capacity_tokens} tokens can never hold {len(dreq.prompt_ids)}"))

@@ -17,6 +17,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError, ReadCheckViolation
 from engine.host import HostTier
 from engine.pool import KVPool
+from engine.preflight import preflight
 from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
 from engine.runner import ModelRunner, StepOutput
@@ -32,6 +33,7 @@ class LLMEngine:
         self.cfg = cfg = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         dtype = getattr(model, "dtype", torch.float32)
+        self.preflight = preflight(model, cfg)          # before the pool is allocated
         self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
                            dtype=dtype, zero_on_free=cfg.zero_on_free)
         self.allocator = PageAllocator(self.pool, detect_double_free=cfg.detect_double_free)

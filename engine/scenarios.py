@@ -78,7 +78,8 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
     small = round(context * INCIDENT_POOL / INCIDENT_CONTEXT)
     cfg = lambda tokens, node: EngineConfig(kv_memory_budget=(tokens // page) * pb, page_size=page,  # noqa: E731
                                             context_length=context, node_id=node, max_num_seqs=8,
-                                            check_reads=True, fail_on_violation=guards.read_check)
+                                            check_reads=True, fail_on_violation=guards.read_check,
+                                            preflight="fit" if guards == Guards.policy("hardened") else "record")
     rng = random.Random(seed)
     canaries: dict[str, str] = {}
     tenants = ["acme", "globex", "initech"]

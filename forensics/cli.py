@@ -112,6 +112,36 @@ def cmd_replay(args) -> int:
     return 0
 
 
+def cmd_preflight(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.config import EngineConfig, parse_bytes
+    from engine.models import load_model
+    from engine.preflight import pool_tokens_for
+
+    if args.context_length <= 0:
+        return _die(f"--context-length must be >= 1, got {args.context_length}")
+    model, _ = load_model(args.model)
+    budgets = args.memory_budget or ["64MiB"]
+    t = Table(title=f"kvledger preflight: model {args.model}, context length {args.context_length}")
+    for c in ("node", "KV memory budget", "pool (tokens)", "pool / context", "verdict"):
+        t.add_column(c, justify="right" if c != "node" else "left")
+    short = []
+    for i, b in enumerate(budgets):
+        cfg = EngineConfig(kv_memory_budget=parse_bytes(b), page_size=args.page_size, context_length=args.context_length)
+        pool = pool_tokens_for(model, cfg)
+        ok = pool >= args.context_length
+        short += [] if ok else [f"node{i}"]
+        t.add_row(f"node{i}", b, str(pool), f"{pool / args.context_length:.4f}",
+                  "[green]fits" if ok else f"[red]pool < context: hardened refuses to start (or lower the context to {pool})")
+    Console().print(t)
+    if short:
+        print(f"kvledger: preflight failed: {', '.join(short)} cannot hold a full-context prompt", file=sys.stderr)
+        return 1
+    return 0
+
+
 def cmd_verify(args) -> int:
     from telemetry.store import verify
 
@@ -180,6 +210,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--victims", type=int, default=4, help="prompts longer than the small prefill pool")
     r.add_argument("--max-tokens", type=int, default=160)
     r.set_defaults(func=cmd_replay)
+    pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
+    pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
+    pf.add_argument("--context-length", type=int, default=1_048_576)
+    pf.add_argument("--memory-budget", action="append", metavar="SIZE",
+                    help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
+    pf.add_argument("--page-size", type=int, default=16)
+    pf.set_defaults(func=cmd_preflight)
     v = sub.add_parser("verify", help="verify the store's segment chain; non-zero exit naming the first broken link")
     v.add_argument("--store", default="./kvledger-store")
     v.set_defaults(func=cmd_verify)

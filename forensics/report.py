@@ -93,7 +93,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                                     f"customers' data ({int(rows['foreign_tokens'].sum())} tokens); their content "
                                     f"may not reflect your prompt."})
     timeline = [{"time": _iso(r["snapshot_at"]), "source": "store", "event": f"node {r['node']} started: pool "
-                 f"{r['pool_tokens']} tokens vs context {r['context_length']}, policy {r['policy']}"}
+                 f"{r['pool_tokens']} tokens vs context {r['advertised_context']} ({r['preflight_action']}), policy {r['policy']}"}
                 for r in pre.iter_rows(named=True)]
     if first is not None:
         timeline.append({"time": _iso(first), "source": "store", "event": "first foreign KV read"})
@@ -185,7 +185,7 @@ Generated {r['generated_at']} UTC by kvledger {p['kvledger_version']}.
 Weakness classes: {', '.join(f"{x['id']} ({x['name']})" for x in r['what_happened']['cwe'])}.
 
 ### Node configuration (from config snapshots)
-{_md_table(r['what_happened']['config_snapshots'], ['node', 'role', 'pool_tokens', 'context_length', 'pool_fits_context', 'policy'])}
+{_md_table(r['what_happened']['config_snapshots'], ['node', 'role', 'pool_tokens', 'advertised_context', 'pool_fits_context', 'preflight_action', 'policy'])}
 ### Requests longer than their prefill node's pool
 {_md_table(r['what_happened']['over_pool_requests'], ['incarnation', 'tenant_h', 'arrived_at', 'prefill_node', 'prompt_tokens_billed', 'pool_tokens', 'finish_reason'])}
 ## Window

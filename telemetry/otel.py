@@ -256,7 +256,8 @@ class Telemetry(Recorder):
         self.writer.submit("config_snapshots", pa.table({
             "node": [cfg.node_id], "role": [cfg.role], "ts": pa.array([time.time_ns()], pa.timestamp("ns")),
             "pool_tokens": [engine.pool.capacity_tokens], "context_length": [cfg.context_length],
-            "page_size": [cfg.page_size], "pool_fits_context": [engine.pool.capacity_tokens >= cfg.context_length],
+            "advertised_context": [engine.preflight.advertised_context], "page_size": [cfg.page_size],
+            "pool_fits_context": [engine.preflight.fits], "preflight_action": [engine.preflight.action],
             "policy": [self.policy or "unspecified"],
             "guards": pa.array([list(guards.items())], pa.map_(pa.string(), pa.bool_())),
             "isolation_level": [self.isolation_level], "model": [self._model(engine)],

@@ -88,9 +88,11 @@ CREATE TABLE config_snapshots (
     role            VARCHAR NOT NULL,
     ts              TIMESTAMP_NS NOT NULL,
     pool_tokens     BIGINT NOT NULL,
-    context_length  BIGINT NOT NULL,
+    context_length  BIGINT NOT NULL,      -- the context this node serves (after preflight=fit: lowered)
+    advertised_context BIGINT NOT NULL,   -- the context it was configured to advertise
     page_size       INTEGER NOT NULL,
-    pool_fits_context BOOLEAN NOT NULL,
+    pool_fits_context BOOLEAN NOT NULL,   -- pool_tokens >= advertised_context
+    preflight_action VARCHAR NOT NULL,    -- ok | recorded (started anyway) | lowered (context fitted to the pool)
     policy          VARCHAR NOT NULL,
     guards          MAP(VARCHAR, BOOLEAN) NOT NULL,
     isolation_level VARCHAR NOT NULL,
