@@ -25,7 +25,30 @@ def engine_table(r: dict) -> str:
     ])
 
 
-SECTIONS = {"engine": engine_table}
+def telemetry_table(r: dict) -> str:
+    t, c, i = r["tokens_per_s"], r["config"], r["ingest"]
+    return "\n".join([
+        f"Telemetry, same workload as above ({c['batch']} prompts, {c['new_tokens']} new tokens, median of "
+        f"{c['repeats']} interleaved runs), and ledger ingest end to end from real captured steps "
+        f"({c['ingest_batch']} requests of {c['ingest_context']} tokens, {c['ingest_steps']} steps):",
+        "",
+        "| measurement | value | goal |",
+        "| --- | --- | --- |",
+        f"| decode tokens/s, no recorder vs spans + metrics | {t['off']:.0f} vs {t['spans']:.0f} "
+        f"(cost {100 * r['spans_cost']:+.1f} %) | |",
+        f"| decode tokens/s, no recorder vs spans + metrics + page ledger | {t['off']:.0f} vs {t['spans_ledger']:.0f} "
+        f"(cost {100 * r['spans_ledger_cost']:+.1f} %) | <= 3 % |",
+        f"| ledger ingest, end to end (engine -> Parquet segment linked) | {i['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s | >= 5 M rows/s |",
+        f"| ledger, engine-thread side only | {i['rows_per_s_engine_side'] / 1e6:.1f} M rows/s | |",
+        f"| rows stored after read-run coalescing | {i['rows_stored']} of {i['rows_in']} | |",
+    ])
+
+
+def schema_block(_: dict) -> str:
+    return "```sql\n" + (ROOT / "telemetry" / "schema.sql").read_text().rstrip() + "\n```"
+
+
+SECTIONS = {"engine": engine_table, "telemetry": telemetry_table}
 
 
 def main() -> None:
@@ -38,6 +61,8 @@ def main() -> None:
         body = fn(json.loads(f.read_text()))
         text = re.sub(rf"(<!-- bench:{name} -->).*?(<!-- /bench:{name} -->)",
                       lambda m: m.group(1) + "\n" + body + "\n" + m.group(2), text, flags=re.S)
+    text = re.sub(r"(<!-- schema -->).*?(<!-- /schema -->)",
+                  lambda m: m.group(1) + "\n" + schema_block({}) + "\n" + m.group(2), text, flags=re.S)
     readme.write_text(text)
 
 

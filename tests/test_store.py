@@ -168,3 +168,11 @@ def test_store_copy_without_the_lock_file_is_readable(store, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(store, copy, ignore=shutil.ignore_patterns("writer.lock", "secret.key"))
     assert open_store(copy).sql("SELECT count(*) FROM releases").fetchall() == [(12,)]
+
+
+def test_readme_schema_is_schema_sql():
+    """schema.sql is the one source of truth; the README's copy must not drift from it."""
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    block = readme.split("<!-- schema -->")[1].split("<!-- /schema -->")[0]
+    assert (root / "telemetry" / "schema.sql").read_text().strip() in block
