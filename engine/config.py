@@ -29,6 +29,7 @@ class EngineConfig:
     max_num_seqs: int = 16
     max_step_tokens: int = 512          # per-step token budget; longer prompts are prefilled in chunks
     host_memory_budget: int = 64 << 20  # host (CPU) tier for swapped-out pages
+    attention_backend: str = "torch"    # torch (reference) | triton (decode steps; engine/triton_attention.py)
     check_reads: bool = True            # the read-time provenance check (DESIGN: the one invariant)
     fail_on_violation: bool = True      # False: record violations but let the read through (vulnerable)
     zero_on_free: bool = False          # freed pages keep their bytes by default, as in real engines

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import time
 from typing import Callable, Iterable
 
@@ -28,11 +29,20 @@ from engine.tags import TagChain, scope_key
 StepObserver = Callable[["LLMEngine", StepOutput], None]
 
 
+def _check_backend(name: str) -> None:
+    if name not in ("torch", "triton"):
+        raise InputError(f"attention_backend must be 'torch' or 'triton', got {name!r}")
+    if name == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InputError("attention_backend='triton' needs a CUDA GPU, or TRITON_INTERPRET=1 set before Triton is "
+                         "imported (the CPU interpreter)")
+
+
 class LLMEngine:
     def __init__(self, model, tokenizer=None, config: EngineConfig | None = None, recorder: Recorder | None = None):
         self.cfg = cfg = config or EngineConfig()
         self.model, self.tokenizer = model, tokenizer
         dtype = getattr(model, "dtype", torch.float32)
+        _check_backend(cfg.attention_backend)
         self.preflight = preflight(model, cfg)          # before the pool is allocated
         self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
                            dtype=dtype, zero_on_free=cfg.zero_on_free)
@@ -40,7 +50,7 @@ class LLMEngine:
         self.host = HostTier(self.pool, cfg.host_memory_budget)
         self.blocks = BlockManager(self.allocator, self.host, cfg.page_size)
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, self.pool, cfg.check_reads)
+        self.runner = ModelRunner(model, self.pool, cfg.check_reads, cfg.attention_backend)
         self.observers: list[StepObserver] = []
         # disaggregated prefill nodes hand a request's KV off here instead of decoding it
         self.on_prefill_done: Callable[[Request], None] | None = None

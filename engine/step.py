@@ -24,6 +24,7 @@ class StepContext:
     new_writers: torch.Tensor     # [T] writer incarnation of each new token
     check: bool
     num_layers: int
+    backend: str = "torch"
     read_check: ReadCheck | None = None
     page_mass: torch.Tensor | None = field(default=None)
 
@@ -32,8 +33,11 @@ class StepContext:
         first = layer == 0
         self.pool.store(layer, self.slot_pages, self.slot_offsets, k, v,
                         self.new_tags if first else None, self.new_writers if first else None)
-        res: AttentionOutput = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
-                                               check=self.check and first)
+        op = paged_attention
+        if self.backend == "triton" and int(self.layout.query_lens.max()) == 1:   # decode-only step
+            from engine.triton_attention import paged_decode as op
+        res: AttentionOutput = op(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
+                                  check=self.check and first)
         if first:
             self.read_check = res.check
             self.page_mass = res.page_mass / self.num_layers

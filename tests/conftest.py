@@ -1,7 +1,15 @@
 """Shared fixtures: tiny HF checkpoints built locally by transformers (no download)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# No GPU: the Triton kernel runs in Triton's CPU interpreter, which must be chosen before Triton
+# is imported (nothing above imports it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

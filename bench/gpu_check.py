@@ -1,0 +1,100 @@
+"""GPU check of the Triton paged-decode kernel (run by bench/gpu_check.sh on a CUDA machine).
+
+1. correctness: kernel on the GPU vs the torch reference on a CPU copy of the same pool, on pools
+   holding stale (generation) and foreign (content tag) slots: output, page mass, read check.
+2. timing (triton.testing.do_bench): the kernel with the check on, with it off (CHECK=False: a
+   plain paged decode, same code without the tag/generation loads), at several context lengths;
+   bytes of K/V read per second.
+Writes JSON to $OUT/gpu_check.json (and bench/results/gpu_check.json).
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from engine import triton_attention as ta  # noqa: E402
+from engine.attention import BatchLayout, paged_attention  # noqa: E402
+from engine.pool import KVPool  # noqa: E402
+
+
+def make(B, C, S, hkv, D, dtype, device, seed=0, corrupt=0):
+    g = torch.Generator().manual_seed(seed)
+    pool = KVPool(1, hkv * D, S, (B * C + 1) * KVPool.page_bytes_for(1, hkv * D, S, dtype), dtype=dtype, device=device)
+    el = pool.buf.view(dtype)
+    el.copy_(torch.randn(el.numel(), generator=g).to(dtype))
+    P = pool.num_pages
+    bt = torch.randperm(P, generator=g)[: B * C].view(B, C)
+    seq = torch.randint(1, C * S + 1, (B,), generator=g)
+    seq[0] = C * S
+    gens = pool.generation[bt.to(device)].cpu().clone()
+    tags = pool.tags[bt.to(device)].reshape(B, C * S).cpu().clone()
+    for i in range(corrupt):
+        b, pos = i % B, int(torch.randint(0, int(seq[i % B]), (1,), generator=g))
+        if i % 2:
+            gens[b, pos // S] += 1
+        else:
+            tags[b, pos] ^= 0x5A5A
+    lay = BatchLayout.build(bt, seq, torch.ones(B, dtype=torch.long), gens, tags)
+    return pool, lay
+
+
+def to(lay: BatchLayout, device) -> BatchLayout:
+    return lay._replace(block_tables=lay.block_tables.to(device), seq_lens=lay.seq_lens.to(device),
+                        expected_gen=lay.expected_gen.to(device), expected_tags=lay.expected_tags.to(device))
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device", file=sys.stderr)
+        return 2
+    import triton
+    dev = "cuda"
+    res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+           "correctness": [], "timing": []}
+    for (B, C, S, hkv, g, D) in [(3, 5, 16, 2, 2, 64), (8, 40, 16, 4, 4, 128), (2, 70, 16, 8, 8, 128)]:
+        pool, lay = make(B, C, S, hkv, D, torch.float32, dev, corrupt=6)
+        cpu = KVPool(1, hkv * D, S, pool.memory_bytes, dtype=torch.float32)
+        cpu.buf.copy_(pool.buf.cpu())
+        q = torch.randn(B, hkv * g, D)
+        ref = paged_attention(q, cpu, 0, lay, hkv, D, D ** -0.5, True)
+        got = ta.paged_decode(q.to(dev), pool, 0, to(lay, dev), hkv, D, D ** -0.5, True)
+        row = {"shape": [B, C, S, hkv, g, D],
+               "max_abs_out": float((got.out.cpu() - ref.out.reshape(B, -1)).abs().max()),
+               "max_abs_mass": float((got.page_mass.cpu() - ref.page_mass).abs().max()),
+               "check_equal": bool(torch.equal(got.check.bad_mask.cpu(), ref.check.bad_mask)
+                                   and torch.equal(got.check.bad_slots.cpu(), ref.check.bad_slots))}
+        row["ok"] = row["max_abs_out"] < 1e-4 and row["max_abs_mass"] < 1e-4 and row["check_equal"]
+        res["correctness"].append(row)
+        print("correctness", row, flush=True)
+    from triton.testing import do_bench
+    B, S, hkv, g, D = 32, 16, 8, 4, 128
+    for ctx in (2048, 8192, 32768):
+        C = ctx // S
+        pool, lay = make(B, C, S, hkv, D, torch.float16, dev)
+        lay = to(lay._replace(seq_lens=torch.full((B,), ctx)), dev)
+        q = torch.randn(B, hkv * g, D, device=dev)
+        on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True))
+        off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False))
+        kv_bytes = 2 * B * ctx * hkv * D * 2
+        row = {"batch": B, "context": ctx, "heads_q": hkv * g, "heads_kv": hkv, "head_dim": D, "dtype": "float16",
+               "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
+               "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+        res["timing"].append(row)
+        print("timing", row, flush=True)
+    res["unix_time"] = int(time.time())
+    text = json.dumps(res, indent=2) + "\n"
+    for d in (os.environ.get("OUT"), str(Path(__file__).parent / "results")):
+        if d:
+            Path(d).mkdir(parents=True, exist_ok=True)
+            (Path(d) / "gpu_check.json").write_text(text)
+    return 0 if all(r["ok"] for r in res["correctness"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
