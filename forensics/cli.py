@@ -142,6 +142,28 @@ def cmd_preflight(args) -> int:
     return 0
 
 
+def cmd_dashboard(args) -> int:
+    import os
+    import subprocess
+    from pathlib import Path
+
+    import dashboard
+
+    if not 0 < args.port < 65536:
+        return _die(f"--port must be in 1..65535, got {args.port}")
+    if args.refresh <= 0:
+        return _die(f"--refresh must be > 0 seconds, got {args.refresh}")
+    if not (Path(args.store) / "chain").is_dir():
+        print(f"kvledger: note: no store at {args.store} yet; the dashboard shows it once the engine writes there",
+              file=sys.stderr)
+    app = Path(dashboard.__file__).with_name("app.py")
+    env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh)}
+    print(f"kvledger dashboard on http://{args.host}:{args.port} (store {args.store})", file=sys.stderr)
+    return subprocess.call([sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
+                            "--server.port", str(args.port), "--server.headless", "true",
+                            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env)
+
+
 def cmd_verify(args) -> int:
     from telemetry.store import verify
 
@@ -217,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
     pf.add_argument("--page-size", type=int, default=16)
     pf.set_defaults(func=cmd_preflight)
+    d = sub.add_parser("dashboard", help="the live Streamlit exposure dashboard (loopback by default)")
+    d.add_argument("--store", default="./kvledger-store")
+    d.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    d.add_argument("--port", type=int, default=8501)
+    d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
+    d.set_defaults(func=cmd_dashboard)
     v = sub.add_parser("verify", help="verify the store's segment chain; non-zero exit naming the first broken link")
     v.add_argument("--store", default="./kvledger-store")
     v.set_defaults(func=cmd_verify)

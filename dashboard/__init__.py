@@ -1,0 +1,1 @@
+"""kvledger's live exposure dashboard (Streamlit): ``kvledger dashboard`` runs ``dashboard/app.py``."""

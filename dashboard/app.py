@@ -1,0 +1,157 @@
+"""kvledger live exposure dashboard. Run: ``kvledger dashboard [--store PATH] [--port N]``.
+
+Reads the store while the engine writes it (immutable segments, no lock), refreshing itself every
+few seconds. Every panel's numbers come from dashboard/data.py, i.e. from the same named queries
+``kvledger forensics`` runs.
+"""
+from __future__ import annotations
+
+import datetime as dt
+import os
+import sys
+from pathlib import Path
+
+import altair as alt
+import polars as pl
+import streamlit as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dashboard.data import Filters, Panels  # noqa: E402
+
+STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
+REFRESH = float(os.environ.get("KVLEDGER_REFRESH_S", "2"))
+RED, GREEN = "#d62728", "#2ca02c"
+
+st.set_page_config(page_title="kvledger - KV exposure", layout="wide")
+st.title("kvledger: who read whose KV")
+st.caption(f"store `{STORE}` - refreshes every {REFRESH:g} s - tenants are store-keyed pseudonyms")
+
+if not (Path(STORE) / "chain").is_dir():
+    st.error(f"No kvledger store at {STORE}. Start one with `kvledger replay glm53 --store {STORE}`.")
+    st.stop()
+
+with st.sidebar:
+    st.header("Filters")
+    meta = Panels(STORE)
+    window = st.selectbox("Window", ["whole store", "last 5 minutes", "last hour", "last day"], key="window")
+    tenant = st.selectbox("Tenant", ["all"] + meta.tenants(), key="tenant")
+    node = st.selectbox("Node", ["all"] + meta.node_names(), key="node")
+    policy = st.selectbox("Policy", ["all", "vulnerable", "hardened", "custom"], key="policy")
+
+
+def filters() -> Filters:
+    spans = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
+    start = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - spans[window] if window in spans else None
+    return Filters(start=start, tenant=None if tenant == "all" else tenant, node=None if node == "all" else node,
+                   policy=None if policy == "all" else policy)
+
+
+def red_when(df: pl.DataFrame, col: str):
+    """A styled table whose rows turn red where `col` is true."""
+    pdf = df.to_pandas()
+    return pdf.style.apply(lambda row: [f"background-color: {RED}33" if row[col] else ""] * len(row), axis=1)
+
+
+def _switches(v) -> str:
+    items = v.items() if isinstance(v, dict) else ((d["key"], d["value"]) for d in v)
+    return ", ".join(f"{k}={'on' if on else 'off'}" for k, on in items)
+
+
+@st.fragment(run_every=REFRESH)
+def live() -> None:
+    p = Panels(STORE, filters())
+    t = p.totals()
+    cols = st.columns(6)
+    for c, (label, key) in zip(cols, [("Affected responses", "affected_responses"), ("Surfaced", "surfaced_responses"),
+                                      ("Foreign KV tokens read", "foreign_tokens"), ("Recipient tenants", "recipient_tenants"),
+                                      ("Donor tenants", "donor_tenants"), ("Exposure score", "exposure_score")]):
+        c.metric(label, t[key])
+
+    left, right = st.columns(2)
+    with left:
+        st.subheader("Exposure score over time")
+        sot = p.score_over_time()
+        if sot.is_empty():
+            st.info("No exposure recorded in this window.")
+        else:
+            st.altair_chart(alt.Chart(sot.to_pandas()).mark_line(point=True, color=RED).encode(
+                x="time:T", y=alt.Y("cumulative_score:Q", title="cumulative exposure score")), width="stretch")
+    with right:
+        st.subheader("Donor -> recipient tenants")
+        tm = p.tenant_matrix()
+        if tm.is_empty():
+            st.info("No tenant read another tenant's KV in this window.")
+        else:
+            st.altair_chart(alt.Chart(tm.to_pandas()).mark_rect().encode(
+                x=alt.X("recipient_tenant:N", title="recipient"), y=alt.Y("donor_tenant:N", title="donor"),
+                color=alt.Color("foreign_tokens:Q", scale=alt.Scale(scheme="reds")),
+                tooltip=["donor_tenant", "recipient_tenant", "responses", "foreign_tokens", "surfaced_responses"]),
+                width="stretch")
+
+    st.subheader("Affected responses")
+    sc = p.scores()
+    st.dataframe(sc.to_pandas(), hide_index=True, width="stretch")
+    if sc.height:
+        pick = st.selectbox("Drill down into response", sc["response"].to_list(), key="drill")
+        st.caption("Pages it read, who wrote them, read vs surfaced")
+        st.dataframe(p.drill_down(pick).to_pandas(), hide_index=True, width="stretch")
+
+    st.subheader("TTFT vs uncached prompt tokens")
+    tt = p.ttft()
+    if tt.is_empty():
+        st.info("No request reached its first token in this window.")
+    else:
+        pdf = tt.with_columns(anomaly=pl.col("below_floor") | pl.col("usage_dishonest"),
+                              uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached")).to_pandas()
+        dots = alt.Chart(pdf).mark_circle(size=70).encode(
+            x=alt.X("uncached:Q", title="billed uncached prompt tokens"), y=alt.Y("service_ttft_s:Q", title="TTFT minus queueing (s)"),
+            color=alt.condition("datum.anomaly", alt.value(RED), alt.value(GREEN)),
+            tooltip=["incarnation", "tenant_h", "prompt_tokens_billed", "prompt_tokens_prefilled", "service_ttft_s"])
+        floor = alt.Chart(pdf).mark_line(strokeDash=[4, 4], color="gray").encode(x="uncached:Q", y="ttft_floor_s:Q")
+        st.altair_chart(dots + floor, width="stretch")
+
+    a, b = st.columns(2)
+    with a:
+        st.subheader("Usage honesty")
+        uh = p.usage_honesty()
+        st.metric("Billed for more prompt than prefilled", uh.height)
+        st.dataframe(uh.to_pandas(), hide_index=True, width="stretch")
+    with b:
+        st.subheader("Transfer integrity")
+        tr = p.transfers()
+        st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
+        st.dataframe(red_when(tr.with_columns(failing=~pl.col("integrity_ok")), "failing") if tr.height
+                     else tr.to_pandas(), hide_index=True, width="stretch")
+
+    c, d = st.columns(2)
+    with c:
+        st.subheader("Deferred releases and held capacity")
+        rel = p.releases()
+        st.dataframe(red_when(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out") if rel.height
+                     else rel.to_pandas(), hide_index=True, width="stretch")
+    with d:
+        st.subheader("Guard liveness")
+        g = p.guards()
+        st.dataframe(red_when(g, "idle_but_on") if g.height else g.to_pandas(), hide_index=True, width="stretch")
+
+    st.subheader("Preflight per node")
+    pre = p.preflight()
+    if pre.height:
+        pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
+    st.dataframe(red_when(pre.with_columns(small=~pl.col("pool_fits_context")), "small") if pre.height
+                 else pre.to_pandas(), hide_index=True, width="stretch")
+    st.caption(f"refreshed {dt.datetime.now():%H:%M:%S}")
+
+
+live()
+
+st.subheader("Export")
+if st.button("Build the disclosure report for this window", key="export"):
+    import json
+
+    from forensics.report import build, markdown
+    f = filters()
+    rep = build(STORE, f.start, f.end)                 # built in memory: nothing is written beside the store
+    st.download_button("report.md", markdown(rep), file_name="report.md", key="dl_md")
+    st.download_button("report.json", json.dumps(rep, indent=2), file_name="report.json", key="dl_json")
+    st.success(f"Report ready: {rep['counts']['affected_responses']} affected response(s).")

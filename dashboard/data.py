@@ -1,0 +1,121 @@
+"""What each dashboard panel shows, as polars DataFrames from the same named queries that
+``kvledger forensics`` runs (so every number on a panel equals the CLI's for the same window).
+Filters (tenant, node, policy) narrow the query results; they never change the SQL."""
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+from pathlib import Path
+
+import polars as pl
+
+from forensics.api import Forensics
+
+
+@dataclass(frozen=True, slots=True)
+class Filters:
+    start: dt.datetime | None = None
+    end: dt.datetime | None = None
+    tenant: str | None = None        # a tenant pseudonym (recipient or donor side)
+    node: str | None = None
+    policy: str | None = None
+
+
+class Panels:
+    """One snapshot of the store (re-open it to see newer segments)."""
+
+    def __init__(self, store: str | Path, f: Filters = Filters()):
+        self.fx, self.f = Forensics(store), f
+
+    def _q(self, name: str) -> pl.DataFrame:
+        return self.fx.query(name, self.f.start, self.f.end)
+
+    def _tenant(self, df: pl.DataFrame, *cols: str) -> pl.DataFrame:
+        if self.f.tenant is None or df.is_empty():
+            return df
+        return df.filter(pl.any_horizontal([pl.col(c) == self.f.tenant for c in cols]))
+
+    def _node(self, df: pl.DataFrame, col: str) -> pl.DataFrame:
+        return df if self.f.node is None or df.is_empty() else df.filter(pl.col(col) == self.f.node)
+
+    def nodes_in_policy(self) -> set[str] | None:
+        if self.f.policy is None:
+            return None
+        pre = self.fx.query("preflight")
+        return set(pre.filter(pl.col("policy") == self.f.policy)["node"])
+
+    # ---- panels ------------------------------------------------------------------------------------
+    def exposures(self) -> pl.DataFrame:
+        df = self._tenant(self._q("exposures"), "response_tenant", "donor_tenant")
+        keep = self.nodes_in_policy()
+        if self.f.node is not None or keep is not None:
+            nodes = {self.f.node} if self.f.node else keep
+            if self.f.node and keep is not None:
+                nodes &= keep
+            df = df.filter(pl.col("node_pages").list.eval(pl.element().str.split(":").list.first().is_in(list(nodes)))
+                           .list.any())
+        return df
+
+    def scores(self) -> pl.DataFrame:
+        ex = self.exposures()
+        return self._q("scores").filter(pl.col("response").is_in(ex["response"].unique().to_list()))
+
+    def totals(self) -> dict[str, int]:
+        ex, sc = self.exposures(), self.scores()
+        real = ex.filter(pl.col("donor") != -1)
+        return {"affected_responses": sc.height,
+                "surfaced_responses": int(sc["surfaced"].sum()) if sc.height else 0,
+                "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
+                "recipient_tenants": real["response_tenant"].n_unique() if real.height else 0,
+                "donor_tenants": real["donor_tenant"].drop_nulls().n_unique() if real.height else 0,
+                "exposure_score": int(sc["score"].sum()) if sc.height else 0}
+
+    def score_over_time(self, every: str = "1s") -> pl.DataFrame:
+        sc = self.scores()
+        if sc.is_empty():
+            return pl.DataFrame({"time": [], "score": [], "cumulative_score": []},
+                                schema={"time": pl.Datetime("ns"), "score": pl.Int64, "cumulative_score": pl.Int64})
+        return (sc.sort("first_read").group_by_dynamic("first_read", every=every).agg(pl.col("score").sum())
+                .rename({"first_read": "time"}).with_columns(cumulative_score=pl.col("score").cum_sum()))
+
+    def drill_down(self, response: int) -> pl.DataFrame:
+        return self.exposures().filter(pl.col("response") == response).select(
+            "donor", "donor_tenant", "kinds", "severity", "shared_ngrams", "pages", "node_pages", "foreign_tokens",
+            "attention_mass", "first_step", "last_step")
+
+    def tenant_matrix(self) -> pl.DataFrame:
+        return self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
+
+    def ttft(self) -> pl.DataFrame:
+        return self._node(self._tenant(self._q("ttft"), "tenant_h"), "node")
+
+    def usage_honesty(self) -> pl.DataFrame:
+        return self.ttft().filter(pl.col("usage_dishonest")).select(
+            "incarnation", "tenant_h", "prompt_tokens_billed", "prompt_tokens_prefilled", "prompt_tokens_cached",
+            "ttft_s", "arrived_at")
+
+    def transfers(self) -> pl.DataFrame:
+        df = self._q("transfers")
+        if self.f.node is not None and not df.is_empty():
+            df = df.filter((pl.col("src_node") == self.f.node) | (pl.col("dst_node") == self.f.node))
+        return df
+
+    def releases(self) -> pl.DataFrame:
+        return self._node(self._q("releases"), "node")
+
+    def guards(self) -> pl.DataFrame:
+        return self.fx.query("guards")
+
+    def preflight(self) -> pl.DataFrame:
+        df = self._node(self.fx.query("preflight"), "node")
+        return df if self.f.policy is None else df.filter(pl.col("policy") == self.f.policy)
+
+    def tenants(self) -> list[str]:
+        return sorted(self.fx.requests()["tenant_h"].drop_nulls().unique().to_list())
+
+    def node_names(self) -> list[str]:
+        return sorted(self.fx.query("preflight")["node"].to_list())
+
+    def time_range(self) -> tuple[dt.datetime | None, dt.datetime | None]:
+        r = self.fx.requests()
+        return (r["arrived_at"].min(), r["finished_at"].max()) if r.height else (None, None)
