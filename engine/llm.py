@@ -146,9 +146,8 @@ class LLMEngine:
             return []
         now = time.perf_counter()
         for req, n in batch:
-            if req.prefill_started_at is None:
-                req.prefill_started_at = now
             if req.num_computed < len(req.prompt_ids):       # prompt positions this node computes itself
+                req.prefill_started_at = req.prefill_started_at or now
                 req.prefilled_tokens = max(req.prefilled_tokens, min(req.num_computed + n, len(req.prompt_ids)))
         self.tick()
         out = self.runner.run(batch)

@@ -66,7 +66,8 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
 
 def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
           victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
-          guards: Guards | None = None, store: str | None = None, flush_interval: float = 1.0) -> ReplayResult:
+          guards: Guards | None = None, store: str | None = None, flush_interval: float = 1.0,
+          coalesce: bool = True) -> ReplayResult:
     """Run the scaled incident. With ``store``, every node records spans, metrics and the page
     ledger there (protection and recording are separate: both policies record)."""
     guards = guards or Guards.policy(policy)
@@ -96,7 +97,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
         from telemetry import Telemetry
         tel = Telemetry(store, policy=policy if guards == Guards.policy(policy) else "custom", model_name="recall",
                         guards=asdict(guards) if mode == "disaggregated" else {"read_check": guards.read_check},
-                        flush_interval=flush_interval)
+                        flush_interval=flush_interval, coalesce=coalesce)
     reqs: list[Request] = []
     over: list[Request] = []
     if mode == "unified":

@@ -209,13 +209,14 @@ class Telemetry(Recorder):
     def __init__(self, store: str | Path, *, policy: str = "", guards: dict[str, bool] | None = None,
                  isolation_level: str = "tenant", model_name: str = "", service: str = "kvledger",
                  flush_interval: float = 1.0, span_queue_size: int = 8192, metric_interval: float = 5.0,
-                 record_ledger: bool = True):
+                 record_ledger: bool = True, coalesce: bool = True):
         from importlib.metadata import PackageNotFoundError, version
         try:
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
-        self.writer = SegmentWriter(store, flush_interval=flush_interval, prepare={"page_reads": coalesce_reads})
+        self.writer = SegmentWriter(store, flush_interval=flush_interval,
+                                    prepare={"page_reads": coalesce_reads} if coalesce else {})
         self.keys: Keys = self.writer.keys
         self.policy, self.guards, self.isolation_level = policy, guards, isolation_level
         self.model_name, self.service = model_name, service
@@ -345,7 +346,7 @@ class Telemetry(Recorder):
                 a["kvledger.rejection.where"], a["kvledger.rejection.reason"] = where, str(err)
                 root.add_event("rejected", {"kvledger.rejection.where": where}, timestamp=_perf_to_unix_ns(end))
         root.set_attributes(a)
-        first_work = req.prefill_started_at or req.transfer_started_at or end
+        first_work = min((t for t in (req.prefill_started_at, req.transfer_started_at) if t is not None), default=end)
         self._child(engine, req, "admission", req.arrival, first_work)
         if engine.cfg.role == "unified":
             self._child(engine, req, "prefill", req.prefill_started_at, req.first_token_at or end,

@@ -131,3 +131,10 @@ def test_usage_fields_of_a_unified_request(tmp_path):
     row = Forensics(tmp_path / "s").requests().row(0, named=True)
     assert (row["prompt_tokens_billed"], row["prompt_tokens_prefilled"], row["output_tokens"]) == (40, 40, 5)
     assert row["finish_reason"] == "length" and row["ttft_s"] == pytest.approx(r.ttft, abs=1e-6)
+
+
+def test_queueing_never_exceeds_time_to_first_token(glm53_vulnerable):
+    """The admission span (queued, no work yet) ends before the first token: TTFT minus queueing >= 0."""
+    _, store = glm53_vulnerable
+    ttft = Forensics(store).query("ttft")
+    assert ttft.height and (ttft["service_ttft_s"] >= 0).all() and (ttft["queue_s"] >= 0).all()
