@@ -1,10 +1,13 @@
 """Big stores for the forensics and dashboard benches, made by the engine's own ledger writer.
 
-A real ``glm53`` replay (vulnerable, disaggregated) is recorded with read-run coalescing off (one
-page_reads row per reader, page and step, as the engine emits them), then its ledger is
-replicated: copy k renames every node to "<node>#k" and shifts every incarnation by k * SHIFT,
-so copies never join each other and every query's answer is exactly k times the base answer
-(the benches check that). Rows go through SegmentWriter: real chained segments.
+Two real ``glm53`` replays of the same traffic are recorded with read-run coalescing off (one
+page_reads row per reader, page and step, as the engine emits them): ``vulnerable`` (an incident:
+every over-pool response reads stale KV) and ``hardened`` (healthy: nobody does). The store is
+their ledgers replicated: copy k renames every node to "<node>#k" and shifts every incarnation by
+k * SHIFT, so copies never join each other; one copy in ``exposed_every`` comes from the
+vulnerable replay, the rest from the hardened one (an incident is rare in a fleet's traffic), so
+every query's answer is exactly (number of vulnerable copies) x the vulnerable base's answer (the
+benches check that). Rows go through SegmentWriter: real chained segments.
 """
 from __future__ import annotations
 
@@ -40,27 +43,41 @@ def _copy(t: pa.Table, table: str, k: int) -> pa.Table:
     return t
 
 
-def build(root: Path, read_rows: int, seed: int = 0) -> dict:
-    """Make (or reuse) a store of about `read_rows` page_reads rows under root; returns its manifest."""
-    manifest = root / "manifest.json"
-    if manifest.exists() and json.loads(manifest.read_text())["read_rows"] >= read_rows:
-        return json.loads(manifest.read_text())
-    base = root.parent / f"{root.name}-base"
+def _base(root: Path, policy: str, seed: int, coalesce: bool) -> tuple[Path, dict[str, pa.Table]]:
+    base = root / f"base-{policy}{'-coalesced' if coalesce else ''}"
     if not (base / "chain").is_dir():
-        glm53("vulnerable", "disaggregated", seed=seed, victims=4, max_tokens=160, store=str(base), coalesce=False)
+        glm53(policy, "disaggregated", seed=seed, victims=4, max_tokens=160, store=str(base), coalesce=coalesce)
     con = open_store(base)
-    tabs = {t: con.table(t).to_arrow_table() for t in TABLES}
-    copies = max(1, -(-read_rows // tabs["page_reads"].num_rows))
+    return base, {t: con.table(t).to_arrow_table() for t in TABLES}
+
+
+def build(root: Path, rows: int, exposed_every: int = 100, seed: int = 0, coalesce: bool = False,
+          count: str = "page_reads") -> dict:
+    """Make (or reuse) a store of about `rows` rows (page_reads rows, or with count="ledger" page_reads
+    plus page_writes) under root; returns its manifest. coalesce: read runs as the engine stores
+    them by default (True) or one row per read step (False)."""
+    manifest = root / "manifest.json"
+    if manifest.exists():
+        return json.loads(manifest.read_text())
+    vbase, vuln = _base(root.parent, "vulnerable", seed, coalesce)
+    _, healthy = _base(root.parent, "hardened", seed, coalesce)
+    per_copy = healthy["page_reads"].num_rows + (healthy["page_writes"].num_rows if count == "ledger" else 0)
+    copies = max(1, -(-rows // per_copy))
+    exposed = [k for k in range(copies) if k % exposed_every == 0]
     w = SegmentWriter(root, max_rows=5_000_000)
-    per = max(1, 5_000_000 // tabs["page_reads"].num_rows)
+    per = max(1, 5_000_000 // healthy["page_reads"].num_rows)
+    reads = writes = 0
     for k0 in range(0, copies, per):
-        for t, base_t in tabs.items():
-            w.submit(t, pa.concat_tables([_copy(base_t, t, k) for k in range(k0, min(copies, k0 + per))]))
+        ks = range(k0, min(copies, k0 + per))
+        for t in TABLES:
+            part = pa.concat_tables([_copy((vuln if k % exposed_every == 0 else healthy)[t], t, k) for k in ks])
+            reads += part.num_rows if t == "page_reads" else 0
+            writes += part.num_rows if t == "page_writes" else 0
+            w.submit(t, part)
         w.flush()
-        print(f"  copies {min(copies, k0 + per)}/{copies}", flush=True)
+        print(f"  copies {ks.stop}/{copies}", flush=True)
     w.close()
-    m = {"copies": copies, "read_rows": copies * tabs["page_reads"].num_rows,
-         "write_rows": copies * tabs["page_writes"].num_rows, "base_read_rows": tabs["page_reads"].num_rows,
-         "base": str(base)}
+    m = {"copies": copies, "exposed_copies": len(exposed), "read_rows": reads, "write_rows": writes,
+         "coalesced": coalesce, "base": str(vbase)}
     manifest.write_text(json.dumps(m))
     return m

@@ -46,10 +46,22 @@ def filters() -> Filters:
                    policy=None if policy == "all" else policy)
 
 
-def red_when(df: pl.DataFrame, col: str):
-    """A styled table whose rows turn red where `col` is true."""
-    pdf = df.to_pandas()
-    return pdf.style.apply(lambda row: [f"background-color: {RED}33" if row[col] else ""] * len(row), axis=1)
+ROWS = 300      # a table shows the rows that matter first (red ones), at most this many
+
+
+def table(df: pl.DataFrame, red: str | None = None) -> None:
+    """A table whose rows turn red where column `red` is true; red rows first, at most ROWS of them."""
+    if red is not None and df.height:
+        df = df.sort(red, descending=True, maintain_order=True)
+    shown = df.head(ROWS)
+    if red is not None and shown.height:
+        pdf = shown.to_pandas().style.apply(
+            lambda row: [f"background-color: {RED}33" if row[red] else ""] * len(row), axis=1)
+    else:
+        pdf = shown.to_pandas()
+    st.dataframe(pdf, hide_index=True, width="stretch")
+    if df.height > ROWS:
+        st.caption(f"showing {ROWS} of {df.height} rows (use the filters, or `kvledger forensics` for all)")
 
 
 def _switches(v) -> str:
@@ -90,11 +102,11 @@ def live() -> None:
 
     st.subheader("Affected responses")
     sc = p.scores()
-    st.dataframe(sc.to_pandas(), hide_index=True, width="stretch")
+    table(sc)
     if sc.height:
         pick = st.selectbox("Drill down into response", sc["response"].to_list(), key="drill")
         st.caption("Pages it read, who wrote them, read vs surfaced")
-        st.dataframe(p.drill_down(pick).to_pandas(), hide_index=True, width="stretch")
+        table(p.drill_down(pick))
 
     st.subheader("TTFT vs uncached prompt tokens")
     tt = p.ttft()
@@ -115,31 +127,28 @@ def live() -> None:
         st.subheader("Usage honesty")
         uh = p.usage_honesty()
         st.metric("Billed for more prompt than prefilled", uh.height)
-        st.dataframe(uh.to_pandas(), hide_index=True, width="stretch")
+        table(uh)
     with b:
         st.subheader("Transfer integrity")
         tr = p.transfers()
         st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
-        st.dataframe(red_when(tr.with_columns(failing=~pl.col("integrity_ok")), "failing") if tr.height
-                     else tr.to_pandas(), hide_index=True, width="stretch")
+        table(tr.with_columns(failing=~pl.col("integrity_ok")), "failing")
 
     c, d = st.columns(2)
     with c:
         st.subheader("Deferred releases and held capacity")
         rel = p.releases()
-        st.dataframe(red_when(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out") if rel.height
-                     else rel.to_pandas(), hide_index=True, width="stretch")
+        table(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out")
     with d:
         st.subheader("Guard liveness")
         g = p.guards()
-        st.dataframe(red_when(g, "idle_but_on") if g.height else g.to_pandas(), hide_index=True, width="stretch")
+        table(g, "idle_but_on")
 
     st.subheader("Preflight per node")
     pre = p.preflight()
     if pre.height:
         pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
-    st.dataframe(red_when(pre.with_columns(small=~pl.col("pool_fits_context")), "small") if pre.height
-                 else pre.to_pandas(), hide_index=True, width="stretch")
+    table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
     st.caption(f"refreshed {dt.datetime.now():%H:%M:%S}")
 
 

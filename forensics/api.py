@@ -18,8 +18,10 @@ import polars as pl
 from telemetry.store import open_store
 
 SQL_DIR = Path(__file__).with_name("sql")
-# views and macros the queries build on, in dependency order
-VIEWS = ["requests", "exposure_slots"]
+# views the queries build on; exposure_slots (the as-of join) is materialised once per connection,
+# on first use, and the macros over it are created then
+VIEWS = ["requests"]
+MATERIALISED = ["exposure_slots"]
 MACROS = ["exposures_in"]
 QUERIES = ["exposures", "scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
            "releases"]
@@ -47,16 +49,27 @@ class Forensics:
         self.con = open_store(self.store)
         for v in VIEWS:
             self.con.sql(sql(v)).create_view(v)
-        for m in MACROS:
-            self.con.execute(sql(m))
+        self._materialised = False
+
+    def _materialise(self) -> None:
+        """Run the as-of join once for this snapshot of the store; every query then reads its result."""
+        if not self._materialised:
+            for t in MATERIALISED:
+                self.con.sql(sql(t)).to_table(t)
+            for m in MACROS:
+                self.con.execute(sql(m))
+            self._materialised = True
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
         text = sql(name)
+        if "exposure" in text:
+            self._materialise()
         values = {**DEFAULTS, **params, "from": start or EPOCH, "to": end or FAR}
         return self.con.sql(text, params={k: v for k, v in values.items() if f"${k}" in text}).pl()
 
     def exposure_slots(self) -> pl.DataFrame:
+        self._materialise()
         return self.con.table("exposure_slots").pl()
 
     def exposures(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> pl.DataFrame:

@@ -280,7 +280,9 @@ def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
-    con = duckdb.connect()
+    # big joins spill to disk: keep that out of the caller's working directory
+    import tempfile
+    con = duckdb.connect(config={"temp_directory": str(Path(tempfile.gettempdir()) / "kvledger-duckdb-spill")})
     by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
     for link in read_chain(root):
         if link.table in by_table and (root / link.file).exists():
