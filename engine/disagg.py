@@ -250,7 +250,7 @@ class DisaggCluster:
         sp, so = _slots(preq, S, pos)
         dp, do = _slots(dreq, self.decode.cfg.page_size, pos)
         job = TransferJob(self.transfer.next_id(), preq.incarnation, node.pool, self.decode.pool, pos, sp, so, dp, do,
-                          records_checksum(node.pool.read_records(sp, so)), preq.output_ids[0], self.decode.tick,
+                          records_checksum(node.pool.read_records(sp, so)), preq.output_ids[0], self.decode.next_lclock,
                           next(node.transfer_seq), node.cfg.node_id, time.perf_counter())
         self.transfer.submit(job)                  # prefill then reports "transfer complete" when it drains
 

@@ -129,9 +129,14 @@ class LLMEngine:
         self.scheduler.running.append(req)
 
     def tick(self) -> int:
-        """Advance this node's logical clock (thread-safe: transfer workers tick it on landing)."""
+        """Advance this node's logical clock for a step (engine thread): self.lclock is that step's."""
         self.lclock = next(self._clock)
         return self.lclock
+
+    def next_lclock(self) -> int:
+        """A clock value for an event off the engine thread (a landed transfer batch); the counter
+        is shared, so events stay ordered, and self.lclock keeps naming the current step."""
+        return next(self._clock)
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
