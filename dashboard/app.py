@@ -27,7 +27,15 @@ st.title("kvledger: who read whose KV")
 st.caption(f"store `{STORE}` - refreshes every {REFRESH:g} s - tenants are store-keyed pseudonyms")
 
 if not (Path(STORE) / "chain").is_dir():
-    st.error(f"No kvledger store at {STORE}. Start one with `kvledger replay glm53 --store {STORE}`.")
+    @st.fragment(run_every=REFRESH)
+    def wait_for_store() -> None:
+        """Keep looking: the engine may create the store after the dashboard started."""
+        if (Path(STORE) / "chain").is_dir():
+            st.rerun()
+        st.error(f"No kvledger store at {STORE} yet. Start one with `kvledger replay glm53 --store {STORE}`; "
+                 "this page picks it up by itself.")
+
+    wait_for_store()
     st.stop()
 
 with st.sidebar:
