@@ -49,12 +49,21 @@ class PageAllocator:
         return int(self.pool.generation[page])
 
     def free(self, pages: list[int]) -> None:
-        """Drop one holder of each page; pages whose last holder left go back to the free list."""
+        """Drop one holder of each page; pages whose last holder left go back to the free list.
+        With the double-free check, a free of a page that has no holder left is refused before
+        anything changes (DoubleFree), so an error path that releases twice cannot hand one page
+        to two requests."""
+        if self.detect_double_free:
+            holders: dict[int, int] = {}
+            for p in pages:
+                holders[p] = holders.get(p, 0) + 1
+            bad = [p for p, n in holders.items() if self.refcount[p] < n]
+            if bad:
+                raise DoubleFree(f"page(s) {bad[:8]} freed with no holder left (generation "
+                                 f"{int(self.pool.generation[bad[0]])}); nothing was freed")
         released = []
         for p in pages:
             if self.refcount[p] <= 0:
-                if self.detect_double_free:
-                    raise DoubleFree(f"page {p} freed twice (generation {int(self.pool.generation[p])})")
                 # Unchecked free, as an engine without the guard does: the page enters the
                 # free list a second time and can be handed to two requests.
                 self._free.append(p)

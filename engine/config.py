@@ -34,6 +34,7 @@ class EngineConfig:
     fail_on_violation: bool = True      # False: record violations but let the read through (vulnerable)
     zero_on_free: bool = False          # freed pages keep their bytes by default, as in real engines
     detect_double_free: bool = True
+    deferred_release: bool = True      # pages an in-flight copy (offload, transfer) may touch are held until it drains
     scope_secret: bytes = b"kvledger-default-scope-secret"
     kv_format_version: str = "kvledger-kv-v1"
     preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/preflight.py)

@@ -48,7 +48,7 @@ class LLMEngine:
                            dtype=dtype, zero_on_free=cfg.zero_on_free)
         self.allocator = PageAllocator(self.pool, detect_double_free=cfg.detect_double_free)
         self.host = HostTier(self.pool, cfg.host_memory_budget)
-        self.blocks = BlockManager(self.allocator, self.host, cfg.page_size)
+        self.blocks = BlockManager(self.allocator, self.host, cfg.page_size, cfg.deferred_release)
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.pool, cfg.check_reads, cfg.attention_backend)
         self.observers: list[StepObserver] = []
@@ -62,7 +62,7 @@ class LLMEngine:
         self._clock = itertools.count(1)   # logical clock: every step and every landed transfer batch ticks it
         self.lclock = 0
         self.rec = recorder or NULL_RECORDER
-        self.blocks.on_release = lambda req, pages: self.rec.pages_released(self, req, pages)
+        self.blocks.on_release = lambda req, pages, *a: self.rec.pages_released(self, req, pages, *a)
         self.blocks.on_move = lambda req, path, pages, pos: self.rec.pages_moved(self, req, path, pages, pos)
         self.rec.node_started(self)
 
@@ -140,9 +140,15 @@ class LLMEngine:
 
     # ---- the step loop ------------------------------------------------------------------------
     def step(self) -> list[Request]:
+        try:
+            return self._step()
+        finally:
+            self.host.drain()            # offload copies complete at the end of the step (DMA)
+
+    def _step(self) -> list[Request]:
         batch = self.scheduler.schedule()
         if not batch:
-            if self.scheduler.has_work() and not self.pages_held_outside():
+            if self.scheduler.has_work() and not self.pages_held_outside() and not self.blocks.held:
                 stuck = (self.scheduler.waiting or self.scheduler.swapped)[0]
                 self._finish(stuck, error=InputError(
                     f"request {stuck.incarnation:#x} needs more KV pages than the pool can ever free "

@@ -63,6 +63,8 @@ class Scheduler:
             if req not in self.running or budget <= 0:
                 continue
             while not self.blocks.ensure(req, req.num_computed + 1):
+                if self.blocks.held:      # pages come back when in-flight copies drain: wait a step
+                    break
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is req:

@@ -38,8 +38,27 @@ def test_host_tier_round_trip_carries_tags():
     host = HostTier(pool, 1 << 20)
     pool.store(0, torch.tensor([2, 2]), torch.tensor([0, 1]), torch.ones(2, 4), torch.ones(2, 4),
                torch.tensor([5, 6]), torch.tensor([9, 9]))
-    hp = host.offload([2])
+    done = []
+    hp = host.offload([2], lambda: done.append(True))
+    assert host.in_flight == 1 and not done          # a DMA: queued, copied when the engine drains it
+    host.drain()
+    assert done and host.in_flight == 0
     pool.zero_pages(torch.tensor([2]))
     host.reload(hp, [4])
     assert pool.tags[4].tolist() == [5, 6] and pool.writers[4].tolist() == [9, 9]
     assert bool(pool.k(0)[4].eq(1).all())
+
+
+def test_host_offload_copies_the_page_as_it_is_when_the_dma_runs():
+    """Why the engine holds offloaded pages until the copy drains (fault 2): the copy reads the
+    device page at drain time, so whatever was written into it before then is what comes back."""
+    pool = KVPool(1, 4, 2, 6 * KVPool.page_bytes_for(1, 4, 2))
+    host = HostTier(pool, 1 << 20)
+    pool.store(0, torch.tensor([2]), torch.tensor([0]), torch.ones(1, 4), torch.ones(1, 4),
+               torch.tensor([5]), torch.tensor([9]))
+    hp = host.offload([2])
+    pool.store(0, torch.tensor([2]), torch.tensor([0]), torch.full((1, 4), 7.0), torch.ones(1, 4),
+               torch.tensor([8]), torch.tensor([3]))          # someone else's write before the DMA ran
+    host.drain()
+    host.reload(hp, [4])
+    assert pool.tags[4, 0].item() == 8 and pool.writers[4, 0].item() == 3
