@@ -21,6 +21,7 @@ class PageAllocator:
         self.total = pool.num_pages
         self.detect_double_free = detect_double_free
         self.refcount = [0] * self.total
+        self.checked_frees = 0          # frees the double-free check ran on (guard liveness; the owner resets it)
         self._free: deque[int] = deque(range(self.total))
 
     @property
@@ -54,6 +55,7 @@ class PageAllocator:
         anything changes (DoubleFree), so an error path that releases twice cannot hand one page
         to two requests."""
         if self.detect_double_free:
+            self.checked_frees += 1
             holders: dict[int, int] = {}
             for p in pages:
                 holders[p] = holders.get(p, 0) + 1

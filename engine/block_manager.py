@@ -32,6 +32,7 @@ class BlockManager:
         self.held: list[Held] = []
         # telemetry hooks (the engine wires them to its recorder)
         self.on_release: ReleaseHook = lambda req, pages, *a: None
+        self.on_hold: Callable[[Request, list[int], str], None] = lambda req, pages, why: None
         self.on_move: Callable[[Request, str, list[int], torch.Tensor], None] = lambda req, path, pages, pos: None
 
     def pages_for(self, num_tokens: int) -> int:
@@ -69,6 +70,7 @@ class BlockManager:
         req.block_table, req.page_gens = [], []
         if h.pages:
             self.held.append(h)
+            self.on_hold(req, h.pages, why)
         return h
 
     def free_held(self, h: Held, ended_by: str) -> None:

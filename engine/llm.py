@@ -63,6 +63,7 @@ class LLMEngine:
         self.lclock = 0
         self.rec = recorder or NULL_RECORDER
         self.blocks.on_release = lambda req, pages, *a: self.rec.pages_released(self, req, pages, *a)
+        self.blocks.on_hold = lambda req, pages, why: self.rec.pages_held(self, req, pages, why)
         self.blocks.on_move = lambda req, path, pages, pos: self.rec.pages_moved(self, req, path, pages, pos)
         self.rec.node_started(self)
 

@@ -97,10 +97,11 @@ class Oracle:
                 f, sk = self._fingerprint(pool, pool.read_records(pages[idx], offs[idx]))
                 self._reads.setdefault(req.incarnation, []).append((engine.cfg.node_id, idx, pages[idx], offs[idx], f, sk))
 
-    def observe_landing(self, engine, completion) -> None:
-        job, pool = completion.job, engine.pool
-        fp, _ = self._fingerprint(pool, pool.read_records(job.dst_pages, job.dst_offsets))
-        self._index(engine.cfg.node_id, fp, job.dst_pages, job.dst_offsets, [job.incarnation] * fp.numel())
+    def observe_landing(self, engine, job, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+        """One transfer call landed ``pages``/``offsets`` in ``engine``'s pool, for ``job.incarnation``."""
+        pool = engine.pool
+        fp, _ = self._fingerprint(pool, pool.read_records(pages, offsets))
+        self._index(engine.cfg.node_id, fp, pages, offsets, [job.incarnation] * fp.numel())
 
     def _index(self, node: str, fp: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, writers: list[int]) -> None:
         fps = fp.tolist()

@@ -29,11 +29,14 @@ class TransferRecord(NamedTuple):
     sent: torch.Tensor           # logical positions prefill sent
     landed: torch.Tensor         # logical positions whose records landed
     landed_lclock: torch.Tensor  # receiver's logical clock when each landed
-    dst_pages: torch.Tensor      # where the sent positions landed
-    dst_offsets: torch.Tensor
+    landed_pages: torch.Tensor   # where each landed
+    landed_offsets: torch.Tensor
+    landed_gen: torch.Tensor     # the destination page's generation when it landed
+    landed_tags: torch.Tensor    # the content tags inside the landed records
+    landed_writers: torch.Tensor
     checksum_src: str
     checksum_dst: str | None     # None: decode did not verify
-    outcome: str                 # admitted | rejected: <reason>
+    outcome: str                 # admitted | rejected: <reason> | abandoned: <reason>
     submitted_at: float          # perf_counter seconds
     landed_at: float
 
@@ -57,6 +60,9 @@ class Recorder:
     def pages_released(self, engine: "LLMEngine", req: "Request", pages: list[int], kind: str = "immediate",
                        ended_by: str = "immediate", hold_ns: int = 0) -> None:
         """A request's device pages went back to the free list."""
+
+    def pages_held(self, engine: "LLMEngine", req: "Request", pages: list[int], why: str) -> None:
+        """A deferred release started holding ``pages`` (an in-flight copy may still touch them)."""
 
     def transfer_landed(self, engine: "LLMEngine", rec: TransferRecord) -> None:
         """A KV transfer's writes drained into ``engine``'s pool, and decode's verdict on it."""

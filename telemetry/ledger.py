@@ -160,13 +160,11 @@ class PageLedger:
 
     # ---- a transfer: its landed writes (read back from the receiver's tag plane) and its verdict ---
     def on_transfer(self, engine, rec: TransferRecord) -> None:
-        idx = torch.searchsorted(rec.sent, rec.landed)
-        pages, offs = rec.dst_pages[idx], rec.dst_offsets[idx]
-        n = pages.numel()
-        if n:
+        n = rec.landed.numel()
+        if n:       # what landed, as it landed (generation, tags and writer captured by the link per call)
             self.writer.submit("page_writes", self._write_cols(
-                engine.cfg.node_id, n, rec.landed_lclock, pages, engine.pool.generation[pages], offs, rec.landed,
-                engine.pool.writers[pages, offs], engine.pool.tags[pages, offs], np.zeros(n), ["transfer_landing"],
+                engine.cfg.node_id, n, rec.landed_lclock, rec.landed_pages, rec.landed_gen, rec.landed_offsets,
+                rec.landed, rec.landed_writers, rec.landed_tags, np.zeros(n), ["transfer_landing"],
                 self._ids([rec.incarnation], np.zeros(n))))
         trace, span = self.span_ids(rec.incarnation)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src

@@ -295,8 +295,12 @@ class Telemetry(Recorder):
         self._node(engine).released.add(len(pages), {"kind": kind, "ended_by": ended_by})
         if kind == "deferred":
             self._node(engine).release_hold.record(hold_ns / 1e9, {"ended_by": ended_by})
+            self._node(engine).held_pages.add(-len(pages))
         if self.ledger is not None:
             self.ledger.on_release(engine, req, pages, kind, ended_by, hold_ns)
+
+    def pages_held(self, engine, req, pages, why) -> None:
+        self._node(engine).held_pages.add(len(pages))
 
     def transfer_landed(self, engine, rec: TransferRecord) -> None:
         self._transfers[rec.incarnation] = rec
