@@ -148,16 +148,17 @@ class Completion(NamedTuple):
 
 
 class Link:
-    """The KV link: a worker thread performs one-sided record writes, one call at a time, paced by
-    ``tick`` (one tick per cluster step; the caller waits for the tick's writes)."""
+    """The KV link: a worker thread performs one-sided record writes, paced by ``tick`` (one tick
+    per cluster step; the caller waits for the tick's writes). Each source node has its own lane
+    (its own queue pair): lanes progress side by side, one call at a time each."""
 
     def __init__(self, cfg: LinkConfig, observers: list):
         self.cfg = cfg
         self.now = 0
-        self._queue: deque[TransferJob] = deque()
-        self._call: tuple[TransferJob, slice, torch.Tensor, int] | None = None
-        self._stall_until = 0
-        self._observers = observers       # (job, pages, offsets) after each landed call, on the worker
+        self._lanes: dict[str, deque[TransferJob]] = {}
+        self._calls: dict[str, tuple[TransferJob, slice, torch.Tensor, int]] = {}
+        self._stall_until: dict[str, int] = {}
+        self._observers = observers       # (job, slice of job.positions) after each landed call, on the worker
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
         self._ticks: queue.Queue[bool | None] = queue.Queue()
@@ -170,25 +171,30 @@ class Link:
 
     @property
     def in_flight(self) -> int:
-        return len(self._queue)
+        return sum(len(q) for q in self._lanes.values())
 
     def submit(self, job: TransferJob) -> None:
         with self._lock:
-            self._queue.append(job)
+            self._lanes.setdefault(job.src_node, deque()).append(job)
+
+    def on_wire(self, job: TransferJob | None) -> bool:
+        call = None if job is None else self._calls.get(job.src_node)
+        return call is not None and call[0] is job
 
     def cancel(self, job: TransferJob) -> Completion | None:
         """Stop sending at the next call boundary. A job with no call on the wire is removed now
         (its completion is returned); one mid-call completes as 'cancelled' when that call lands."""
         with self._lock:
             job.cancelled = True
-            if job in self._queue and (self._call is None or self._call[0] is not job):
-                self._queue.remove(job)
+            lane = self._lanes.get(job.src_node, deque())
+            if job in lane and not self.on_wire(job):
+                lane.remove(job)
                 return self._complete(job, "cancelled")
         return None
 
-    def stall(self, ticks: int) -> None:
-        """The link makes no progress for ``ticks`` ticks (a busy NIC, a decode pull delayed)."""
-        self._stall_until = self.now + ticks
+    def stall(self, lane: str, ticks: int) -> None:
+        """A lane makes no progress for ``ticks`` ticks (a busy NIC, a decode pull delayed)."""
+        self._stall_until[lane] = self.now + ticks
 
     def tick(self) -> list[Completion]:
         self._ticks.put(True)
@@ -203,45 +209,45 @@ class Link:
     def _run(self) -> None:
         while self._ticks.get() is not None:
             try:
-                out = self._advance()
+                with self._lock:
+                    self.now += 1
+                    out = [c for lane in list(self._lanes) for c in self._advance(lane)]
             except BaseException as e:     # surfaced on the caller's thread
                 out = e
             self._done.put(out)
 
-    def _advance(self) -> list[Completion]:
-        with self._lock:
-            self.now += 1
-            out: list[Completion] = []
-            if self.now <= self._stall_until:
-                return out
-            while self._call is None and self._queue:
-                job = self._queue[0]
-                if job.cancelled or (job.fail_after_calls is not None and job.calls >= job.fail_after_calls):
-                    self._queue.popleft()
-                    out.append(self._complete(job, "cancelled" if job.cancelled else "failed"))
-                    continue
-                left = len(job.positions) - job.sent
-                n = left if job.batch_slots is None else min(job.batch_slots, left)
-                sl = slice(job.sent, job.sent + n)
-                recs = job.src.read_records(job.src_pages[sl], job.src_offsets[sl]).clone()   # the source is read now
-                job.sent += n
-                job.calls += 1
-                self._call = (job, sl, recs, self.now + self.cfg.call_ticks(n) - 1)
-            if self._call is not None and self._call[3] <= self.now:
-                job, sl, recs, _ = self._call
-                self._call = None
-                pages, offs = job.dst_pages[sl], job.dst_offsets[sl]
-                job.dst.write_records(pages, offs, recs)        # lands: K/V and tags in one copy
-                n = pages.numel()
-                job.landed.append((job.positions[sl], torch.full((n,), job.dst_clock(), dtype=torch.long),
-                                   job.dst.generation[pages].clone(), job.dst.record_tags(recs),
-                                   job.dst.record_writers(recs), pages, offs))
-                for obs in self._observers:
-                    obs(job, pages, offs)
-                if job.sent == len(job.positions) or job.cancelled:
-                    self._queue.popleft()
-                    out.append(self._complete(job, "cancelled" if job.sent < len(job.positions) else "drained"))
+    def _advance(self, name: str) -> list[Completion]:
+        lane, out = self._lanes[name], []
+        if self.now <= self._stall_until.get(name, 0):
             return out
+        while name not in self._calls and lane:
+            job = lane[0]
+            if job.cancelled or (job.fail_after_calls is not None and job.calls >= job.fail_after_calls):
+                lane.popleft()
+                out.append(self._complete(job, "cancelled" if job.cancelled else "failed"))
+                continue
+            left = len(job.positions) - job.sent
+            n = left if job.batch_slots is None else min(job.batch_slots, left)
+            sl = slice(job.sent, job.sent + n)
+            recs = job.src.read_records(job.src_pages[sl], job.src_offsets[sl]).clone()   # the source is read now
+            job.sent += n
+            job.calls += 1
+            self._calls[name] = (job, sl, recs, self.now + self.cfg.call_ticks(n) - 1)
+        call = self._calls.get(name)
+        if call is not None and call[3] <= self.now:
+            job, sl, recs, _ = self._calls.pop(name)
+            pages, offs = job.dst_pages[sl], job.dst_offsets[sl]
+            job.dst.write_records(pages, offs, recs)        # lands: K/V and tags in one copy
+            n = pages.numel()
+            job.landed.append((job.positions[sl], torch.full((n,), job.dst_clock(), dtype=torch.long),
+                               job.dst.generation[pages].clone(), job.dst.record_tags(recs),
+                               job.dst.record_writers(recs), pages, offs))
+            for obs in self._observers:
+                obs(job, sl)
+            if job.sent == len(job.positions) or job.cancelled:
+                lane.popleft()
+                out.append(self._complete(job, "cancelled" if job.sent < len(job.positions) else "drained"))
+        return out
 
     @staticmethod
     def _complete(job: TransferJob, status: str) -> Completion:
@@ -295,8 +301,8 @@ class DisaggCluster:
             self.prefills.append(node)
         decode_cfg.role = "decode"
         self.decode = LLMEngine(model, tokenizer, decode_cfg, rec)
-        self.landing_observers: list = []        # (decode engine, job, pages, offsets) after each landed call
-        self.link = Link(lc, [lambda job, p, o: [obs(self.decode, job, p, o) for obs in self.landing_observers]])
+        self.landing_observers: list = []        # (decode engine, job, slice) after each landed call
+        self.link = Link(lc, [lambda job, sl: [obs(self.decode, job, sl) for obs in self.landing_observers]])
         self.halves: dict[int, Half] = {}        # incarnation -> both halves, until its transfer completes
         self.backlog: deque[Half] = deque()      # waiting for decode pages
         self.holds: list[Hold] = []              # deferred releases waiting for a drain or the timeout
@@ -362,6 +368,9 @@ class DisaggCluster:
 
     def _reject(self, engine: LLMEngine, req: Request, where: str, error: BaseException) -> Request:
         self.rec.rejected(engine, req, where, error)
+        for guard in ("cancel_both_halves", "single_release"):     # nothing reserved, no other half to stop
+            if getattr(self.guards, guard):
+                self.rec.guard_checked(engine, guard, failed=False)
         req.fail(error)
         return req
 

@@ -4,7 +4,8 @@
   ([0, seq_len) through its block table) are fingerprinted - only slots whose bytes may have
   changed since this request last saw them (pool.write_seq) are gathered again.
 - Writes: every slot a step computed is fingerprinted with the incarnation the runner computed it
-  for; every transfer landing with the transfer's incarnation. This is the hash index of writes.
+  for; every transfer landing with whoever computed the bytes in the source slot it copied. This
+  is the hash index of writes.
 - Verdict: each response's own tokens go through a clean, unpaged forward pass (dense causal
   attention, no pool); read slots whose K/V differ from the clean K/V are exposures; the donor is
   whoever wrote those exact bytes into that very slot (identical bytes do recur: the recall
@@ -97,11 +98,17 @@ class Oracle:
                 f, sk = self._fingerprint(pool, pool.read_records(pages[idx], offs[idx]))
                 self._reads.setdefault(req.incarnation, []).append((engine.cfg.node_id, idx, pages[idx], offs[idx], f, sk))
 
-    def observe_landing(self, engine, job, pages: torch.Tensor, offsets: torch.Tensor) -> None:
-        """One transfer call landed ``pages``/``offsets`` in ``engine``'s pool, for ``job.incarnation``."""
+    def observe_landing(self, engine, job, sl: slice) -> None:
+        """One transfer call copied records ``job.*[sl]`` from the source node into ``engine``'s
+        pool. A copy is not a computation: each landed slot is attributed to whoever computed those
+        bytes in the source slot (the transfer's own request, unless the source page had been
+        handed on and rewritten before the copy read it)."""
         pool = engine.pool
-        fp, _ = self._fingerprint(pool, pool.read_records(pages, offsets))
-        self._index(engine.cfg.node_id, fp, pages, offsets, [job.incarnation] * fp.numel())
+        pages, offs = job.dst_pages[sl], job.dst_offsets[sl]
+        fp, _ = self._fingerprint(pool, pool.read_records(pages, offs))
+        writers = [self.index_at.get((f, job.src_node, p, o), self.index.get(f, job.incarnation))
+                   for f, p, o in zip(fp.tolist(), job.src_pages[sl].tolist(), job.src_offsets[sl].tolist())]
+        self._index(engine.cfg.node_id, fp, pages, offs, writers)
 
     def _index(self, node: str, fp: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, writers: list[int]) -> None:
         fps = fp.tolist()

@@ -40,6 +40,19 @@ class ReplayResult:
     surfaced: list[tuple[int, str, str]] = field(default_factory=list)   # (incarnation, reader tenant, canary)
     telemetry: dict | None = None                # Telemetry.close() counts when a store was written
     free_pages: dict[str, tuple[int, int]] = field(default_factory=dict)   # node -> (free, total) at the end
+    scenario: str = "glm53"
+    affected: list[Request] = field(default_factory=list)   # the requests the triggering event targets
+    triggered: bool = True
+
+    @property
+    def readers_of_foreign(self) -> dict[int, set[int]]:
+        """incarnation -> donors (other incarnations, or -1: bytes nobody wrote) it read, by the oracle."""
+        out = {}
+        for inc, ex in self.exposures.items():
+            donors = {e.donor for e in ex} - {inc}
+            if donors:
+                out[inc] = donors
+        return out
 
     @property
     def foreign_readers(self) -> list[Request]:

@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from engine.disagg import Guards
 from engine.scenarios import glm53
 from forensics.api import Forensics
 from forensics.cli import main
@@ -74,8 +75,8 @@ def test_preflight_and_guard_liveness_come_from_the_store(glm53_vulnerable, glm5
     assert not small["pool_fits_context"][0] and small["policy"][0] == "vulnerable"
     guards = Forensics(glm53_hardened[1]).query("guards")
     on = guards.filter(guards["enabled"])
-    assert set(on["guard"]) == {"terminal_predicate", "reject_before_bootstrap", "landed_set_check", "checksum",
-                                "read_check"}
+    assert set(on["guard"]) == set(Guards.__dataclass_fields__)
+    assert not guards["idle_but_on"].any(), guards.filter(guards["idle_but_on"])
     # reject_before_bootstrap rejected the over-pool prompts at the router, so downstream guards never saw them
     rbb = guards.filter(guards["guard"] == "reject_before_bootstrap")
     assert rbb["failed"][0] == GLM53_SMALL["victims"]
