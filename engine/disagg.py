@@ -177,8 +177,8 @@ class Link:
         with self._lock:
             self._lanes.setdefault(job.src_node, deque()).append(job)
 
-    def on_wire(self, job: TransferJob | None) -> bool:
-        call = None if job is None else self._calls.get(job.src_node)
+    def _on_wire(self, job: TransferJob) -> bool:
+        call = self._calls.get(job.src_node)
         return call is not None and call[0] is job
 
     def cancel(self, job: TransferJob) -> Completion | None:
@@ -187,7 +187,7 @@ class Link:
         with self._lock:
             job.cancelled = True
             lane = self._lanes.get(job.src_node, deque())
-            if job in lane and not self.on_wire(job):
+            if job in lane and not self._on_wire(job):
                 lane.remove(job)
                 return self._complete(job, "cancelled")
         return None

@@ -12,7 +12,10 @@ only leaks when freed pages are handed on before the stale copy lands), as on a 
 """
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
+import secrets
 from dataclasses import asdict
 
 from engine.config import EngineConfig
@@ -47,7 +50,7 @@ class _Replay:
     """Model, oracle, optional telemetry and tenant text shared by the fault scenarios."""
 
     def __init__(self, name: str, policy: str, guards: Guards | None, seed: int, store: str | None,
-                 flush_interval: float):
+                 flush_interval: float, canary_key: bytes | None):
         self.name, self.policy = name, policy
         self.guards = guards or Guards.policy(policy)
         self.model, self.tok = load_model("recall")
@@ -55,6 +58,10 @@ class _Replay:
         self.oracle = Oracle(self.model, seed)
         self.rng = random.Random(seed)
         self.canaries: dict[str, str] = {}
+        # canaries are unguessable (keyed by a random secret); pass the same key to replay the
+        # same texts with and without the triggering event
+        self._canary_key = canary_key or secrets.token_bytes(16)
+        self._canary_no = itertools.count()
         self.tel = None
         if store is not None:
             from telemetry import Telemetry
@@ -69,8 +76,11 @@ class _Replay:
 
     def text(self, tenant: str, tokens: int) -> str:
         """Prose of exactly ``tokens`` tokens (byte tokenizer) from ``tenant``, with a canary inside."""
-        body = _background(self.rng, 1, tokens, tokens + 1, self.canaries, [tenant])[0][1]
+        body = _background(self.rng, 1, tokens, tokens + 1, self.canaries, [tenant], self._canary)[0][1]
         return (body * (tokens // max(len(body), 1) + 1))[:tokens]
+
+    def _canary(self) -> str:
+        return hashlib.blake2b(str(next(self._canary_no)).encode(), key=self._canary_key, digest_size=5).hexdigest()
 
     def cluster(self, prefill_tokens: list[int], decode_tokens: int, link: LinkConfig) -> DisaggCluster:
         names = [f"prefill{i}" for i in range(len(prefill_tokens))]
@@ -133,7 +143,9 @@ def _abort_race(rp: _Replay, trigger: bool, on_wire: bool, progress=None) -> Rep
         half = cl.halves.get(a.incarnation)
         if half is None:
             return False
-        ready = cl.link.on_wire(half.job) if on_wire else half.job is None and half.preq.status is Status.PREFILLING
+        # fault 7: A's transfer has started and not finished; fault 3: A is still being prefilled
+        ready = (half.job is not None and half.job.started) if on_wire else (
+            half.job is None and half.preq.status is Status.PREFILLING)
         if ready:
             cl.abort(a, "client disconnected")
         return ready
@@ -232,8 +244,9 @@ RUNNERS = {"offload_race": offload_race, "late_write": late_write, "double_free"
 
 
 def run_fault(name: str, policy: str = "vulnerable", seed: int = 0, trigger: bool = True, guards: Guards | None = None,
-              store: str | None = None, flush_interval: float = 1.0, progress=None) -> ReplayResult:
+              store: str | None = None, flush_interval: float = 1.0, progress=None,
+              canary_key: bytes | None = None) -> ReplayResult:
     """Replay fault ``name`` under ``policy`` (or explicit ``guards``); see FAULTS."""
     if name not in RUNNERS:
         raise InputError(f"unknown fault scenario {name!r}; known: {', '.join(RUNNERS)}")
-    return RUNNERS[name](_Replay(name, policy, guards, seed, store, flush_interval), trigger, progress)
+    return RUNNERS[name](_Replay(name, policy, guards, seed, store, flush_interval, canary_key), trigger, progress)

@@ -85,13 +85,14 @@ class Oracle:
             pos = torch.arange(n)
             pages = out.layout.block_tables[b][pos // S]
             offs = pos % S
-            ver = pool.write_seq[pages, offs]
+            # what this position's bytes are: which slot, and how many writes it has had
+            ver = torch.stack([pages * S + offs, pool.write_seq[pages, offs]])
             key = (id(pool), req.incarnation)
             seen = self._seen.get(key)
             changed = torch.ones(n, dtype=torch.bool)
             if seen is not None:
-                m = min(n, seen.numel())
-                changed[:m] = ver[:m] != seen[:m]
+                m = min(n, seen.shape[1])
+                changed[:m] = (ver[:, :m] != seen[:, :m]).any(0)
             self._seen[key] = ver
             if changed.any():
                 idx = torch.nonzero(changed).flatten()

@@ -59,7 +59,8 @@ class ReplayResult:
         return [r for r in self.requests if any(e.donor != r.incarnation for e in self.exposures.get(r.incarnation, []))]
 
 
-def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str, str], tenants: list[str]):
+def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str, str], tenants: list[str],
+                token=lambda: secrets.token_hex(5)):
     from pydoc_data.topics import topics
     texts = [t for t in topics.values() if len(t) > hi]
     out = []
@@ -69,7 +70,7 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
         start = rng.randrange(0, len(t) - hi)
         body = t[start:start + rng.randrange(lo, hi)].encode("ascii", "replace").decode()
         if i % 2 == 0:
-            canary = "CANARY-" + secrets.token_hex(5)
+            canary = "CANARY-" + token()
             canaries[canary] = tenant
             cut = len(body) // 2
             body = body[:cut] + f" the secret is {canary}; " + body[cut:]
