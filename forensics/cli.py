@@ -57,17 +57,27 @@ def cmd_replay(args) -> int:
     from rich.progress import Progress
     from rich.table import Table
 
+    from engine.faults import FAULTS, MODES
     from engine.scenarios import SCENARIOS, glm53
 
     con = Console()
+    known = {**SCENARIOS, **FAULTS}
     if args.list:
-        for name, what in SCENARIOS.items():
+        for name, what in known.items():
             print(f"{name}\t{what}")
         return 0
     if args.scenario is None:
         return _die("replay needs a SCENARIO (see kvledger replay --list)")
-    if args.scenario not in SCENARIOS:
-        return _die(f"unknown scenario {args.scenario!r}; known: {', '.join(SCENARIOS)}")
+    if args.scenario not in known:
+        return _die(f"unknown scenario {args.scenario!r}; known: {', '.join(known)}")
+    if args.scenario in FAULTS:
+        mode = MODES[args.scenario]
+        if args.mode not in (None, mode):
+            return _die(f"scenario {args.scenario} runs in {mode} mode only (got --mode {args.mode})")
+        return _replay_fault(args, con)
+    args.mode = args.mode or "disaggregated"
+    if args.no_trigger:
+        return _die("--no-trigger applies to the fault scenarios; glm53's trigger is its over-pool prompts (--victims 0)")
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"replaying {args.scenario} ({args.policy}, {args.mode})", total=None)
         res = glm53(args.policy, args.mode, seed=args.seed, context=args.context_length, victims=args.victims,
@@ -108,6 +118,42 @@ def cmd_replay(args) -> int:
         con.print(f"store {args.store}: {tm['segments']} segments, {sum(tm['rows'].values())} rows "
                   f"({tm['rows']['page_reads']} page-read runs, {tm['rows']['page_writes']} slot writes, "
                   f"{tm['spans_exported']} spans, {tm['spans_dropped']} dropped); "
+                  f"next: kvledger forensics exposures --store {args.store}")
+    return 0
+
+
+def _replay_fault(args, con) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from engine.faults import FAULTS, MODES, run_fault
+
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"replaying {args.scenario} ({args.policy}, {MODES[args.scenario]})", total=None)
+        res = run_fault(args.scenario, args.policy, seed=args.seed, trigger=not args.no_trigger,
+                        store=None if args.no_store else args.store, progress=lambda n: bar.advance(task, n))
+    con.print(f"[bold]kvledger replay {args.scenario}[/]: {FAULTS[args.scenario]}")
+    con.print(f"policy={res.policy}, mode={res.mode}, triggering event: {'yes' if res.triggered else 'no (--no-trigger)'}")
+    readers = res.readers_of_foreign
+    t = Table(title="requests (foreign slots judged by the oracle: clean re-run of each response's own tokens)")
+    for c in ("incarnation", "tenant", "prompt tokens", "outcome", "foreign slots read", "donors"):
+        t.add_column(c)
+    for r in res.requests:
+        ex = [e for e in res.exposures.get(r.incarnation, []) if e.donor != r.incarnation]
+        outcome = f"[red]{r.finish_reason}: {r.error}" if r.error else f"{r.finish_reason}, {len(r.output_ids)} tokens"
+        mark = " [yellow](event)" if r in res.affected else ""
+        t.add_row(f"{r.incarnation:#x}{mark}", r.tenant, str(len(r.prompt_ids)), outcome,
+                  ("[red]" if ex else "") + str(len(ex)), str(len({e.donor for e in ex})))
+    con.print(t)
+    pools = ", ".join(f"{n} {f}/{tot}" for n, (f, tot) in res.free_pages.items())
+    con.print(f"responses that read foreign slots: [bold]{len(readers)}[/]; free pages at the end (free/total): {pools}"
+              f"{'' if res.pages_balanced else '  [red]pages lost or double-counted'}")
+    if res.surfaced:
+        con.print(f"canaries that surfaced in another tenant's output: {len(res.surfaced)}")
+    if res.telemetry is not None:
+        tm = res.telemetry
+        con.print(f"store {args.store}: {tm['segments']} segments, {sum(tm['rows'].values())} rows; "
                   f"next: kvledger forensics exposures --store {args.store}")
     return 0
 
@@ -220,11 +266,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--page-size", type=int, default=16)
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
     g.set_defaults(func=cmd_generate)
-    r = sub.add_parser("replay", help="run a scenario (glm53, ...) and print what happened")
+    r = sub.add_parser("replay", help="run a scenario (glm53 or a fault of its bug family) and print what happened")
     r.add_argument("scenario", nargs="?", help="scenario name; --list names them")
     r.add_argument("--list", action="store_true", help="list the scenarios")
     r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable")
-    r.add_argument("--mode", choices=["disaggregated", "unified"], default="disaggregated")
+    r.add_argument("--mode", choices=["disaggregated", "unified"], default=None,
+                   help="glm53: disaggregated (default) or unified; each fault scenario has its own mode")
+    r.add_argument("--no-trigger", action="store_true",
+                   help="fault scenarios: the same workload without the triggering event (expect zero exposures)")
     r.add_argument("--store", default="./kvledger-store", help="where spans, metrics and the page ledger land (default ./kvledger-store)")
     r.add_argument("--no-store", action="store_true", help="record nothing (the oracle still judges the run)")
     r.add_argument("--seed", type=int, default=0)

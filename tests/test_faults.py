@@ -133,3 +133,18 @@ def test_fix_by_fault_matrix(name, on, stops):
     assert (not leaked) is stops, leaked
     if stops:
         assert res.pages_balanced, res.free_pages
+
+
+@pytest.mark.xdist_group("fault-late_write")
+def test_cli_replays_a_fault_and_names_every_scenario(capsys, tmp_path):
+    from forensics.cli import main
+    assert main(["replay", "--list"]) == 0
+    listed = {line.split("\t")[0] for line in capsys.readouterr().out.splitlines()}
+    assert listed == {"glm53", *FAULTS}
+    assert main(["replay", "late_write", "--store", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "responses that read foreign slots: 2" in out and "next: kvledger forensics exposures" in out
+    assert main(["replay", "late_write", "--no-trigger", "--no-store"]) == 0
+    assert "responses that read foreign slots: 0" in capsys.readouterr().out
+    assert main(["replay", "offload_race", "--mode", "disaggregated"]) == 2
+    assert "runs in unified mode only" in capsys.readouterr().err
