@@ -25,6 +25,25 @@ def engine_table(r: dict) -> str:
     ])
 
 
+def guards_table(r: dict) -> str:
+    t, c, cpu = r["tokens_per_s"], r["config"], r["cpu_seconds"]
+    return "\n".join([
+        f"Every hardened guard on vs every guard off, same workload ({c['batch']} prompts of "
+        f"{min(c['prompt_lens'])}-{max(c['prompt_lens'])} tokens, {c['new_tokens']} new tokens, {c['nodes']}, "
+        f"median of {c['repeats']} interleaved runs; same tokens in both: {r['same_tokens']}):",
+        "",
+        "| measurement | hardened vs vulnerable | cost | goal |",
+        "| --- | --- | --- | --- |",
+        f"| cluster tokens/s (wall time) | {t['hardened']:.0f} vs {t['vulnerable']:.0f} | {100 * r['guard_cost']:+.1f} % "
+        f"| <= {100 * r['goal_cost']:.0f} % |",
+        f"| CPU seconds of the process (all threads) | {cpu['hardened']:.2f} vs {cpu['vulnerable']:.2f} "
+        f"| {100 * r['guard_cost_cpu']:+.1f} % | |",
+        "",
+        "Run-to-run noise on this shared machine is several percent, larger than the goal: read the two "
+        "rows together, not either one alone.",
+    ])
+
+
 def telemetry_table(r: dict) -> str:
     t, c, i = r["tokens_per_s"], r["config"], r["ingest"]
     return "\n".join([
@@ -76,7 +95,7 @@ def schema_block(_: dict) -> str:
     return "```sql\n" + (ROOT / "telemetry" / "schema.sql").read_text().rstrip() + "\n```"
 
 
-SECTIONS = {"engine": engine_table, "telemetry": telemetry_table, "forensics": forensics_table,
+SECTIONS = {"engine": engine_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table}
 
 
