@@ -21,6 +21,7 @@ class PageAllocator:
         self.total = pool.num_pages
         self.detect_double_free = detect_double_free
         self.refcount = [0] * self.total
+        self.on_allocate = lambda pages: None   # the prefix cache forgets pages handed to a new owner
         self.checked_frees = 0          # frees the double-free check ran on (guard liveness; the owner resets it)
         self._free: deque[int] = deque(range(self.total))
 
@@ -36,11 +37,22 @@ class PageAllocator:
         if n > len(self._free):
             raise OutOfPages(f"need {n} page(s), {len(self._free)} free of {self.total}")
         pages = [self._free.popleft() for _ in range(n)]
+        self.on_allocate(pages)
         idx = torch.tensor(pages, dtype=torch.long)
         self.pool.generation[idx] += 1
         for p in pages:
             self.refcount[p] += 1
         return pages, self.pool.generation[idx].tolist()
+
+    def reclaim(self, page: int) -> int:
+        """Take one specific free page back (a prefix-cache hit on a page whose last holder left);
+        like any page leaving the free list it gets a new generation, which is returned."""
+        if self.refcount[page] > 0:
+            raise AllocatorError(f"cannot reclaim page {page}: it is held")
+        self._free.remove(page)
+        self.pool.generation[page] += 1
+        self.refcount[page] = 1
+        return int(self.pool.generation[page])
 
     def share(self, page: int) -> int:
         """Add a holder to an allocated page (sanctioned prefix sharing); returns its generation."""

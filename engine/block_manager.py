@@ -30,6 +30,7 @@ class BlockManager:
         self.allocator, self.host, self.page_size = allocator, host, page_size
         self.deferred_release = deferred_release
         self.held: list[Held] = []
+        self.prefix_cache = None           # engine/prefix_cache.py, when the engine has one
         # telemetry hooks (the engine wires them to its recorder)
         self.on_release: ReleaseHook = lambda req, pages, *a: None
         self.on_hold: Callable[[Request, list[int], str], None] = lambda req, pages, why: None
@@ -41,6 +42,11 @@ class BlockManager:
     @property
     def held_pages(self) -> int:
         return sum(len(h.pages) for h in self.held)
+
+    def match_prefix(self, req: Request) -> None:
+        """A request admitted with nothing computed starts from its longest cached prefix."""
+        if self.prefix_cache is not None and req.num_computed == 0 and not req.block_table:
+            req.cached_tokens = req.num_computed = self.prefix_cache.match(req)
 
     def ensure(self, req: Request, num_tokens: int) -> bool:
         """Give req enough pages for num_tokens tokens. False (nothing taken) if not enough are free."""

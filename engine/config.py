@@ -37,6 +37,9 @@ class EngineConfig:
     deferred_release: bool = True      # pages an in-flight copy (offload, transfer) may touch are held until it drains
     scope_secret: bytes = b"kvledger-default-scope-secret"
     kv_format_version: str = "kvledger-kv-v1"
+    prefix_cache: bool = False          # reuse full prompt pages across requests of one cache scope
+    isolation_level: str = "tenant"     # cache scope: user | tenant | org (derived server-side, never from the client)
+    orgs: dict = field(default_factory=dict)   # tenant -> org, for isolation_level="org"
     preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/preflight.py)
     node_id: str = "node0"
     role: str = "unified"

@@ -18,6 +18,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError, ReadCheckViolation
 from engine.host import HostTier
 from engine.pool import KVPool
+from engine.prefix_cache import PrefixCache
 from engine.preflight import preflight
 from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
@@ -26,6 +27,7 @@ from engine.sampling import sample
 from engine.scheduler import Scheduler
 from engine.tags import TagChain, scope_key
 
+ISOLATION_LEVELS = ("user", "tenant", "org")
 StepObserver = Callable[["LLMEngine", StepOutput], None]
 
 
@@ -43,12 +45,18 @@ class LLMEngine:
         self.model, self.tokenizer = model, tokenizer
         dtype = getattr(model, "dtype", torch.float32)
         _check_backend(cfg.attention_backend)
+        if cfg.isolation_level not in ISOLATION_LEVELS:
+            raise InputError(f"isolation_level must be one of {ISOLATION_LEVELS}, got {cfg.isolation_level!r}")
         self.preflight = preflight(model, cfg)          # before the pool is allocated
         self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
                            dtype=dtype, zero_on_free=cfg.zero_on_free)
         self.allocator = PageAllocator(self.pool, detect_double_free=cfg.detect_double_free)
         self.host = HostTier(self.pool, cfg.host_memory_budget)
         self.blocks = BlockManager(self.allocator, self.host, cfg.page_size, cfg.deferred_release)
+        self.prefix_cache = PrefixCache(self.allocator, cfg.page_size) if cfg.prefix_cache else None
+        if self.prefix_cache is not None:
+            self.allocator.on_allocate = self.prefix_cache.evict
+            self.blocks.prefix_cache = self.prefix_cache
         self.scheduler = Scheduler(cfg, self.blocks)
         self.runner = ModelRunner(model, self.pool, cfg.check_reads, cfg.attention_backend)
         self.observers: list[StepObserver] = []
@@ -68,7 +76,16 @@ class LLMEngine:
         self.rec.node_started(self)
 
     # ---- admission: every check runs before any page is taken ------------------------------
-    def scope_for(self, tenant: str) -> str:
+    def scope_for(self, tenant: str, user: str = "") -> str:
+        """The cache scope, derived here from the tenant and the configured isolation level (a
+        client names its tenant and user, never its scope)."""
+        level = self.cfg.isolation_level
+        if level == "user":
+            if not user:
+                raise InputError("isolation level 'user' needs a user id with every request")
+            return f"user:{tenant}/{user}"
+        if level == "org":
+            return f"org:{self.cfg.orgs.get(tenant, tenant)}"
         return f"tenant:{tenant}"
 
     def validate(self, prompt_ids: list[int], sp: SamplingParams) -> None:
@@ -94,7 +111,7 @@ class LLMEngine:
                              f"{self.pool.capacity_tokens} tokens")
 
     def new_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
-                    rid: str = "", incarnation: int | None = None) -> Request:
+                    rid: str = "", incarnation: int | None = None, user: str = "") -> Request:
         """Validate and build a request; takes no page and queues nothing."""
         sp = sampling or SamplingParams()
         if isinstance(prompt, str):
@@ -104,7 +121,7 @@ class LLMEngine:
         else:
             prompt_ids = [int(t) for t in prompt]
         self.validate(prompt_ids, sp)
-        scope = self.scope_for(tenant)
+        scope = self.scope_for(tenant, user)
         chain = TagChain(scope_key(self.cfg.scope_secret, scope, self.cfg.kv_format_version), self.cfg.kv_format_version)
         chain.extend(prompt_ids)
         req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid, prompt_tokens_billed=len(prompt_ids))
@@ -160,7 +177,8 @@ class LLMEngine:
         for req, n in batch:
             if req.num_computed < len(req.prompt_ids):       # prompt positions this node computes itself
                 req.prefill_started_at = req.prefill_started_at or now
-                req.prefilled_tokens = max(req.prefilled_tokens, min(req.num_computed + n, len(req.prompt_ids)))
+                req.prefilled_tokens = max(req.prefilled_tokens,
+                                           min(req.num_computed + n, len(req.prompt_ids)) - req.cached_tokens)
         self.tick()
         out = self.runner.run(batch)
         self.steps += 1
@@ -182,6 +200,8 @@ class LLMEngine:
         for s in batch:
             if not s.req.is_finished:
                 s.req.num_computed += s.num_tokens
+                if self.prefix_cache is not None and s.req.num_computed - s.num_tokens < len(s.req.prompt_ids):
+                    self.prefix_cache.register(s.req, self.pool.tags)
         if out.sampling:
             reqs = [batch[b].req for b in out.sampling]
             toks = sample(out.logits, reqs)

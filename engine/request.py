@@ -100,6 +100,7 @@ class Request:
     arrival: float = field(default_factory=time.perf_counter)
     prefill_started_at: float | None = None
     prefilled_tokens: int = 0          # prompt tokens whose KV this request's own compute (or transfer) produced
+    cached_tokens: int = 0             # prompt tokens served from the prefix cache (pages shared by content tag)
     transfer_started_at: float | None = None
     transfer_landed_at: float | None = None
     first_token_at: float | None = None

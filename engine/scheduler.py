@@ -80,6 +80,8 @@ class Scheduler:
             admitting = req.status is Status.WAITING
             if admitting and len(self.running) >= self.cfg.max_num_seqs:
                 break
+            if admitting:
+                self.blocks.match_prefix(req)
             n = min(req.seq_len - req.num_computed, budget)
             if not self.blocks.ensure(req, req.num_computed + n):
                 break

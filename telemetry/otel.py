@@ -261,7 +261,7 @@ class Telemetry(Recorder):
             "pool_fits_context": [engine.preflight.fits], "preflight_action": [engine.preflight.action],
             "policy": [self.policy or "unspecified"],
             "guards": pa.array([list(guards.items())], pa.map_(pa.string(), pa.bool_())),
-            "isolation_level": [self.isolation_level], "model": [self._model(engine)],
+            "isolation_level": [cfg.isolation_level if cfg.prefix_cache else self.isolation_level], "model": [self._model(engine)],
             "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version]}))
 
     def request_arrived(self, engine, req) -> None:
@@ -332,7 +332,7 @@ class Telemetry(Recorder):
         node = self._node(engine)
         end = req.finished_at
         a: dict = {GA.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens_billed, GA.GEN_AI_USAGE_OUTPUT_TOKENS: len(req.output_ids),
-                   "gen_ai.usage.cache_read.input_tokens": 0, GA.GEN_AI_RESPONSE_FINISH_REASONS: [req.finish_reason],
+                   "gen_ai.usage.cache_read.input_tokens": req.cached_tokens, GA.GEN_AI_RESPONSE_FINISH_REASONS: [req.finish_reason],
                    "kvledger.prompt_tokens.prefilled": req.prefilled_tokens,
                    "kvledger.preemptions": req.preemptions}
         if req.ttft is not None:
