@@ -290,25 +290,39 @@ class DisaggCluster:
             cfg.deferred_release = guards.deferred_release
             cfg.detect_double_free = guards.double_free_check
         decode_cfg.check_reads = True            # recording is separate from protection
+        decode_cfg.role = "decode"
+        self.decode = self._make_decode(model, tokenizer, decode_cfg)
         self.prefills: list[LLMEngine] = []
         for cfg in prefill_cfgs:
             cfg.role = "prefill"
-            node = LLMEngine(model, tokenizer, cfg, rec)
+            node = self._make_prefill(model, tokenizer, cfg)
             node.on_prefill_done = self._handoff
             node.transfer_seq = itertools.count(1)
             node.sending = {}                    # transfer key -> prefill request whose pages are being sent
             node.pages_held_outside = lambda n=node: bool(n.sending)
             self.prefills.append(node)
-        decode_cfg.role = "decode"
-        self.decode = LLMEngine(model, tokenizer, decode_cfg, rec)
         self.landing_observers: list = []        # (decode engine, job, slice) after each landed call
-        self.link = Link(lc, [lambda job, sl: [obs(self.decode, job, sl) for obs in self.landing_observers]])
+        self.link = self._make_link()
         self.halves: dict[int, Half] = {}        # incarnation -> both halves, until its transfer completes
         self.backlog: deque[Half] = deque()      # waiting for decode pages
         self.holds: list[Hold] = []              # deferred releases waiting for a drain or the timeout
         self.responses: list[Request] = []
         self._fail_plan: dict[int, int] = {}     # incarnation -> the link fails its transfer after n calls
         self.steps = 0
+
+    # ---- what process mode (engine/procs.py) replaces: the nodes' homes and the link ------------
+    def _make_decode(self, model, tokenizer, cfg: EngineConfig) -> LLMEngine:
+        return LLMEngine(model, tokenizer, cfg, self.rec)
+
+    def _make_prefill(self, model, tokenizer, cfg: EngineConfig) -> LLMEngine:
+        return LLMEngine(model, tokenizer, cfg, self.rec)
+
+    def _make_link(self):
+        return Link(self.link_cfg, [lambda job, sl: [obs(self.decode, job, sl) for obs in self.landing_observers]])
+
+    def _may_still_write(self, half: Half) -> bool:
+        """Could the prefill half write into decode's pages although no transfer was submitted yet?"""
+        return False
 
     @property
     def nodes(self) -> list[LLMEngine]:
@@ -502,7 +516,7 @@ class DisaggCluster:
             self.decode.abort(dreq, reason)
             return
         # will a transfer still write into decode's reserved pages?
-        in_flight = half.job is not None or not self.guards.cancel_both_halves
+        in_flight = half.job is not None or not self.guards.cancel_both_halves or self._may_still_write(half)
         self._release_decode(half, error, in_flight=in_flight, aborted=True)
         self._stop_prefill_half(half)
 

@@ -49,7 +49,7 @@ class LLMEngine:
             raise InputError(f"isolation_level must be one of {ISOLATION_LEVELS}, got {cfg.isolation_level!r}")
         self.preflight = preflight(model, cfg)          # before the pool is allocated
         self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
-                           dtype=dtype, zero_on_free=cfg.zero_on_free)
+                           dtype=dtype, zero_on_free=cfg.zero_on_free, shared_path=cfg.shared_pool_path)
         self.allocator = PageAllocator(self.pool, detect_double_free=cfg.detect_double_free)
         self.host = HostTier(self.pool, cfg.host_memory_budget)
         self.blocks = BlockManager(self.allocator, self.host, cfg.page_size, cfg.deferred_release)

@@ -107,8 +107,11 @@ class Oracle:
         pool = engine.pool
         pages, offs = job.dst_pages[sl], job.dst_offsets[sl]
         fp, _ = self._fingerprint(pool, pool.read_records(pages, offs))
-        writers = [self.index_at.get((f, job.src_node, p, o), self.index.get(f, job.incarnation))
-                   for f, p, o in zip(fp.tolist(), job.src_pages[sl].tolist(), job.src_offsets[sl].tolist())]
+        if job.src_pages is None:            # written by another process, whose source slots are not visible
+            writers = [job.incarnation] * fp.numel()
+        else:
+            writers = [self.index_at.get((f, job.src_node, p, o), self.index.get(f, job.incarnation))
+                       for f, p, o in zip(fp.tolist(), job.src_pages[sl].tolist(), job.src_offsets[sl].tolist())]
         self._index(engine.cfg.node_id, fp, pages, offs, writers)
 
     def _index(self, node: str, fp: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, writers: list[int]) -> None:

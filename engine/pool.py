@@ -30,7 +30,8 @@ def _round8(n: int) -> int:
 
 class KVPool:
     def __init__(self, num_layers: int, kv_dim: int, page_size: int, memory_budget: int,
-                 dtype: torch.dtype = torch.float32, zero_on_free: bool = False, device: str = "cpu"):
+                 dtype: torch.dtype = torch.float32, zero_on_free: bool = False, device: str = "cpu",
+                 shared_path: str | None = None, create: bool = True):
         if not 0 < page_size <= 63 or num_layers <= 0 or kv_dim <= 0:
             raise InputError(f"invalid pool geometry: page_size={page_size} (1..63: the read check keeps one bit "
                              f"per slot), layers={num_layers}, kv_dim={kv_dim}")
@@ -45,7 +46,15 @@ class KVPool:
             raise InputError(f"KV memory budget {memory_budget} B holds no page: one page of {page_size} "
                              f"tokens needs {self.page_bytes} B")
         self.memory_bytes = self.num_pages * self.page_bytes
-        self.buf = torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device)
+        if shared_path is None:
+            self.buf = torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device)
+        else:
+            # the buffer is a shared file mapping (e.g. under /dev/shm): another process - a
+            # prefill node - maps the same bytes and writes records into it (engine/procs.py)
+            if create:
+                with open(shared_path, "wb") as f:
+                    f.truncate(self.memory_bytes)
+            self.buf = torch.from_file(shared_path, shared=True, size=self.memory_bytes, dtype=torch.uint8)
         P, S = self.num_pages, page_size
         i64 = self.buf.view(torch.int64)
         pw, rw = self.page_bytes // 8, self.rec_bytes // 8

@@ -81,12 +81,15 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
 def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
           victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
           guards: Guards | None = None, store: str | None = None, flush_interval: float = 1.0,
-          coalesce: bool = True) -> ReplayResult:
+          coalesce: bool = True, processes: bool = False) -> ReplayResult:
     """Run the scaled incident. With ``store``, every node records spans, metrics and the page
-    ledger there (protection and recording are separate: both policies record)."""
+    ledger there (protection and recording are separate: both policies record). ``processes``:
+    each prefill node is its own OS process writing into decode's pool through shared memory."""
     guards = guards or Guards.policy(policy)
     if mode not in ("disaggregated", "unified"):
         raise KvledgerError(f"unknown mode {mode!r}: expected 'disaggregated' or 'unified'")
+    if processes and mode != "disaggregated":
+        raise KvledgerError("processes=True needs mode 'disaggregated' (prefill nodes in their own processes)")
     model, tok = load_model("recall")
     page = 16
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, page)
@@ -133,8 +136,12 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
             eng.run_until_done(progress)
         nodes = [eng]
     else:
-        cluster = DisaggCluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
-                                cfg(2 * context, "decode0"), guards, recorder=tel)
+        if processes:
+            from engine.procs import ProcessCluster as Cluster
+        else:
+            Cluster = DisaggCluster   # noqa: N806
+        cluster = Cluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
+                          cfg(2 * context, "decode0"), guards, recorder=tel)
         for n in cluster.nodes:
             n.observers.append(oracle.observe_step)
         cluster.landing_observers.append(oracle.observe_landing)

@@ -76,13 +76,15 @@ def cmd_replay(args) -> int:
             return _die(f"scenario {args.scenario} runs in {mode} mode only (got --mode {args.mode})")
         return _replay_fault(args, con)
     args.mode = args.mode or "disaggregated"
+    if args.processes and args.mode != "disaggregated":
+        return _die("--processes runs prefill nodes as their own processes: it needs --mode disaggregated")
     if args.no_trigger:
         return _die("--no-trigger applies to the fault scenarios; glm53's trigger is its over-pool prompts (--victims 0)")
     with Progress(console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(f"replaying {args.scenario} ({args.policy}, {args.mode})", total=None)
         res = glm53(args.policy, args.mode, seed=args.seed, context=args.context_length, victims=args.victims,
                     max_tokens=args.max_tokens, progress=lambda n: bar.advance(task, n),
-                    store=None if args.no_store else args.store)
+                    store=None if args.no_store else args.store, processes=args.processes)
     t = Table(title=f"kvledger replay {args.scenario}: policy={res.policy}, mode={res.mode}, context={res.context}")
     t.add_column("node")
     t.add_column("KV pool (tokens)", justify="right")
@@ -272,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable")
     r.add_argument("--mode", choices=["disaggregated", "unified"], default=None,
                    help="glm53: disaggregated (default) or unified; each fault scenario has its own mode")
+    r.add_argument("--processes", action="store_true",
+                   help="glm53: each prefill node is its own OS process writing KV into decode's pool through shared memory")
     r.add_argument("--no-trigger", action="store_true",
                    help="fault scenarios: the same workload without the triggering event (expect zero exposures)")
     r.add_argument("--store", default="./kvledger-store", help="where spans, metrics and the page ledger land (default ./kvledger-store)")
