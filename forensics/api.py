@@ -22,12 +22,12 @@ SQL_DIR = Path(__file__).with_name("sql")
 # on first use, and the macros over it are created then
 VIEWS = ["requests"]
 MATERIALISED = ["exposure_slots"]
-MACROS = ["exposures_in"]
-QUERIES = ["exposures", "scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
+MACROS = ["exposures_in", "scores_in"]
+QUERIES = ["exposures", "scores", "tenant_scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
            "releases"]
 EPOCH = dt.datetime(1970, 1, 1)
 FAR = dt.datetime(2262, 1, 1)       # TIMESTAMP_NS ends in April 2262
-DEFAULTS = {"min_tokens": 32, "slack": 0.5, "boundary": 0.02, "min_probes": 3, "share": 0.2}
+DEFAULTS = {"bucket_s": 60, "min_tokens": 32, "slack": 0.5, "boundary": 0.02, "min_probes": 3, "share": 0.2}
 
 
 @cache
@@ -63,7 +63,7 @@ class Forensics:
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
         text = sql(name)
-        if "exposure" in text:
+        if any(name in text for name in MATERIALISED + MACROS):
             self._materialise()
         values = {**DEFAULTS, **params, "from": start or EPOCH, "to": end or FAR}
         return self.con.sql(text, params={k: v for k, v in values.items() if f"${k}" in text}).pl()

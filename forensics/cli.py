@@ -230,8 +230,10 @@ def cmd_forensics(args) -> int:
     from forensics.api import Forensics
     from forensics.output import emit
 
+    if args.bucket <= 0:
+        return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
     fx = Forensics(args.store)
-    df = fx.query(args.query, start=args.start, end=args.end)
+    df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
     return emit(df, args.format, title=f"kvledger forensics {args.query} ({args.store})")
 
 
@@ -308,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="json: one array of objects on stdout; parquet: binary on stdout (redirect it)")
     f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
+    f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
     rp.add_argument("--store", default="./kvledger-store")
@@ -325,6 +328,7 @@ def build_parser() -> argparse.ArgumentParser:
 FORENSIC_QUERIES = {
     "exposures": "responses that read KV slots not written by their own chain, per donor",
     "scores": "exposure score per response (README: Exposure score)",
+    "tenant_scores": "exposure score per recipient tenant and --bucket window",
     "tenants": "donor -> recipient tenant matrix (pseudonyms)",
     "ttft": "time to first token vs uncached prompt tokens, the floor, and usage honesty",
     "impact": "responses whose billed prompt exceeds their prefill node's pool (the incident predicate)",

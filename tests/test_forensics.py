@@ -145,3 +145,14 @@ def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulner
     assert "<table>" in (out / "report.html").read_text()
     assert main(["report", "--store", str(store), "--out", str(out), "--event", "yesterday lunch"]) == 2
     assert "expected 'ISO-TIME what happened'" in capsys.readouterr().err
+
+
+def test_scores_add_up_per_tenant_and_window(glm53_vulnerable, capsys):
+    res, store = glm53_vulnerable
+    fx = Forensics(store)
+    per_response, per_tenant = fx.query("scores"), fx.query("tenant_scores", bucket_s=3600)
+    assert per_tenant["score"].sum() == per_response["score"].sum() > 0
+    assert set(per_tenant["tenant"]) == set(per_response["tenant"])
+    assert per_tenant["responses"].sum() == per_response.height == len(res.foreign_readers)
+    assert main(["forensics", "tenant_scores", "--store", str(store), "--bucket", "0"]) == 2
+    assert "--bucket must be a positive number of seconds" in capsys.readouterr().err
