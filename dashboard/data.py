@@ -26,9 +26,14 @@ class Panels:
 
     def __init__(self, store: str | Path, f: Filters = Filters()):
         self.fx, self.f = Forensics(store), f
+        self._memo: dict[str, pl.DataFrame] = {}
 
     def _q(self, name: str) -> pl.DataFrame:
-        return self.fx.query(name, self.f.start, self.f.end)
+        """A named query over this snapshot, run once (panels share results: scores need the
+        exposures, usage honesty the TTFT rows)."""
+        if name not in self._memo:
+            self._memo[name] = self.fx.query(name, self.f.start, self.f.end)
+        return self._memo[name]
 
     def _tenant(self, df: pl.DataFrame, *cols: str) -> pl.DataFrame:
         if self.f.tenant is None or df.is_empty():

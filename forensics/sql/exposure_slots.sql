@@ -14,10 +14,13 @@ WITH slots AS (
 bad AS (
     SELECT * FROM slots WHERE (bad_mask >> slot) & 1 = 1
 ),
+touched AS (   -- only pages some failing read touched: the as-of join's right side stays small
+    SELECT DISTINCT node, page FROM bad
+),
 writes AS (
     SELECT node, page, slot::BIGINT AS slot, lclock, writer, generation AS write_generation, path AS write_path,
            ts AS written_at
-    FROM page_writes
+    FROM page_writes SEMI JOIN touched USING (node, page)
     WHERE path <> 'offload'
 )
 SELECT b.node, b.reader AS response, coalesce(w.writer, -1) AS donor, b.page, b.generation,

@@ -1,12 +1,16 @@
 -- KV transfers in [$from, $to]: reserved vs sent vs landed slot sets (sets, not counters) and
 -- checksums at both ends; integrity_ok is false when the landed set is not the reserved set or
 -- the checksums disagree.
+WITH t AS (
+    SELECT *, len(landed_slots) = len(reserved_slots)
+              AND list_sort(landed_slots) = list_sort(reserved_slots) AS landed_equals_reserved
+    FROM transfers
+    WHERE ts_landed BETWEEN $from AND $to
+)
 SELECT transfer_id, seq, incarnation, src_node, dst_node,
        len(reserved_slots) AS reserved, len(sent_slots) AS sent, len(landed_slots) AS landed,
-       list_sort(landed_slots) = list_sort(reserved_slots) AS landed_equals_reserved,
-       checksum_ok, checksum_dst IS NOT NULL AS checksum_verified, outcome,
-       list_sort(landed_slots) = list_sort(reserved_slots) AND coalesce(checksum_ok, true) AS integrity_ok,
+       landed_equals_reserved, checksum_ok, checksum_dst IS NOT NULL AS checksum_verified, outcome,
+       landed_equals_reserved AND coalesce(checksum_ok, true) AS integrity_ok,
        ts_submit, ts_landed, (epoch_ns(ts_landed) - epoch_ns(ts_submit)) / 1e6 AS transfer_ms
-FROM transfers
-WHERE ts_landed BETWEEN $from AND $to
+FROM t
 ORDER BY ts_submit
