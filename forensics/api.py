@@ -51,7 +51,7 @@ class Forensics:
             self.con.sql(sql(v)).create_view(v)
         self._materialised = False
 
-    def _materialise(self) -> None:
+    def materialise(self) -> None:
         """Run the as-of join once for this snapshot of the store; every query then reads its result."""
         if not self._materialised:
             for t in MATERIALISED:
@@ -64,12 +64,12 @@ class Forensics:
               **params) -> pl.DataFrame:
         text = sql(name)
         if any(name in text for name in MATERIALISED + MACROS):
-            self._materialise()
+            self.materialise()
         values = {**DEFAULTS, **params, "from": start or EPOCH, "to": end or FAR}
         return self.con.sql(text, params={k: v for k, v in values.items() if f"${k}" in text}).pl()
 
     def exposure_slots(self) -> pl.DataFrame:
-        self._materialise()
+        self.materialise()
         return self.con.table("exposure_slots").pl()
 
     def exposures(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> pl.DataFrame:
