@@ -553,6 +553,8 @@ class DisaggCluster:
             self._free(self.decode, lambda: self.decode.allocator.free(half.reservation))
         if self.guards.single_release:
             self.rec.guard_checked(self.decode, "single_release", failed=False)
+        if self.guards.cancel_both_halves and not aborted:     # the prefill half already ended (an abort counts below)
+            self.rec.guard_checked(self.decode, "cancel_both_halves", failed=False)
         if in_flight and self.guards.deferred_release:
             self._hold(self.decode, dreq, "transfer in flight")
         else:
