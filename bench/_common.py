@@ -1,6 +1,7 @@
 """Helpers for bench scripts: interleaved repeats (A B A B ...) and JSON output."""
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -29,3 +30,31 @@ def write(name: str, payload: dict) -> Path:
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(payload, indent=2) + "\n")
     return out
+
+
+def workload_parser(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The shared decode workload's options: --batch, --new-tokens, --repeats."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=repeats)
+    return ap
+
+
+def tiny_llama_workload(batch: int, seed: int = 0):
+    """A tiny Llama (hidden 256, 4 layers) built locally with transformers, and ``batch`` random
+    prompts of 16-199 tokens: the workload the engine, guard and telemetry benches share.
+    Returns (model, prompts, generator, temp dir)."""
+    import tempfile
+
+    import torch
+
+    from engine.models.llama import LlamaModel
+    from tests.tiny_models import build_tiny
+    torch.set_num_threads(2)
+    tmp = Path(tempfile.mkdtemp())
+    build_tiny("llama", tmp / "tiny", hidden=256, layers=4)
+    model = LlamaModel.from_pretrained(tmp / "tiny")
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(16, 200, (batch,), generator=g)]
+    return model, [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens], g, tmp

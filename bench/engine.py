@@ -6,35 +6,23 @@ Writes bench/results/engine.json; README figures are generated from it (bench/re
 """
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, write  # noqa: E402
+from bench._common import interleaved, tiny_llama_workload, workload_parser, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
-from engine.models.llama import LlamaModel  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from tests.tiny_models import build_tiny  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    d = Path(tempfile.mkdtemp()) / "tiny"
-    build_tiny("llama", d, hidden=256, layers=4)
-    model = LlamaModel.from_pretrained(d)
-    g = torch.Generator().manual_seed(0)
-    lens = [int(x) for x in torch.randint(16, 200, (args.batch,), generator=g)]
-    prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in lens]
+    args = workload_parser(__doc__, repeats=5).parse_args()
+    model, prompts, g, tmp = tiny_llama_workload(args.batch)
+    d = tmp / "tiny"
+    lens = [len(p) for p in prompts]
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     new_tokens = args.batch * args.new_tokens
 

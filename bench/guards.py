@@ -10,38 +10,23 @@ Writes bench/results/guards.json.
 """
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, write  # noqa: E402
+from bench._common import interleaved, tiny_llama_workload, workload_parser, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.disagg import DisaggCluster, Guards, LinkConfig  # noqa: E402
-from engine.models.llama import LlamaModel  # noqa: E402
 from engine.pool import KVPool  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
-from tests.tiny_models import build_tiny  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
-    torch.set_num_threads(2)
-    tmp = Path(tempfile.mkdtemp())
-    build_tiny("llama", tmp / "tiny", hidden=256, layers=4)
-    model = LlamaModel.from_pretrained(tmp / "tiny")
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
-               for n in torch.randint(16, 200, (args.batch,), generator=g)]
+    args = workload_parser(__doc__, repeats=9).parse_args()
+    model, prompts, _, tmp = tiny_llama_workload(args.batch)
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)
 

@@ -284,7 +284,7 @@ class DisaggCluster:
         if guards.transfer_batch_bound and lc.call_ticks(lc.batch_slots) >= lc.release_timeout_ticks:
             raise InputError(f"transfer batch bound of {lc.batch_slots} slots takes {lc.call_ticks(lc.batch_slots)} "
                              f"link ticks, not shorter than the release timeout of {lc.release_timeout_ticks}")
-        self.rec = rec = recorder or NULL_RECORDER
+        self.rec = recorder or NULL_RECORDER
         for cfg in [*prefill_cfgs, decode_cfg]:
             cfg.fail_on_violation = guards.read_check
             cfg.deferred_release = guards.deferred_release

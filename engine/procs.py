@@ -2,7 +2,9 @@
 through shared memory - real, concurrent one-sided writes.
 
 The decode node's pool buffer is a shared file mapping (``/dev/shm``). Each prefill node is a
-child process (multiprocessing, spawn) with its own model and its own pool. The router sends it
+child process (``python -m engine.procs``, a fresh interpreter: nothing of the parent's
+``__main__`` is re-run) with its own model and its own pool, talking to the router over a socket
+pair. The router sends it
 the prompt and the decode pages reserved at bootstrap; once it has prefilled, the child writes the
 records (K/V + tags, one copy per call of at most ``batch_slots`` records) straight into decode's
 mapped pool while decode keeps stepping, gives its source pages back, and says "landed".
@@ -18,9 +20,11 @@ not in the ledger; transfer landings and everything decode does are.
 from __future__ import annotations
 
 import itertools
-import multiprocessing
 import multiprocessing.connection
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -99,28 +103,32 @@ def _prefill_main(conn, model_spec: str, cfg: EngineConfig, geometry: dict, deco
 class RemotePrefill:
     """The router's handle on a prefill node that runs in another process."""
 
-    def __init__(self, cluster: "ProcessCluster", ctx, model_spec: str, cfg: EngineConfig, geometry: dict,
+    def __init__(self, cluster: "ProcessCluster", model_spec: str, cfg: EngineConfig, geometry: dict,
                  decode_path: str, start_timeout: float = 300.0):
         self.cluster, self.cfg = cluster, cfg
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_prefill_main, args=(child, model_spec, cfg, geometry, decode_path),
-                                name=f"kvledger-{cfg.node_id}", daemon=True)
-        self.proc.start()
-        child.close()
-        if not self.conn.poll(start_timeout):
-            raise KvledgerError(f"prefill node {cfg.node_id} did not start within {start_timeout:.0f} s")
+        self.allocator = SimpleNamespace(num_free=None, total=None, checked_frees=0)   # known once stopped
+        ours, theirs = socket.socketpair()
+        self.proc = subprocess.Popen([sys.executable, "-m", "engine.procs", str(theirs.fileno())],
+                                     pass_fds=[theirs.fileno()])
+        theirs.close()
+        self.conn = multiprocessing.connection.Connection(ours.detach())
         try:
+            self.conn.send((model_spec, cfg, geometry, decode_path))
+            if not self.conn.poll(start_timeout):
+                raise KvledgerError(f"prefill node {cfg.node_id} did not start within {start_timeout:.0f} s")
             kind, pid, detail = self.conn.recv()
-        except EOFError:
-            self.proc.join(10)
+        except (EOFError, OSError):
+            self.stop()
             raise KvledgerError(f"prefill node {cfg.node_id} exited before it started (exit code "
-                                f"{self.proc.exitcode}; a script that starts process mode needs an "
-                                "`if __name__ == '__main__':` guard)") from None
+                                f"{self.proc.returncode})") from None
+        except KvledgerError:
+            self.stop()
+            raise
         if kind == "error":
+            self.stop()
             raise KvledgerError(f"prefill node {cfg.node_id} failed to start: {detail}")
         self.pid = pid
         self.pool = SimpleNamespace(capacity_tokens=detail)
-        self.allocator = SimpleNamespace(num_free=None, total=None, checked_frees=0)
         self.outstanding: dict[int, Request] = {}
         self.observers: list = []              # the child's steps are not observable from here
         self.model = cluster.decode.model      # the same model (for the recorder's config snapshot)
@@ -165,8 +173,8 @@ class RemotePrefill:
                 out.append(self.conn.recv())
         except (EOFError, OSError):
             pass
-        if not out and not self.proc.is_alive():
-            raise KvledgerError(f"prefill node {self.cfg.node_id} (pid {self.pid}) exited with code {self.proc.exitcode}")
+        if not out and self.proc.poll() is not None:
+            raise KvledgerError(f"prefill node {self.cfg.node_id} (pid {self.pid}) exited with code {self.proc.returncode}")
         return out
 
     def stop(self) -> None:
@@ -178,10 +186,12 @@ class RemotePrefill:
                     self.allocator.num_free, self.allocator.total = msg[1], msg[2]
         except (BrokenPipeError, EOFError, OSError):
             pass
-        self.proc.join(10)
-        if self.proc.is_alive():
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
             self.proc.kill()
-            self.proc.join()
+            self.proc.wait()
+        self.conn.close()
 
 
 class _WallClockLink:
@@ -214,7 +224,6 @@ class ProcessCluster(DisaggCluster):
         self.shared_path = os.path.join(shm, f"kvledger-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         decode_cfg.shared_pool_path = self.shared_path
         self._model_spec = model_spec
-        self._ctx = multiprocessing.get_context("spawn")
         self._remotes: list[RemotePrefill] = []
         try:
             super().__init__(model, tokenizer, prefill_cfgs, decode_cfg, guards, link, recorder)
@@ -226,7 +235,7 @@ class ProcessCluster(DisaggCluster):
         pool = self.decode.pool
         geometry = dict(num_layers=pool.num_layers, kv_dim=pool.kv_dim, page_size=pool.page_size,
                         memory_budget=pool.memory_bytes, dtype=pool.dtype)
-        node = RemotePrefill(self, self._ctx, self._model_spec, cfg, geometry, self.shared_path)
+        node = RemotePrefill(self, self._model_spec, cfg, geometry, self.shared_path)
         self._remotes.append(node)
         self.rec.node_started(node)            # its config snapshot (pool vs context) is the router's to record
         return node
@@ -295,3 +304,8 @@ class ProcessCluster(DisaggCluster):
         self._remotes = []
         if os.path.exists(self.shared_path):
             os.unlink(self.shared_path)         # the mapping stays valid for whoever still has it mapped
+
+
+if __name__ == "__main__":        # a prefill node's process: python -m engine.procs FD
+    _conn = multiprocessing.connection.Connection(int(sys.argv[1]))
+    _prefill_main(_conn, *_conn.recv())
