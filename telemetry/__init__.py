@@ -6,5 +6,13 @@ Where things are:
 - ``telemetry/otel.py``     ``Telemetry``: the engine's recorder; spans, metrics, config snapshots
 - ``telemetry/store.py``    chained Parquet segments, ``open_store`` (DuckDB), ``verify``
 """
-from telemetry.otel import Telemetry  # noqa: F401
 from telemetry.store import open_store, verify  # noqa: F401
+
+
+def __getattr__(name: str):
+    # Telemetry (the engine's recorder) pulls in the engine and torch; readers of a store
+    # (forensics, the dashboard) do not need either, so it is imported on first use
+    if name == "Telemetry":
+        from telemetry.otel import Telemetry
+        return Telemetry
+    raise AttributeError(f"module 'telemetry' has no attribute {name!r}")
