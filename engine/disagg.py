@@ -503,6 +503,8 @@ class DisaggCluster:
     # ---- early endings: client abort, link failure, lease expiry ------------------------------
     def abort(self, dreq: Request, reason: str = "client disconnected") -> None:
         """The client went away mid-flight."""
+        if not any(r is dreq for r in self.responses):
+            raise InputError(f"request {dreq.incarnation:#x} was not submitted to this cluster")
         if dreq.is_finished:
             return
         error = InputError(f"request {dreq.incarnation:#x} aborted: {reason}")

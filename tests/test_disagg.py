@@ -31,3 +31,29 @@ def test_prefill_node_waits_while_its_pages_are_still_being_sent():
         assert all(n.allocator.num_free == n.allocator.total for n in cl.nodes)
     finally:
         cl.close()
+
+
+def test_bad_link_and_guard_settings_are_refused_before_any_node_starts():
+    import pytest
+
+    from engine.disagg import LinkConfig
+    from engine.errors import InputError
+    model, tok = load_model("recall")
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)
+    cfg = lambda n: EngineConfig(kv_memory_budget=64 * pb, page_size=16, context_length=512, node_id=n)  # noqa: E731
+    with pytest.raises(InputError, match="not shorter than the release timeout of 4"):
+        DisaggCluster(model, tok, [cfg("p0")], cfg("d0"), Guards.policy("hardened"),
+                      LinkConfig(slots_per_tick=64, batch_slots=256, release_timeout_ticks=4))
+    with pytest.raises(InputError, match="link settings must be >= 1"):
+        DisaggCluster(model, tok, [cfg("p0")], cfg("d0"), Guards.policy("hardened"), LinkConfig(slots_per_tick=0))
+    with pytest.raises(InputError, match=r"unknown guard\(s\) \['chcksum'\]"):
+        Guards.only("chcksum")
+    with pytest.raises(InputError, match="unknown policy"):
+        Guards.policy("paranoid")
+    # an unbounded transfer is allowed when the batch-bound guard is off (faults 3 and 7 use it)
+    cl = DisaggCluster(model, tok, [cfg("p0")], cfg("d0"), Guards.only("deferred_release"),
+                       LinkConfig(slots_per_tick=64, batch_slots=256, release_timeout_ticks=4))
+    stranger = cl.decode.new_request("not routed here", SamplingParams(max_tokens=2), "t1")
+    with pytest.raises(InputError, match="was not submitted to this cluster"):
+        cl.abort(stranger)
+    cl.close()
