@@ -2,8 +2,9 @@
 -- checksums at both ends; integrity_ok is false when the landed set is not the reserved set or
 -- the checksums disagree.
 WITH t AS (
-    SELECT *, len(landed_slots) = len(reserved_slots)
-              AND list_sort(landed_slots) = list_sort(reserved_slots) AS landed_equals_reserved
+    SELECT *, CASE WHEN landed_slots = reserved_slots THEN true        -- the usual case: same order
+                   WHEN len(landed_slots) <> len(reserved_slots) THEN false
+                   ELSE list_sort(landed_slots) = list_sort(reserved_slots) END AS landed_equals_reserved
     FROM transfers
     WHERE ts_landed BETWEEN $from AND $to
 )
