@@ -287,10 +287,26 @@ def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
     for link in read_chain(root):
         if link.table in by_table and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
+    schemas = arrow_schemas()
     for table, files in by_table.items():
-        rel = con.read_parquet(files) if files else con.from_arrow(empty(table))
-        rel.create_view(table)
+        if not files:
+            con.from_arrow(empty(table)).create_view(table)
+            continue
+        # Segments written by an older schema lack the columns added since: read by name, and
+        # give every column of today's schema (NULL where a segment did not have it), so an old
+        # store opens and every query runs on it.
+        rel = con.read_parquet(files, union_by_name=True)
+        have = set(rel.columns)
+        cols = [duckdb.ColumnExpression(f.name) if f.name in have else
+                duckdb.ConstantExpression(None).cast(_duck_type(con, table, f.name)).alias(f.name)
+                for f in schemas[table]]
+        rel.select(*cols).create_view(table)
     return con
+
+
+def _duck_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> duckdb.typing.DuckDBPyType:
+    """The DuckDB type of a schema column (from the empty Arrow table of that schema)."""
+    return con.from_arrow(empty(table)).select(duckdb.ColumnExpression(column)).types[0]
 
 
 class Verdict(NamedTuple):

@@ -156,3 +156,20 @@ def test_scores_add_up_per_tenant_and_window(glm53_vulnerable, capsys):
     assert per_tenant["responses"].sum() == per_response.height == len(res.foreign_readers)
     assert main(["forensics", "tenant_scores", "--store", str(store), "--bucket", "0"]) == 2
     assert "--bucket must be a positive number of seconds" in capsys.readouterr().err
+
+
+def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulnerable, tmp_path):
+    """Columns added to schema.sql later (here preflight_action and advertised_context) read as
+    NULL in segments written before them; every query still runs and the exposures do not change."""
+    import pyarrow.parquet as pq
+    res, store = glm53_vulnerable
+    old = tmp_path / "old-store"
+    shutil.copytree(store, old)
+    for seg in (old / "segments" / "config_snapshots").glob("*.parquet"):
+        t = pq.read_table(seg)
+        pq.write_table(t.drop_columns(["preflight_action", "advertised_context"]), seg)
+    fx = Forensics(old)
+    pre = fx.query("preflight")
+    assert pre.height and pre["preflight_action"].is_null().all()
+    assert forensic_set(old) == forensic_set(store) == oracle_set(res)
+    assert fx.exposures().height == Forensics(store).exposures().height
