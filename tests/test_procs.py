@@ -75,7 +75,8 @@ def test_a_prefill_process_that_cannot_start_is_a_clear_error_and_leaves_nothing
     with pytest.raises(KvledgerError, match="prefill node prefill0 failed to start: .*unknown model"):
         ProcessCluster(model, tok, pre, dec, Guards.policy("hardened"), model_spec="/nonexistent/model")
     after = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    assert not {f for f in after - before if f.startswith("kvledger-pool")}
+    ours = f"kvledger-pool-{os.getpid()}-"          # /dev/shm may be shared with other processes' pools
+    assert not {f for f in after - before if f.startswith(ours)}
 
 
 def test_an_abort_holds_decode_pages_until_the_prefill_process_acknowledges_it():
