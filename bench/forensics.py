@@ -27,14 +27,24 @@ def duckdb_join(store: Path) -> tuple[int, int]:
 
 
 def polars_join(store: Path) -> tuple[int, int]:
+    """The same computation as exposure_slots.sql, in polars: merge read rows with identical findings
+    into runs, expand failing slots, expand the touched pages' write runs, as-of join."""
     files = {t: [str(store / c.file) for c in read_chain(store) if c.table == t] for t in ("page_reads", "page_writes")}
-    reads = (pl.scan_parquet(files["page_reads"]).filter(pl.col("bad_mask") != 0)
-             .select("node", "reader", "page", "generation", "block_index", "slots_read", "bad_mask", "lclock_first")
-             .with_columns(slot=pl.int_ranges(0, pl.col("slots_read").cast(pl.Int64))).explode("slot")
+    runs = (pl.scan_parquet(files["page_reads"]).filter(pl.col("bad_mask") != 0)
+            .group_by("node", "reader", "page", "generation", "block_index", "found_generation", "bad_mask",
+                      "found_writers")
+            .agg(pl.col("slots_read").max(), pl.col("lclock_first").min())
+            .collect())
+    reads = (runs.lazy().with_columns(slot=pl.int_ranges(0, pl.col("slots_read").cast(pl.Int64))).explode("slot")
              .filter((pl.col("bad_mask") // (2 ** pl.col("slot"))) % 2 == 1)
-             .sort("lclock_first").collect())
+             .select("node", "reader", "page", "slot", "lclock_first").sort("lclock_first").collect())
+    touched = runs.select("node", "page").unique()
     writes = (pl.scan_parquet(files["page_writes"]).filter(pl.col("path") != "offload")
-              .select("node", "page", pl.col("slot").cast(pl.Int64), "lclock", "writer").sort("lclock").collect())
+              .select("node", "page", "slot_first", "n_slots", "lclock", "writer")
+              .join(touched.lazy(), on=["node", "page"], how="semi")
+              .with_columns(slot=pl.int_ranges(pl.col("slot_first").cast(pl.Int64),
+                                               pl.col("slot_first").cast(pl.Int64) + pl.col("n_slots")))
+              .explode("slot").select("node", "page", "slot", "lclock", "writer").sort("lclock").collect())
     j = reads.join_asof(writes, left_on="lclock_first", right_on="lclock", by=["node", "page", "slot"], strategy="backward")
     j = j.with_columns(donor=pl.col("writer").fill_null(-1)).filter(pl.col("donor") != pl.col("reader"))
     return j.height, j.select("reader", "donor", "node", "page").unique().height

@@ -5,7 +5,8 @@ expected generations and tags) and what its read check found, as numpy columns -
 go to the store's writer thread through a bounded queue. No per-read Python object, no span per
 read. Read runs are coalesced on the writer thread (``coalesce_reads``), off the engine's path.
 
-    page_writes   one row per slot written (prefill, decode, transfer_landing, offload, reload)
+    page_writes   one row per run of slots written together (prefill, decode, transfer_landing,
+                  offload, reload), with one content tag per slot
     page_reads    one row per (reader, page, generation, block column) run of identical findings
     transfers     one row per KV transfer verdict
     releases      one row per page-set release
@@ -23,7 +24,7 @@ import torch
 from engine.attention import read_check
 from engine.recorder import TransferRecord
 from telemetry.keys import Keys
-from telemetry.store import Coded, SegmentWriter
+from telemetry.store import Coded, Ragged, SegmentWriter
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
 
@@ -91,12 +92,25 @@ class PageLedger:
 
     def _write_cols(self, node: str, n: int, lclock: "np.ndarray | int", pages, generation, offsets, positions,
                     writers, tags, path_idx: np.ndarray, paths: list[str], ids: dict[str, Coded]) -> dict:
-        """page_writes columns (call on the writer thread where possible: it runs the keyed mix)."""
+        """page_writes columns: one row per run of slots written together (call on the writer thread
+        where possible: it runs the keyed mix). Lossless: run i holds slots slot_first..+n_slots of
+        its page at positions position_first..+n_slots, with one content tag per slot."""
         lc = np.full(n, lclock, dtype=np.int64) if isinstance(lclock, int) else _np(lclock).astype(np.int64)
-        return {"node": _dict([node], np.zeros(n)), "lclock": lc, "ts": _ts(n, time.time_ns()),
-                "page": _np(pages).astype(np.int32), "generation": _np(generation), "slot": _np(offsets).astype(np.int16),
-                "position": _np(positions).astype(np.int32), "writer": _np(writers),
-                "tag_h": self.keys.tag_pseudonyms(_np(tags)), "path": _dict(paths, path_idx), **ids}
+        page, gen, off = _np(pages).astype(np.int32), _np(generation).astype(np.int64), _np(offsets).astype(np.int16)
+        pos, wr, path = _np(positions).astype(np.int32), _np(writers).astype(np.int64), np.asarray(path_idx)
+        start = np.ones(n, dtype=bool)
+        if n > 1:       # a run goes on while page, generation, writer, path, clock and request stay and slot, position step by 1
+            same = (page[1:] == page[:-1]) & (off[1:] == off[:-1] + 1) & (pos[1:] == pos[:-1] + 1)
+            for c in (gen, wr, lc, path, *(c.codes for c in ids.values())):
+                same &= c[1:] == c[:-1]
+            start[1:] = ~same
+        first = np.flatnonzero(start)
+        bounds = np.append(first, n)
+        return {"node": _dict([node], np.zeros(len(first))), "lclock": lc[first], "ts": _ts(len(first), time.time_ns()),
+                "page": page[first], "generation": gen[first], "slot_first": off[first],
+                "n_slots": np.diff(bounds).astype(np.int16), "position_first": pos[first], "writer": wr[first],
+                "tag_h": Ragged(bounds, self.keys.tag_pseudonyms(_np(tags))), "path": _dict(paths, path[first]),
+                **{k: Coded(np.asarray(c.codes)[first], c.values) for k, c in ids.items()}}
 
     # ---- a model step: its writes, then everything its attention read ---------------------------
     def on_step(self, engine, out) -> None:

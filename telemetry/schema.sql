@@ -7,17 +7,22 @@
 -- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
 -- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
 
--- One row per KV slot written: prefill, decode append, transfer landing, offload, reload.
+-- One row per run of KV slots written together: one write event (a prefill chunk, a decode append,
+-- a transfer call landing, an offload, a reload) of consecutive slots of one page by one writer at
+-- consecutive positions. Lossless: slot slot_first + i holds position position_first + i, whose
+-- content tag's pseudonym is tag_h[i + 1]. (A prefill chunk fills whole pages: about page_size
+-- slots per row instead of one.)
 CREATE TABLE page_writes (
     node        VARCHAR NOT NULL,
     lclock      BIGINT NOT NULL,
     ts          TIMESTAMP_NS NOT NULL,
     page        INTEGER NOT NULL,     -- page index in that node's pool (host tier: host page)
     generation  BIGINT NOT NULL,      -- the page's allocation generation at write time
-    slot        SMALLINT NOT NULL,    -- offset inside the page
-    position    INTEGER NOT NULL,     -- logical token position in the writer's sequence
+    slot_first  SMALLINT NOT NULL,    -- offset inside the page of the run's first slot
+    n_slots     SMALLINT NOT NULL,    -- slots in the run
+    position_first INTEGER NOT NULL,  -- logical token position of the first slot in the writer's sequence
     writer      BIGINT NOT NULL,      -- writer request incarnation (from the tag plane's writer word)
-    tag_h       BIGINT NOT NULL,      -- keyed pseudonym of the slot's content tag
+    tag_h       BIGINT[] NOT NULL,    -- keyed pseudonym of each slot's content tag, in slot order
     path        VARCHAR NOT NULL,     -- prefill | decode | transfer_landing | offload | reload
     trace_id    VARCHAR,
     span_id     VARCHAR

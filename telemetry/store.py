@@ -73,13 +73,21 @@ class Coded(NamedTuple):
     values: list
 
 
-Columns = dict[str, "np.ndarray | Coded"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings
+class Ragged(NamedTuple):
+    """A list column of variable length: row i is values[offsets[i]:offsets[i + 1]]."""
+    offsets: np.ndarray
+    values: np.ndarray
+
+
+Columns = dict[str, "np.ndarray | Coded | Ragged"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings, Ragged lists
 
 
 def _num_rows(data: "pa.Table | Columns") -> int:
     if isinstance(data, pa.Table):
         return data.num_rows
     first = next(iter(data.values()))
+    if isinstance(first, Ragged):
+        return len(first.offsets) - 1
     return len(first.codes if isinstance(first, Coded) else first)
 
 
@@ -92,6 +100,13 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
             uniq: dict = {}
             codes = [np.array([uniq.setdefault(v, len(uniq)) for v in p.values], dtype=np.int32)[p.codes] for p in parts]
             out[name] = pa.DictionaryArray.from_arrays(np.concatenate(codes), pa.array(list(uniq), pa.string()))
+            continue
+        if isinstance(parts[0], Ragged):
+            sizes = [int(p.offsets[-1] - p.offsets[0]) for p in parts]
+            base = np.cumsum([0] + sizes[:-1])
+            offsets = np.concatenate([np.zeros(1, np.int64)] + [p.offsets[1:] - p.offsets[0] + b for p, b in zip(parts, base)])
+            values = np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts])
+            out[name] = pa.ListArray.from_arrays(offsets.astype(np.int32), pa.array(values))
             continue
         arr = np.concatenate(parts)
         if arr.ndim == 2:
