@@ -68,6 +68,8 @@ class StoreSpanExporter(SpanExporter):
         self.writer, self.exported = writer, 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
+        if self.writer.closed:      # e.g. an SDK thread restarted in a forked child after close: not exported
+            return SpanExportResult.FAILURE
         cols: dict[str, list] = {k: [] for k in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState",
                                                  "SpanName", "SpanKind", "ServiceName", "ResourceAttributes",
                                                  "ScopeName", "ScopeVersion", "SpanAttributes", "Duration",
@@ -116,6 +118,8 @@ class StoreMetricExporter(MetricExporter):
         self.writer, self.node = writer, node
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
+        if self.writer.closed:
+            return MetricExportResult.FAILURE
         rows: dict[str, list] = {k: [] for k in ("ts", "node", "name", "kind", "attributes", "value", "count", "sum",
                                                  "bucket_counts", "boundaries")}
         for rm in metrics_data.resource_metrics:

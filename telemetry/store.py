@@ -178,6 +178,10 @@ class SegmentWriter:
         self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
         self._thread.start()
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     # ---- producer side -------------------------------------------------------------------------
     def submit(self, table: str, data: "pa.Table | Columns") -> None:
         if table not in self.schemas:

@@ -8,6 +8,8 @@ import time
 
 import polars as pl
 import pytest
+from opentelemetry.sdk.metrics.export import MetricExportResult
+from opentelemetry.sdk.trace.export import SpanExportResult
 
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
@@ -15,7 +17,7 @@ from engine.models import load_model
 from engine.request import SamplingParams
 from forensics.api import Forensics
 from telemetry import Telemetry, open_store
-from telemetry.otel import TTFT_BUCKETS, StoreSpanExporter
+from telemetry.otel import TTFT_BUCKETS, StoreMetricExporter, StoreSpanExporter
 
 pytestmark = pytest.mark.xdist_group("glm53")
 
@@ -94,7 +96,9 @@ def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
 
 
 def test_spans_also_go_to_an_otlp_collector(tmp_path, monkeypatch):
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+        ExportTraceServiceRequest,
+    )
 
     got: list[bytes] = []
 
@@ -138,3 +142,15 @@ def test_queueing_never_exceeds_time_to_first_token(glm53_vulnerable):
     _, store = glm53_vulnerable
     ttft = Forensics(store).query("ttft")
     assert ttft.height and (ttft["service_ttft_s"] >= 0).all() and (ttft["queue_s"] >= 0).all()
+
+
+def test_exporters_after_close_report_failure_instead_of_raising(tmp_path):
+    """An SDK thread can outlive close (the SDK restarts its threads in a forked child): its export
+    is then a reported failure, never an exception in a background thread, and nothing is written."""
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    _engine(tel).generate(["one prompt " * 4], SamplingParams(max_tokens=2))
+    tel.close()
+    segments = sorted((tmp_path / "s" / "chain").iterdir())
+    assert StoreSpanExporter(tel.writer).export([]) == SpanExportResult.FAILURE
+    assert StoreMetricExporter(tel.writer, "n").export(None) == MetricExportResult.FAILURE
+    assert sorted((tmp_path / "s" / "chain").iterdir()) == segments
