@@ -18,13 +18,12 @@ from typing import Callable
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import torch
 
 from engine.attention import read_check
 from engine.recorder import TransferRecord
 from telemetry.keys import Keys
-from telemetry.store import Coded, Ragged, SegmentWriter
+from telemetry.store import Coded, Columns, Ragged, SegmentWriter, take_columns
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
 
@@ -42,44 +41,41 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
-def coalesce_reads(t: pa.Table) -> pa.Table:
+def coalesce_reads(c: Columns) -> Columns:
     """Merge consecutive reads of one page by one reader that found the same thing (lossless:
     n_reads counts the steps, [step_first, step_last] spans them, attention mass is summed).
-    Runs on the writer thread; numpy lexsort + reduceat, no per-row Python."""
-    n = t.num_rows
+    Runs on the writer thread on numpy columns, before any Arrow is built: rows are grouped by a
+    hash of their key (stable, in logical-clock order within a key), then runs are cut wherever a
+    key field or a finding differs from the previous row - compared exactly, so a hash collision
+    can only split a run, never merge two different ones."""
+    n = len(c["reader"])
     if n == 0:
-        return t
-    col = lambda c: t.column(c).combine_chunks()  # noqa: E731
-    node = pc.dictionary_encode(col("node")).indices.to_numpy()
-    writers = col("found_writers").flatten().to_numpy().reshape(n, -1)
-    wsig = (writers * _SIG[: writers.shape[1]]).sum(axis=1)
-    keys = [col(c).to_numpy() for c in ("reader", "block_index", "page", "generation")]
-    same = [col(c).to_numpy() for c in ("found_generation", "bad_mask")] + [wsig]
-    lclock = col("lclock_first").to_numpy()
-    order = np.lexsort([lclock, *keys[::-1], node])
-    fields = [node, *keys, *same]
+        return c
+    keys = [c["node"].codes, c["reader"], c["block_index"], c["page"], c["generation"]]
+    with np.errstate(over="ignore"):
+        h = np.zeros(n, dtype=np.uint64)
+        for k, mul in zip(keys, _MUL):
+            h = (h ^ k.astype(np.int64, copy=False).view(np.uint64)) * mul
+            h ^= h >> np.uint64(29)
+    order = np.lexsort((c["lclock_first"], h))
     change = np.zeros(n, dtype=bool)
     change[0] = True
-    for f in fields:
+    for f in (*keys, c["found_generation"], c["bad_mask"]):
         fs = f[order]
         change[1:] |= fs[1:] != fs[:-1]
+    w = c["found_writers"][order]
+    change[1:] |= (w[1:] != w[:-1]).any(axis=1)
     starts = np.flatnonzero(change)
-    out = t.take(pa.array(order[starts]))
-
-    def agg(name: str, ufunc) -> pa.Array:
-        return pa.array(ufunc.reduceat(col(name).to_numpy()[order], starts), out.schema.field(name).type)
-
+    out = take_columns(c, order[starts])
     for name, ufunc in (("slots_read", np.maximum), ("attention_mass", np.add), ("step_first", np.minimum),
                         ("step_last", np.maximum), ("lclock_first", np.minimum), ("lclock_last", np.maximum),
-                        ("n_reads", np.add)):
-        out = out.set_column(out.schema.get_field_index(name), name, agg(name, ufunc))
-    for name, ufunc in (("ts_first", np.minimum), ("ts_last", np.maximum)):
-        v = ufunc.reduceat(col(name).cast(pa.int64()).to_numpy()[order], starts)
-        out = out.set_column(out.schema.get_field_index(name), name, pa.array(v).cast(out.schema.field(name).type))
+                        ("n_reads", np.add), ("ts_first", np.minimum), ("ts_last", np.maximum)):
+        out[name] = ufunc.reduceat(c[name][order], starts).astype(c[name].dtype, copy=False)
     return out
 
 
-_SIG = (np.arange(1, 65, dtype=np.int64) * np.int64(0x9E3779B97F4A7C15 - (1 << 64)) | 1)
+_MUL = [np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xFF51AFD7ED558CCD,
+                               0xC4CEB9FE1A85EC53)]
 
 
 class PageLedger:

@@ -91,29 +91,44 @@ def _num_rows(data: "pa.Table | Columns") -> int:
     return len(first.codes if isinstance(first, Coded) else first)
 
 
-def columns_to_arrow(batches: list[Columns]) -> pa.Table:
-    """Concatenate column batches (same keys) into one Arrow table, all in numpy/C++."""
-    out = {}
+def concat_columns(batches: list[Columns]) -> Columns:
+    """Concatenate column batches (same keys) into one batch, all in numpy (string codes remapped)."""
+    out: Columns = {}
     for name in batches[0]:
         parts = [b[name] for b in batches]
         if isinstance(parts[0], Coded):
             uniq: dict = {}
             codes = [np.array([uniq.setdefault(v, len(uniq)) for v in p.values], dtype=np.int32)[p.codes] for p in parts]
-            out[name] = pa.DictionaryArray.from_arrays(np.concatenate(codes), pa.array(list(uniq), pa.string()))
-            continue
-        if isinstance(parts[0], Ragged):
+            out[name] = Coded(np.concatenate(codes), list(uniq))
+        elif isinstance(parts[0], Ragged):
             sizes = [int(p.offsets[-1] - p.offsets[0]) for p in parts]
             base = np.cumsum([0] + sizes[:-1])
             offsets = np.concatenate([np.zeros(1, np.int64)] + [p.offsets[1:] - p.offsets[0] + b for p, b in zip(parts, base)])
-            values = np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts])
-            out[name] = pa.ListArray.from_arrays(offsets.astype(np.int32), pa.array(values))
-            continue
-        arr = np.concatenate(parts)
-        if arr.ndim == 2:
-            offsets = np.arange(arr.shape[0] + 1, dtype=np.int32) * arr.shape[1]
-            out[name] = pa.ListArray.from_arrays(offsets, pa.array(arr.ravel()))
+            out[name] = Ragged(offsets, np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts]))
         else:
-            out[name] = pa.array(arr)
+            out[name] = np.concatenate(parts)
+    return out
+
+
+def take_columns(cols: Columns, idx: np.ndarray) -> Columns:
+    """Rows idx of a batch (numpy fancy indexing; Ragged columns are not supported here)."""
+    return {k: Coded(v.codes[idx], v.values) if isinstance(v, Coded) else v[idx] for k, v in cols.items()}
+
+
+def columns_to_arrow(batches: list[Columns]) -> pa.Table:
+    """Concatenate column batches (same keys) into one Arrow table, all in numpy/C++."""
+    cols = concat_columns(batches) if len(batches) > 1 else batches[0]
+    out = {}
+    for name, v in cols.items():
+        if isinstance(v, Coded):
+            out[name] = pa.DictionaryArray.from_arrays(v.codes.astype(np.int32, copy=False), pa.array(v.values, pa.string()))
+        elif isinstance(v, Ragged):
+            out[name] = pa.ListArray.from_arrays(v.offsets.astype(np.int32), pa.array(v.values))
+        elif v.ndim == 2:
+            offsets = np.arange(v.shape[0] + 1, dtype=np.int32) * v.shape[1]
+            out[name] = pa.ListArray.from_arrays(offsets, pa.array(v.ravel()))
+        else:
+            out[name] = pa.array(v)
     return pa.table(out)
 
 
@@ -144,12 +159,13 @@ class SegmentWriter:
     """Buffers columnar batches per table and writes chained Parquet segments from one thread.
 
     ``submit`` puts a batch on a bounded queue and blocks when it is full (back-pressure, never
-    loss). ``prepare`` maps a table name to a function applied to its rows before they are
-    written (the page ledger coalesces read runs there, off the engine's thread).
+    loss). ``prepare`` maps a table name to a function applied to its column batches (numpy, see
+    ``Columns``) before they become Arrow and are written (the page ledger coalesces read runs
+    there, off the engine's thread); rows submitted as Arrow tables are written as they are.
     """
 
     def __init__(self, root: str | Path, flush_interval: float = 1.0, max_rows: int = 1_000_000,
-                 queue_size: int = 256, prepare: dict[str, Callable[[pa.Table], pa.Table]] | None = None):
+                 queue_size: int = 256, prepare: dict[str, Callable[[Columns], Columns]] | None = None):
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"store path {self.root} exists and is not a directory")
@@ -277,11 +293,11 @@ class SegmentWriter:
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
-            tables.append(conform(table, columns_to_arrow(raw)))
-        data = pa.concat_tables(tables)
-        if table in self.prepare:
-            data = self.prepare[table](data)
-        data = conform(table, data)
+            cols = concat_columns(raw) if len(raw) > 1 else raw[0]
+            if table in self.prepare:         # on numpy columns, before any Arrow is built
+                cols = self.prepare[table](cols)
+            tables.append(conform(table, columns_to_arrow([cols])))
+        data = conform(table, pa.concat_tables(tables))
         seq = self._seq
         rel = f"segments/{table}/{seq:09d}.parquet"
         path = self.root / rel
