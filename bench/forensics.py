@@ -27,26 +27,41 @@ def duckdb_join(store: Path) -> tuple[int, int]:
     return rows[0]
 
 
+GROUP = ["node", "reader", "page", "generation", "block_index", "found_generation", "bad_mask"]
+
+
 def polars_join(store: Path) -> tuple[int, int]:
-    """The same computation as exposure_slots.sql, in polars: merge read rows with identical findings
-    into runs, expand failing slots, expand the touched pages' write runs, as-of join."""
+    """The same computation as exposure_slots.sql, in polars: group failing reads with identical
+    findings, cut groups at writes to a failing slot, expand runs to failing slots and the touched
+    pages' write runs to slots, as-of join."""
     files = {t: [str(store / c.file) for c in read_chain(store) if c.table == t] for t in ("page_reads", "page_writes")}
-    runs = (pl.scan_parquet(files["page_reads"]).filter(pl.col("bad_mask") != 0)
-            .group_by("node", "reader", "page", "generation", "block_index", "found_generation", "bad_mask",
-                      "found_writers")
-            .agg(pl.col("slots_read").max(), pl.col("lclock_first").min())
-            .collect())
-    reads = (runs.lazy().with_columns(slot=pl.int_ranges(0, pl.col("slots_read").cast(pl.Int64))).explode("slot")
-             .filter((pl.col("bad_mask") // (2 ** pl.col("slot"))) % 2 == 1)
-             .select("node", "reader", "page", "slot", "lclock_first").sort("lclock_first").collect())
-    touched = runs.select("node", "page").unique()
-    writes = (pl.scan_parquet(files["page_writes"]).filter(pl.col("path") != "offload")
-              .select("node", "page", "slot_first", "n_slots", "lclock", "writer")
-              .join(touched.lazy(), on=["node", "page"], how="semi")
-              .with_columns(slot=pl.int_ranges(pl.col("slot_first").cast(pl.Int64),
-                                               pl.col("slot_first").cast(pl.Int64) + pl.col("n_slots")))
-              .explode("slot").select("node", "page", "slot", "lclock", "writer").sort("lclock").collect())
-    with warnings.catch_warnings():     # sorted by lclock above; polars cannot check it within by-groups
+    f = (pl.scan_parquet(files["page_reads"]).filter(pl.col("bad_mask") != 0)
+         .select(*GROUP, "slots_read", "lclock_first").collect())
+    g = f.group_by(GROUP).agg(lo=pl.col("lclock_first").min(), hi=pl.col("lclock_first").max())
+    wr = (pl.scan_parquet(files["page_writes"]).filter(pl.col("path") != "offload")
+          .select("node", "page", "slot_first", "n_slots", "lclock", "writer")
+          .join(g.lazy().select("node", "page").unique(), on=["node", "page"], how="semi").collect())
+    two = pl.lit(2, pl.Int64)
+    cuts = (g.join(wr, on=["node", "page"])
+            .filter((pl.col("lclock") > pl.col("lo")) & (pl.col("lclock") <= pl.col("hi"))
+                    & ((pl.col("bad_mask") // two.pow(pl.col("slot_first").cast(pl.Int64)))
+                       % two.pow(pl.col("n_slots").cast(pl.Int64)) != 0))
+            .select(*GROUP, cut=pl.col("lclock")).unique().sort("cut"))
+    plain = f.join(cuts, on=GROUP, how="anti").with_columns(epoch=pl.lit(None, pl.Int64))
+    with warnings.catch_warnings():     # sorted by the clock above; polars cannot check it within by-groups
+        warnings.simplefilter("ignore", UserWarning)
+        split = (f.join(cuts.select(GROUP).unique(), on=GROUP, how="semi").sort("lclock_first")
+                 .join_asof(cuts, left_on="lclock_first", right_on="cut", by=GROUP, strategy="backward")
+                 .rename({"cut": "epoch"}))
+    runs = (pl.concat([plain, split], how="diagonal").group_by(*GROUP, "epoch")
+            .agg(pl.col("slots_read").max(), pl.col("lclock_first").min()))
+    reads = (runs.with_columns(slot=pl.int_ranges(0, pl.col("slots_read").cast(pl.Int64))).explode("slot")
+             .filter((pl.col("bad_mask") // two.pow(pl.col("slot"))) % 2 == 1)
+             .select("node", "reader", "page", "slot", "lclock_first").sort("lclock_first"))
+    writes = (wr.with_columns(slot=pl.int_ranges(pl.col("slot_first").cast(pl.Int64),
+                                                 pl.col("slot_first").cast(pl.Int64) + pl.col("n_slots")))
+              .explode("slot").select("node", "page", "slot", "lclock", "writer").sort("lclock"))
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         j = reads.join_asof(writes, left_on="lclock_first", right_on="lclock", by=["node", "page", "slot"],
                             strategy="backward")

@@ -124,7 +124,7 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
             out[name] = pa.DictionaryArray.from_arrays(v.codes.astype(np.int32, copy=False), pa.array(v.values, pa.string()))
         elif isinstance(v, Ragged):
             out[name] = pa.ListArray.from_arrays(v.offsets.astype(np.int32), pa.array(v.values))
-        elif v.ndim == 2:
+        elif (v := np.asarray(v)).ndim == 2:
             offsets = np.arange(v.shape[0] + 1, dtype=np.int32) * v.shape[1]
             out[name] = pa.ListArray.from_arrays(offsets, pa.array(v.ravel()))
         else:
