@@ -3,7 +3,7 @@
 Rows are built from exactly what the attention op was given in that step (block tables, lengths,
 expected generations and tags) and what its read check found, as numpy columns -> Arrow; they
 go to the store's writer thread through a bounded queue. No per-read Python object, no span per
-read. Read runs are coalesced on the writer thread (``coalesce_reads``), off the engine's path.
+read. Read runs are coalesced on the writer thread (``ReadRuns``), off the engine's path.
 
     page_writes   one row per run of slots written together (prefill, decode, transfer_landing,
                   offload, reload), with one content tag per slot
@@ -23,13 +23,18 @@ import torch
 from engine.attention import read_check
 from engine.recorder import TransferRecord
 from telemetry.keys import Keys
-from telemetry.store import Coded, Columns, Ragged, SegmentWriter, take_columns
+from telemetry.store import Coded, Columns, Ragged, SegmentWriter, concat_columns
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
 
 
-def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+def _np(t: "torch.Tensor | np.ndarray") -> np.ndarray:
+    if isinstance(t, np.ndarray):
+        return t
+    try:
+        return t.numpy()                       # CPU tensor without grad: a view, no copy
+    except (RuntimeError, TypeError):          # on an accelerator, or tracking grad
+        return t.detach().cpu().numpy()
 
 
 def _ts(n: int, ns: int) -> np.ndarray:
@@ -41,53 +46,136 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
-def coalesce_reads(c: Columns) -> Columns:
-    """Merge consecutive reads of one page by one reader that found the same thing (lossless:
-    n_reads counts the steps, [step_first, step_last] spans them, attention mass is summed).
-    Runs on the writer thread on numpy columns, before any Arrow is built: rows are grouped by a
-    hash of their key (stable, in logical-clock order within a key), then runs are cut wherever a
-    key field or a finding differs from the previous row - compared exactly, so a hash collision
-    can only split a run, never merge two different ones."""
-    n = len(c["reader"])
-    if n == 0:
-        return c
-    keys = [c["node"].codes, c["reader"], c["block_index"], c["page"], c["generation"]]
-    with np.errstate(over="ignore"):
-        h = np.zeros(n, dtype=np.uint64)
-        for k, mul in zip(keys, _MUL):
-            h = (h ^ k.astype(np.int64, copy=False).view(np.uint64)) * mul
-            h ^= h >> np.uint64(29)
-    order = np.lexsort((c["lclock_first"], h))
-    change = np.zeros(n, dtype=bool)
-    change[0] = True
-    for f in (*keys, c["found_generation"], c["bad_mask"]):
-        fs = f[order]
-        change[1:] |= fs[1:] != fs[:-1]
-    w = c["found_writers"][order]
-    change[1:] |= (w[1:] != w[:-1]).any(axis=1)
-    starts = np.flatnonzero(change)
-    out = take_columns(c, order[starts])
-    for name, ufunc in (("slots_read", np.maximum), ("attention_mass", np.add), ("step_first", np.minimum),
-                        ("step_last", np.maximum), ("lclock_first", np.minimum), ("lclock_last", np.maximum),
-                        ("n_reads", np.add), ("ts_first", np.minimum), ("ts_last", np.maximum)):
-        out[name] = ufunc.reduceat(c[name][order], starts).astype(c[name].dtype, copy=False)
-    return out
+class ReadRuns:
+    """The open read runs of one node, kept on the writer thread as dense state per (reader, block
+    column): each step's [B, C] read tensors are compared with it in a few array operations, a
+    read that found the same thing as the run open there (page, generation, found generation,
+    failing slots, the writer of every slot) extends it (n_reads, step/clock/time range, attention
+    mass), any other read closes that run (it becomes a row) and opens a new one. ``drain`` closes
+    every open run (the store calls it at each flush, so a long decode shows up live). Lossless:
+    every read step is inside exactly one row. With coalesce=False every read is its own row.
 
+    State: one int64 array [readers, columns, fields]; the key fields (what a read found) come first
+    so a run is compared with a read in one operation."""
 
-_MUL = [np.uint64(m) for m in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xFF51AFD7ED558CCD,
-                               0xC4CEB9FE1A85EC53)]
+    def __init__(self, node: str, page_size: int, coalesce: bool = True):
+        self.node, self.S, self.coalesce = node, page_size, coalesce
+        self.K = 4 + page_size                      # page, generation, found_generation, bad_mask, writers[S]
+        K = self.K
+        self.SR, self.SF, self.SL, self.LF, self.LL, self.N, self.TF, self.TL = range(K, K + 8)
+        self.slot_of: dict[int, int] = {}
+        self.incs: list[int] = []
+        self.ids: list[tuple] = []
+        self._closed: list[tuple] = []
+        self.I = np.zeros((0, 0, K + 8), dtype=np.int64)
+        self.mass = np.zeros((0, 0))
+        self.open = np.zeros((0, 0), dtype=bool)
+        self._grow(16, 16)
+
+    def _grow(self, R: int, C: int) -> None:
+        r, c = self.open.shape
+        I, mass, open_ = np.zeros((R, C, self.I.shape[2]), np.int64), np.zeros((R, C)), np.zeros((R, C), bool)
+        I[:r, :c], mass[:r, :c], open_[:r, :c] = self.I, self.mass, self.open
+        self.I, self.mass, self.open = I, mass, open_
+
+    def _slots(self, incs: list[int], ids: list[tuple]) -> np.ndarray:
+        out = []
+        for inc, id_ in zip(incs, ids):
+            s = self.slot_of.get(inc)
+            if s is None:
+                s = self.slot_of[inc] = len(self.incs)
+                self.incs.append(inc)
+                self.ids.append(id_)
+            out.append(s)
+        return np.asarray(out, dtype=np.int64)
+
+    def add(self, step: int, lclock: int, ts_ns: int, incs: list[int], ids: list[tuple], lay, chk, page_mass) -> None:
+        B, C = lay.block_tables.shape
+        rs = self._slots(incs, ids)
+        R0, C0 = self.open.shape
+        if len(self.incs) > R0 or C > C0:
+            self._grow(max(R0, 2 * len(self.incs)), max(C0, C))
+        page, sr = _np(lay.block_tables), _np(chk.slots_read)
+        valid = (page >= 0) & (sr > 0)                                           # [B, C]: pages this step read
+        key = np.empty((B, C, self.K), dtype=np.int64)                           # what each read found
+        key[..., 0], key[..., 1], key[..., 2], key[..., 3] = page, _np(lay.expected_gen), _np(chk.found_gen), _np(chk.bad_mask)
+        key[..., 4:] = np.where(np.arange(self.S) < sr[..., None], _np(chk.found_writers), -1)   # -1: slot not read
+        mass = _np(page_mass)
+        ri, ci = rs[:, None], np.arange(C)[None, :]
+        st, was_open = self.I[ri, ci], self.open[ri, ci]                         # [B, C, F]: the runs open there
+        same = valid & was_open & (st[..., :self.K] == key).all(axis=-1) if self.coalesce else np.zeros_like(valid)
+        new = valid & ~same
+        b, c = np.nonzero(new & was_open)
+        if len(b):          # closed runs: kept as state rows, made columns once per flush (drain)
+            self._closed.append((rs[b], c, st[b, c], self.mass[rs[b], c]))
+        b, c = np.nonzero(same)
+        if len(b):
+            r, blk = rs[b], st[b, c]
+            blk[:, self.SL], blk[:, self.LL], blk[:, self.TL] = step, lclock, ts_ns
+            blk[:, self.N] += 1
+            blk[:, self.SR] = np.maximum(blk[:, self.SR], sr[b, c])
+            self.I[r, c] = blk
+            self.mass[r, c] += mass[b, c]
+        b, c = np.nonzero(new)
+        if len(b):
+            r, blk = rs[b], np.empty((len(b), self.I.shape[2]), dtype=np.int64)
+            blk[:, :self.K], blk[:, self.SR] = key[b, c], sr[b, c]
+            blk[:, self.SF] = blk[:, self.SL] = step
+            blk[:, self.LF] = blk[:, self.LL] = lclock
+            blk[:, self.TF] = blk[:, self.TL] = ts_ns
+            blk[:, self.N] = 1
+            self.I[r, c], self.mass[r, c], self.open[r, c] = blk, mass[b, c], True
+
+    def _emit(self, r: np.ndarray, c: np.ndarray, blk: np.ndarray, mass: np.ndarray) -> Columns:
+        n = len(r)
+        return {"node": _dict([self.node], np.zeros(n)), "reader": np.asarray(self.incs, dtype=np.int64)[r],
+                "page": blk[:, 0].astype(np.int32), "generation": blk[:, 1], "found_generation": blk[:, 2],
+                "block_index": c.astype(np.int32), "slots_read": blk[:, self.SR].astype(np.int16),
+                "bad_mask": blk[:, 3], "check_passed": blk[:, 3] == 0, "found_writers": blk[:, 4:self.K],
+                "attention_mass": mass.astype(np.float64), "step_first": blk[:, self.SF], "step_last": blk[:, self.SL],
+                "lclock_first": blk[:, self.LF], "lclock_last": blk[:, self.LL],
+                "n_reads": blk[:, self.N].astype(np.int32), "ts_first": blk[:, self.TF], "ts_last": blk[:, self.TL],
+                "trace_id": _dict([t for t, _ in self.ids], r), "span_id": _dict([s for _, s in self.ids], r)}
+
+    def drain(self) -> "Columns | None":
+        """Every run closed since the last drain plus every open one, as rows; then forget the
+        readers (their state slots are reused)."""
+        r, c = np.nonzero(self.open)
+        parts = self._closed + [(r, c, self.I[r, c], self.mass[r, c])]
+        out = None
+        if sum(len(p[0]) for p in parts):
+            out = self._emit(*(np.concatenate([p[i] for p in parts]) for i in range(4)))
+        self.open[:] = False
+        self.slot_of.clear()
+        self.incs, self.ids, self._closed = [], [], []
+        return out
 
 
 class PageLedger:
-    def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds):
-        self.writer, self.keys, self.span_ids = writer, keys, span_ids
+    def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds, coalesce: bool = True):
+        self.writer, self.keys, self.span_ids, self.coalesce = writer, keys, span_ids, coalesce
+        self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
+        self.step_writes: dict[str, list] = {}  # writer thread only: each step's writes, built per flush
+        writer.add_drain(self._drain)
+
+    def _drain(self) -> list[tuple[str, Columns]]:
+        """Writer thread, before every flush: the steps' writes and read runs since the last one."""
+        out = [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
+        for node, parts in self.step_writes.items():
+            if parts:
+                cols = [np.concatenate([p[i] for p in parts]) for i in range(9)]
+                ids = concat_columns([p[9] for p in parts])
+                out.append(("page_writes", self._write_cols(node, len(cols[0]), *cols[:8], ["prefill", "decode"], ids, cols[8])))
+        self.step_writes = {}
+        return out
 
     def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, Coded]:
         ids = [self.span_ids(i) for i in incarnations]
         return {"trace_id": _dict([t for t, _ in ids], idx), "span_id": _dict([s for _, s in ids], idx)}
 
     def _write_cols(self, node: str, n: int, lclock: "np.ndarray | int", pages, generation, offsets, positions,
-                    writers, tags, path_idx: np.ndarray, paths: list[str], ids: dict[str, Coded]) -> dict:
+                    writers, tags, path_idx: np.ndarray, paths: list[str], ids: dict[str, Coded],
+                    ts: "np.ndarray | None" = None) -> dict:
         """page_writes columns: one row per run of slots written together (call on the writer thread
         where possible: it runs the keyed mix). Lossless: run i holds slots slot_first..+n_slots of
         its page at positions position_first..+n_slots, with one content tag per slot."""
@@ -102,7 +190,8 @@ class PageLedger:
             start[1:] = ~same
         first = np.flatnonzero(start)
         bounds = np.append(first, n)
-        return {"node": _dict([node], np.zeros(len(first))), "lclock": lc[first], "ts": _ts(len(first), time.time_ns()),
+        ts = _ts(n, time.time_ns()) if ts is None else ts
+        return {"node": _dict([node], np.zeros(len(first))), "lclock": lc[first], "ts": ts[first],
                 "page": page[first], "generation": gen[first], "slot_first": off[first],
                 "n_slots": np.diff(bounds).astype(np.int16), "position_first": pos[first], "writer": wr[first],
                 "tag_h": Ragged(bounds, self.keys.tag_pseudonyms(_np(tags))), "path": _dict(paths, path[first]),
@@ -120,34 +209,22 @@ class PageLedger:
         self.writer.submit_lazy(lambda: self._step_rows(*snap))
 
     def _step_rows(self, node, steps, lclock, ts_ns, incs, ids, prompt_lens, gen_written, S, out, chk):
+        """Writer thread: a step's writes are kept as arrays (columns are built once per flush) and its
+        reads go into the node's read runs."""
         lay = out.layout
         tok_b = _np(lay.tok_batch)
-        traces, spans = [t for t, _ in ids], [s for _, s in ids]
-        is_decode = _np((lay.positions >= torch.tensor(prompt_lens)[lay.tok_batch]).to(torch.int32))
-        writes = self._write_cols(node, len(tok_b), lclock, out.slot_pages, gen_written, out.slot_offsets,
-                                  lay.positions, out.new_writers, out.new_tags, is_decode, ["prefill", "decode"],
-                                  {"trace_id": _dict(traces, tok_b), "span_id": _dict(spans, tok_b)})
-        read = ((lay.block_tables >= 0) & (chk.slots_read > 0)).flatten()      # [B*C]: pages this step read
-        flat = torch.nonzero(read).flatten()
-        n = flat.numel()
-        # one gather for every [B, C] column: page, granted gen, found gen, slots read, bad mask, bad count
-        cols = torch.stack([lay.block_tables, lay.expected_gen, chk.found_gen, chk.slots_read, chk.bad_mask,
-                            chk.bad_slots]).flatten(1)[:, flat].numpy()
-        C = lay.block_tables.shape[1]
-        b_idx, c_idx = (flat // C).numpy(), (flat % C).numpy()
-        in_run = torch.arange(S)[None, :] < torch.from_numpy(cols[3])[:, None]
-        writers = torch.where(in_run, chk.found_writers.flatten(0, 1)[flat], -1).numpy()   # -1: slot not read
-        ts, step, lc = _ts(n, ts_ns), np.full(n, steps, dtype=np.int64), np.full(n, lclock, dtype=np.int64)
-        reads = {
-            "node": _dict([node], np.zeros(n)), "reader": np.asarray(incs, dtype=np.int64)[b_idx],
-            "page": cols[0].astype(np.int32), "generation": cols[1], "found_generation": cols[2],
-            "block_index": c_idx.astype(np.int32), "slots_read": cols[3].astype(np.int16), "bad_mask": cols[4],
-            "check_passed": cols[5] == 0, "found_writers": writers,
-            "attention_mass": out.page_mass.flatten()[flat].numpy().astype(np.float64),
-            "step_first": step, "step_last": step, "lclock_first": lc, "lclock_last": lc,
-            "n_reads": np.ones(n, dtype=np.int32), "ts_first": ts, "ts_last": ts,
-            "trace_id": _dict(traces, b_idx), "span_id": _dict(spans, b_idx)}
-        return [("page_writes", writes), ("page_reads", reads)]
+        n = len(tok_b)
+        is_decode = _np(lay.positions) >= np.asarray(prompt_lens)[tok_b]
+        self.step_writes.setdefault(node, []).append((
+            np.full(n, lclock, dtype=np.int64), _np(out.slot_pages), _np(gen_written), _np(out.slot_offsets),
+            _np(lay.positions), _np(out.new_writers), _np(out.new_tags), is_decode,
+            np.full(n, ts_ns, dtype=np.int64),
+            {"trace_id": _dict([t for t, _ in ids], tok_b), "span_id": _dict([s for _, s in ids], tok_b)}))
+        runs = self.runs.get(node)
+        if runs is None:
+            runs = self.runs[node] = ReadRuns(node, S, self.coalesce)
+        runs.add(steps, lclock, ts_ns, incs, ids, lay, chk, out.page_mass)
+        return []
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:

@@ -36,7 +36,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from engine.recorder import Recorder, TransferRecord
 from telemetry.keys import Keys
-from telemetry.ledger import PageLedger, _perf_to_unix_ns, coalesce_reads
+from telemetry.ledger import PageLedger, _perf_to_unix_ns
 from telemetry.store import SegmentWriter
 
 SEMCONV_VERSION = "0.66b2"          # opentelemetry-semantic-conventions the attribute names come from
@@ -219,13 +219,12 @@ class Telemetry(Recorder):
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
-        self.writer = SegmentWriter(store, flush_interval=flush_interval,
-                                    prepare={"page_reads": coalesce_reads} if coalesce else {})
+        self.writer = SegmentWriter(store, flush_interval=flush_interval)
         self.keys: Keys = self.writer.keys
         self.policy, self.guards, self.isolation_level = policy, guards, isolation_level
         self.model_name, self.service = model_name, service
         self.span_queue_size, self.metric_interval = span_queue_size, metric_interval
-        self.ledger = PageLedger(self.writer, self.keys, self.span_ids) if record_ledger else None
+        self.ledger = PageLedger(self.writer, self.keys, self.span_ids, coalesce) if record_ledger else None
         self.nodes: dict[str, _Node] = {}
         self._roots: dict[int, trace.Span] = {}
         self._ids: dict[int, tuple[str, str]] = {}

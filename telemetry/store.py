@@ -110,11 +110,6 @@ def concat_columns(batches: list[Columns]) -> Columns:
     return out
 
 
-def take_columns(cols: Columns, idx: np.ndarray) -> Columns:
-    """Rows idx of a batch (numpy fancy indexing; Ragged columns are not supported here)."""
-    return {k: Coded(v.codes[idx], v.values) if isinstance(v, Coded) else v[idx] for k, v in cols.items()}
-
-
 def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     """Concatenate column batches (same keys) into one Arrow table, all in numpy/C++."""
     cols = concat_columns(batches) if len(batches) > 1 else batches[0]
@@ -159,13 +154,12 @@ class SegmentWriter:
     """Buffers columnar batches per table and writes chained Parquet segments from one thread.
 
     ``submit`` puts a batch on a bounded queue and blocks when it is full (back-pressure, never
-    loss). ``prepare`` maps a table name to a function applied to its column batches (numpy, see
-    ``Columns``) before they become Arrow and are written (the page ledger coalesces read runs
-    there, off the engine's thread); rows submitted as Arrow tables are written as they are.
+    loss). Functions given to ``add_drain`` run on the writer thread before every flush and return
+    rows to write with it (the page ledger closes its open read runs there).
     """
 
     def __init__(self, root: str | Path, flush_interval: float = 1.0, max_rows: int = 1_000_000,
-                 queue_size: int = 256, prepare: dict[str, Callable[[Columns], Columns]] | None = None):
+                 queue_size: int = 256):
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"store path {self.root} exists and is not a directory")
@@ -182,7 +176,7 @@ class SegmentWriter:
         self._prev = chain[-1].link if chain else GENESIS
         self.adopted = self._adopt_unlinked_tail()
         self.flush_interval, self.max_rows = flush_interval, max_rows
-        self.prepare = prepare or {}
+        self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
         self.schemas = arrow_schemas()
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._buf: dict[str, list[pa.Table]] = {t: [] for t in self.schemas}
@@ -193,6 +187,9 @@ class SegmentWriter:
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
         self._thread.start()
+
+    def add_drain(self, drain: Callable[[], list[tuple[str, "Columns"]]]) -> None:
+        self._drains.append(drain)
 
     @property
     def closed(self) -> bool:
@@ -285,6 +282,10 @@ class SegmentWriter:
         self._seq, self._prev = seq + 1, link.link
 
     def _write_all(self) -> None:
+        for drain in self._drains:
+            for t, d in drain():
+                self._buf[t].append(d)
+                self._rows[t] += _num_rows(d)
         for t in self.schemas:
             if self._rows[t]:
                 self._write(t)
@@ -293,10 +294,7 @@ class SegmentWriter:
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
-            cols = concat_columns(raw) if len(raw) > 1 else raw[0]
-            if table in self.prepare:         # on numpy columns, before any Arrow is built
-                cols = self.prepare[table](cols)
-            tables.append(conform(table, columns_to_arrow([cols])))
+            tables.append(conform(table, columns_to_arrow(raw)))
         data = conform(table, pa.concat_tables(tables))
         seq = self._seq
         rel = f"segments/{table}/{seq:09d}.parquet"
