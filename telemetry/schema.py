@@ -34,7 +34,8 @@ def empty(table: str) -> pa.Table:
 def conform(table: str, data: pa.Table) -> pa.Table:
     """Cast to the schema's types and column order (dictionary -> string etc., done in C++)."""
     schema = arrow_schemas()[table]
-    missing = [f.name for f in schema if f.name not in data.column_names]
+    have = set(data.column_names)
+    missing = [f.name for f in schema if f.name not in have]
     if missing:
         raise ValueError(f"{table}: missing columns {missing}")
     return data.select(schema.names).cast(schema)
