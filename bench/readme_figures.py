@@ -96,7 +96,9 @@ def dashboard_table(r: dict) -> str:
         f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows (read runs coalesced as stored "
         f"by default; {c['exposed_copies']} of {c['copies']} replicated copies are the incident): first render "
         f"{r['first_render_s']:.1f} s, warm {r['warm_render_s']:.1f} s (goal < {r['goal_s']:.0f} s), "
-        f"{r['affected_responses_shown']} affected responses shown.",
+        f"{r['affected_responses_shown']} affected responses shown"
+        + (f"; of which the script itself (the page footer's own timing, without the AppTest harness): first "
+           f"{r['first_script_s']:.1f} s (imports included), warm {r['warm_script_s']:.1f} s." if "first_script_s" in r else "."),
     ])
 
 

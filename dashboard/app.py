@@ -9,7 +9,10 @@ from __future__ import annotations
 import datetime as dt
 import os
 import sys
+import time
 from pathlib import Path
+
+_T0 = time.perf_counter()       # this script run's start: the footer says how long the page took
 
 import altair as alt
 import polars as pl
@@ -46,6 +49,10 @@ with st.sidebar:
     node = st.selectbox("Node", ["all"] + meta.node_names(), key="node")
     policy = st.selectbox("Policy", ["all", "vulnerable", "hardened", "custom"], key="policy")
 
+# the panels of this script run read the sidebar's snapshot (the store is opened once per run);
+# the fragment's own reruns every REFRESH seconds open a fresh one
+_THIS_RUN = {"snapshot": meta}
+
 
 def filters() -> Filters:
     spans = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
@@ -55,6 +62,7 @@ def filters() -> Filters:
 
 
 ROWS = 300      # a table shows the rows that matter first (red ones), at most this many
+CHART_POINTS = 3000     # healthy requests drawn in the TTFT chart at most (anomalies: all)
 
 
 def table(df: pl.DataFrame, red: str | None = None) -> None:
@@ -79,7 +87,10 @@ def _switches(v) -> str:
 
 @st.fragment(run_every=REFRESH)
 def live() -> None:
-    p = Panels(STORE, filters())
+    global _T0
+    if "snapshot" not in _THIS_RUN:         # a fragment rerun: time it from here
+        _T0 = time.perf_counter()
+    p = Panels(STORE, filters(), same_snapshot_as=_THIS_RUN.pop("snapshot", None))
     t = p.totals()
     cols = st.columns(6)
     for c, (label, key) in zip(cols, [("Affected responses", "affected_responses"), ("Surfaced", "surfaced_responses"),
@@ -121,14 +132,22 @@ def live() -> None:
     if tt.is_empty():
         st.info("No request reached its first token in this window.")
     else:
-        pdf = tt.with_columns(anomaly=pl.col("below_floor") | pl.col("usage_dishonest"),
-                              uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached")).to_pandas()
-        dots = alt.Chart(pdf).mark_circle(size=70).encode(
+        pts = tt.select("incarnation", "tenant_h", "prompt_tokens_billed", "prompt_tokens_prefilled", "service_ttft_s",
+                        "ttft_floor_s", anomaly=pl.col("below_floor") | pl.col("usage_dishonest"),
+                        uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached"))
+        healthy = pts.filter(~pl.col("anomaly"))
+        if healthy.height > CHART_POINTS:       # every anomaly is drawn; healthy requests are sampled
+            pts = pl.concat([pts.filter(pl.col("anomaly")), healthy.sample(CHART_POINTS, seed=0)])
+            st.caption(f"every anomaly drawn; {CHART_POINTS} of {healthy.height} healthy requests sampled")
+        floor = tt.group_by(uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached")).agg(
+            pl.col("ttft_floor_s").max()).sort("uncached")
+        dots = alt.Chart(pts.to_pandas()).mark_circle(size=70).encode(
             x=alt.X("uncached:Q", title="billed uncached prompt tokens"), y=alt.Y("service_ttft_s:Q", title="TTFT minus queueing (s)"),
             color=alt.condition("datum.anomaly", alt.value(RED), alt.value(GREEN)),
             tooltip=["incarnation", "tenant_h", "prompt_tokens_billed", "prompt_tokens_prefilled", "service_ttft_s"])
-        floor = alt.Chart(pdf).mark_line(strokeDash=[4, 4], color="gray").encode(x="uncached:Q", y="ttft_floor_s:Q")
-        st.altair_chart(dots + floor, width="stretch")
+        line = alt.Chart(floor.to_pandas()).mark_line(strokeDash=[4, 4], color="gray").encode(x="uncached:Q",
+                                                                                             y="ttft_floor_s:Q")
+        st.altair_chart(dots + line, width="stretch")
 
     a, b = st.columns(2)
     with a:
@@ -157,7 +176,7 @@ def live() -> None:
     if pre.height:
         pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
     table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
-    st.caption(f"refreshed {dt.datetime.now():%H:%M:%S}")
+    st.caption(f"refreshed {dt.datetime.now():%H:%M:%S} - rendered in {time.perf_counter() - _T0:.2f} s")
 
 
 live()

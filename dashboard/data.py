@@ -24,16 +24,22 @@ class Filters:
 class Panels:
     """One snapshot of the store (re-open it to see newer segments)."""
 
-    def __init__(self, store: str | Path, f: Filters = Filters()):
-        self.fx, self.f = Forensics(store), f
-        self._memo: dict[str, pl.DataFrame] = {}
+    def __init__(self, store: str | Path, f: Filters = Filters(), same_snapshot_as: "Panels | None" = None):
+        """same_snapshot_as: share that Panels' snapshot and query results (one script run opens
+        the store once; filters other than the window apply afterwards, in polars)."""
+        self.f = f
+        if same_snapshot_as is None:
+            self.fx, self._memo = Forensics(store), {}
+        else:
+            self.fx, self._memo = same_snapshot_as.fx, same_snapshot_as._memo
 
     def _q(self, name: str) -> pl.DataFrame:
-        """A named query over this snapshot, run once (panels share results: scores need the
-        exposures, usage honesty the TTFT rows)."""
-        if name not in self._memo:
-            self._memo[name] = self.fx.query(name, self.f.start, self.f.end)
-        return self._memo[name]
+        """A named query over this snapshot and window, run once (panels share results: scores
+        need the exposures, usage honesty the TTFT rows, node names the preflight)."""
+        key = (name, self.f.start, self.f.end)
+        if key not in self._memo:
+            self._memo[key] = self.fx.query(name, self.f.start, self.f.end)
+        return self._memo[key]
 
     def _tenant(self, df: pl.DataFrame, *cols: str) -> pl.DataFrame:
         if self.f.tenant is None or df.is_empty():
@@ -46,7 +52,7 @@ class Panels:
     def nodes_in_policy(self) -> set[str] | None:
         if self.f.policy is None:
             return None
-        pre = self.fx.query("preflight")
+        pre = self._q("preflight")
         return set(pre.filter(pl.col("policy") == self.f.policy)["node"])
 
     # ---- panels ------------------------------------------------------------------------------------
@@ -109,17 +115,17 @@ class Panels:
         return self._node(self._q("releases"), "node")
 
     def guards(self) -> pl.DataFrame:
-        return self.fx.query("guards")
+        return self._q("guards")
 
     def preflight(self) -> pl.DataFrame:
-        df = self._node(self.fx.query("preflight"), "node")
+        df = self._node(self._q("preflight"), "node")
         return df if self.f.policy is None else df.filter(pl.col("policy") == self.f.policy)
 
     def tenants(self) -> list[str]:
         return sorted(self.fx.requests()["tenant_h"].drop_nulls().unique().to_list())
 
     def node_names(self) -> list[str]:
-        return sorted(self.fx.query("preflight")["node"].to_list())
+        return sorted(self._q("preflight")["node"].to_list())
 
     def time_range(self) -> tuple[dt.datetime | None, dt.datetime | None]:
         r = self.fx.requests()

@@ -18,10 +18,11 @@ import polars as pl
 from telemetry.store import open_store
 
 SQL_DIR = Path(__file__).with_name("sql")
-# views the queries build on; exposure_slots (the as-of join) is materialised once per connection,
-# on first use, and the macros over it are created then
-VIEWS = ["requests"]
-MATERIALISED = ["exposure_slots"]
+# tables the queries build on, materialised once per connection (a snapshot of the store) on first
+# use: requests (one row per request, from its spans), exposure_slots (the as-of join) and
+# exposure_ngrams (what of each donor's prompt each response's output repeats); the macros over
+# them are created then
+MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposures_in", "scores_in"]
 QUERIES = ["exposures", "scores", "tenant_scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
            "releases"]
@@ -47,24 +48,28 @@ class Forensics:
     def __init__(self, store: str | Path):
         self.store = Path(store)
         self.con = open_store(self.store)
-        for v in VIEWS:
-            self.con.sql(sql(v)).create_view(v)
-        self._materialised = False
+        self._made: set[str] = set()
+
+    def _ensure(self, name: str) -> None:
+        if name not in self._made:
+            self.con.sql(sql(name)).to_table(name)
+            self._made.add(name)
 
     def materialise(self) -> None:
         """Run the as-of join once for this snapshot of the store; every query then reads its result."""
-        if not self._materialised:
+        if "exposure_ngrams" not in self._made:
             for t in MATERIALISED:
-                self.con.sql(sql(t)).to_table(t)
+                self._ensure(t)
             for m in MACROS:
                 self.con.execute(sql(m))
-            self._materialised = True
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
         text = sql(name)
-        if any(name in text for name in MATERIALISED + MACROS):
+        if any(m in text for m in MATERIALISED[1:] + MACROS):
             self.materialise()
+        elif "requests" in text:
+            self._ensure("requests")
         values = {**DEFAULTS, **params, "from": start or EPOCH, "to": end or FAR}
         return self.con.sql(text, params={k: v for k, v in values.items() if f"${k}" in text}).pl()
 
@@ -76,6 +81,7 @@ class Forensics:
         return self.query("exposures", start, end)
 
     def requests(self) -> pl.DataFrame:
+        self._ensure("requests")
         return self.con.table("requests").pl()
 
     def close(self) -> None:

@@ -254,13 +254,15 @@ class PageLedger:
                 rec.landed, rec.landed_writers, rec.landed_tags, np.zeros(n), ["transfer_landing"],
                 self._ids([rec.incarnation], np.zeros(n))))
         trace, span = self.span_ids(rec.incarnation)
+        reserved, landed = _np(rec.reserved), _np(rec.landed)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src
         to_ns = _perf_to_unix_ns
         self.writer.submit("transfers", pa.table({
             "transfer_id": [rec.transfer_id], "seq": [rec.seq], "incarnation": [rec.incarnation],
             "src_node": [rec.src_node], "dst_node": [rec.dst_node],
-            "reserved_slots": [_np(rec.reserved).tolist()], "sent_slots": [_np(rec.sent).tolist()],
-            "landed_slots": [_np(rec.landed).tolist()], "checksum_src": [rec.checksum_src],
+            "reserved_slots": [reserved.tolist()], "sent_slots": [_np(rec.sent).tolist()],
+            "landed_slots": [landed.tolist()], "n_reserved": [len(reserved)], "n_sent": [rec.sent.numel()],
+            "n_landed": [len(landed)], "landed_is_reserved": [bool(np.array_equal(np.sort(landed), np.sort(reserved)))], "checksum_src": [rec.checksum_src],
             "checksum_dst": [rec.checksum_dst], "checksum_ok": [ok], "outcome": [rec.outcome],
             "lclock_dst": [int(rec.landed_lclock.max()) if n else engine.lclock],
             "ts_submit": pa.array([to_ns(rec.submitted_at)], pa.timestamp("ns")),

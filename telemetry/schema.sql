@@ -64,6 +64,10 @@ CREATE TABLE transfers (
     reserved_slots  INTEGER[] NOT NULL,  -- logical positions decode reserved
     sent_slots      INTEGER[] NOT NULL,  -- logical positions prefill sent
     landed_slots    INTEGER[] NOT NULL,  -- logical positions whose records landed
+    n_reserved      INTEGER,              -- len(reserved_slots), len(sent_slots), len(landed_slots) and
+    n_sent          INTEGER,              -- whether landed_slots = reserved_slots as sets: computed from
+    n_landed        INTEGER,              -- the same sets as they are written, so integrity queries need
+    landed_is_reserved BOOLEAN,           -- not read the lists (NULL in stores written before them)
     checksum_src    VARCHAR,
     checksum_dst    VARCHAR,              -- NULL when decode did not verify
     checksum_ok     BOOLEAN,

@@ -159,8 +159,9 @@ def test_scores_add_up_per_tenant_and_window(glm53_vulnerable, capsys):
 
 
 def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulnerable, tmp_path):
-    """Columns added to schema.sql later (here preflight_action and advertised_context) read as
-    NULL in segments written before them; every query still runs and the exposures do not change."""
+    """Columns added to schema.sql later (here preflight_action and advertised_context, and the
+    transfers' set summaries) read as NULL in segments written before them; every query still runs,
+    the exposures do not change and transfer integrity is computed from the slot lists instead."""
     import pyarrow.parquet as pq
     res, store = glm53_vulnerable
     old = tmp_path / "old-store"
@@ -168,8 +169,14 @@ def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulner
     for seg in (old / "segments" / "config_snapshots").glob("*.parquet"):
         t = pq.read_table(seg)
         pq.write_table(t.drop_columns(["preflight_action", "advertised_context"]), seg)
+    for seg in (old / "segments" / "transfers").glob("*.parquet"):
+        t = pq.read_table(seg)
+        pq.write_table(t.drop_columns(["n_reserved", "n_sent", "n_landed", "landed_is_reserved"]), seg)
     fx = Forensics(old)
     pre = fx.query("preflight")
     assert pre.height and pre["preflight_action"].is_null().all()
     assert forensic_set(old) == forensic_set(store) == oracle_set(res)
     assert fx.exposures().height == Forensics(store).exposures().height
+    now, then = Forensics(store).query("transfers"), fx.query("transfers")
+    assert now.height > 0 and not now["landed_equals_reserved"].all()      # the incident's transfers differ
+    assert then.sort("transfer_id").equals(now.sort("transfer_id"))

@@ -2,7 +2,7 @@
 -- the response read of the donor's KV - pages, foreign tokens (slots), attention mass on those
 -- pages (summed over read steps), decode steps, first/last time, both sides' tenants (pseudonyms)
 -- and severity: 'surfaced' when the response's output shares a keyed n-gram with the donor's
--- prompt, else 'read'. Window: failing reads whose first time is in [t0, t1].
+-- prompt (exposure_ngrams), else 'read'. Window: failing reads whose first time is in [t0, t1].
 CREATE OR REPLACE TEMP MACRO exposures_in(t0, t1) AS TABLE
 WITH e AS (
     SELECT * FROM exposure_slots WHERE ts_first BETWEEN t0 AND t1
@@ -12,13 +12,6 @@ runs AS (   -- mass is per read run and page, not per slot: count each run once
 ),
 mass AS (
     SELECT response, donor, sum(attention_mass) AS attention_mass FROM runs GROUP BY ALL
-),
-shared AS (   -- keyed n-grams of the response's output found in the donor's prompt
-    SELECT m.response, m.donor, count(*) AS shared_ngrams
-    FROM mass m
-    JOIN ngrams o ON o.incarnation = m.response AND o.role = 'output'
-    JOIN ngrams p ON p.incarnation = m.donor AND p.role = 'prompt' AND p.hash = o.hash
-    GROUP BY ALL
 )
 SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_tenant,
        list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
@@ -32,7 +25,7 @@ SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_t
        min(e.ts_first) AS first_read, max(e.ts_last) AS last_read
 FROM e
 JOIN mass m USING (response, donor)
-LEFT JOIN shared s USING (response, donor)
+LEFT JOIN exposure_ngrams s USING (response, donor)
 LEFT JOIN requests r ON r.incarnation = e.response
 LEFT JOIN requests d ON d.incarnation = e.donor
 GROUP BY e.response, r.tenant_h, e.donor, d.tenant_h
