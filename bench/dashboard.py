@@ -1,7 +1,8 @@
 """First render of the dashboard on a store of ~10 million ledger rows (page_reads + page_writes,
 read runs coalesced as the engine stores them; bench/_bigstore.py):
 the whole script run (open the store, every panel's queries, charts, tables) through Streamlit's
-AppTest, cold and warm, beside the bare queries. Writes bench/results/dashboard.json."""
+AppTest, first (after the app's libraries are imported, as `kvledger dashboard` does while its
+server starts) and warm, beside the bare queries. Writes bench/results/dashboard.json."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +30,8 @@ def main() -> None:
     from streamlit.testing.v1 import AppTest
 
     from dashboard.data import Panels
+    from dashboard.serve import preload
+    preload()               # as `kvledger dashboard` does while its server starts (dashboard/serve.py)
     renders, scripts = [], []
     for _ in range(3):
         at = AppTest.from_file(APP, default_timeout=300)

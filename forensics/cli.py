@@ -207,7 +207,7 @@ def cmd_dashboard(args) -> int:
     app = Path(dashboard.__file__).with_name("app.py")
     env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh)}
     print(f"kvledger dashboard on http://{args.host}:{args.port} (store {args.store})", file=sys.stderr)
-    return subprocess.call([sys.executable, "-m", "streamlit", "run", str(app), "--server.address", args.host,
+    return subprocess.call([sys.executable, "-m", "dashboard.serve", str(app), "--server.address", args.host,
                             "--server.port", str(args.port), "--server.headless", "true",
                             "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env)
 

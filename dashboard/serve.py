@@ -1,0 +1,42 @@
+"""Start Streamlit on the dashboard with its libraries already imported.
+
+Streamlit runs the app script inside the server process, on the first page load; importing altair,
+polars, DuckDB and the forensic layer there, and DuckDB's first Parquet read in a process, cost
+about a second on this machine. ``kvledger dashboard`` runs ``python -m dashboard.serve APP
+[streamlit options]``, which does both while the server starts, so the first page load does not
+pay for them.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+PRELOAD = ("altair", "polars", "dashboard.data")
+
+
+def preload() -> None:
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import tempfile
+    from pathlib import Path
+
+    import duckdb
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from telemetry.schema import arrow_schemas
+    arrow_schemas()
+    with tempfile.TemporaryDirectory() as d:      # DuckDB's first Parquet read sets up its reader
+        pq.write_table(pa.table({"x": [1]}), Path(d) / "warm.parquet")
+        duckdb.connect().read_parquet([str(Path(d) / "warm.parquet")], union_by_name=True).fetchall()
+
+
+def main(argv: list[str]) -> None:
+    preload()
+    from streamlit.web import cli
+    sys.argv = ["streamlit", "run", *argv]
+    sys.exit(cli.main())
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
