@@ -295,7 +295,7 @@ class SegmentWriter:
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
             tables.append(conform(table, columns_to_arrow(raw)))
-        data = conform(table, pa.concat_tables(tables))
+        data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
         seq = self._seq
         rel = f"segments/{table}/{seq:09d}.parquet"
         path = self.root / rel
