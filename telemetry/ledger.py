@@ -13,6 +13,7 @@ read. Read runs are coalesced on the writer thread (``ReadRuns``), off the engin
 """
 from __future__ import annotations
 
+import itertools
 import time
 from typing import Callable
 
@@ -46,6 +47,33 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
+class Scopes:
+    """incarnation -> its cache scope's pseudonym, registered when a request arrives (engine thread)
+    and looked up per column on the writer thread: page_writes gets the writer's scope, page_reads
+    the reader's and that of the writer found in every slot read. Bounded: past ``cap``
+    incarnations the oldest half is forgotten, and a writer that old gets a NULL scope (its scope
+    is still in its spans: forensics joins on the incarnation)."""
+
+    def __init__(self, cap: int = 1 << 20):
+        self.cap, self.code, self.values, self._index = cap, {}, [None], {}   # code 0: unknown / no writer
+
+    def add(self, incarnation: int, scope_h: str) -> None:
+        if len(self.code) >= self.cap:
+            for k in list(itertools.islice(self.code, self.cap // 2)):
+                del self.code[k]
+        c = self._index.get(scope_h)
+        if c is None:
+            c = self._index[scope_h] = len(self.values)
+            self.values.append(scope_h)
+        self.code[incarnation] = c
+
+    def of(self, incarnations: np.ndarray) -> Coded:
+        """A scope column (any shape, e.g. [rows, slots]) for an array of incarnations."""
+        u, inv = np.unique(incarnations, return_inverse=True)
+        codes = np.fromiter((self.code.get(int(i), 0) for i in u), dtype=np.int32, count=len(u))
+        return Coded(codes[inv.reshape(np.shape(incarnations))], list(self.values))
+
+
 class ReadRuns:
     """The open read runs of one node, kept on the writer thread as dense state per (reader, block
     column): each step's [B, C] read tensors are compared with it in a few array operations, a
@@ -58,8 +86,9 @@ class ReadRuns:
     State: one int64 array [readers, columns, fields]; the key fields (what a read found) come first
     so a run is compared with a read in one operation."""
 
-    def __init__(self, node: str, page_size: int, coalesce: bool = True):
+    def __init__(self, node: str, page_size: int, coalesce: bool = True, scopes: "Scopes | None" = None):
         self.node, self.S, self.coalesce = node, page_size, coalesce
+        self.scopes = scopes if scopes is not None else Scopes()
         self.K = 4 + page_size                      # page, generation, found_generation, bad_mask, writers[S]
         K = self.K
         self.SR, self.SF, self.SL, self.LF, self.LL, self.N, self.TF, self.TL = range(K, K + 8)
@@ -128,10 +157,12 @@ class ReadRuns:
 
     def _emit(self, r: np.ndarray, c: np.ndarray, blk: np.ndarray, mass: np.ndarray) -> Columns:
         n = len(r)
-        return {"node": _dict([self.node], np.zeros(n)), "reader": np.asarray(self.incs, dtype=np.int64)[r],
+        reader = np.asarray(self.incs, dtype=np.int64)[r]
+        return {"node": _dict([self.node], np.zeros(n)), "reader": reader, "scope_h": self.scopes.of(reader),
                 "page": blk[:, 0].astype(np.int32), "generation": blk[:, 1], "found_generation": blk[:, 2],
                 "block_index": c.astype(np.int32), "slots_read": blk[:, self.SR].astype(np.int16),
                 "bad_mask": blk[:, 3], "check_passed": blk[:, 3] == 0, "found_writers": blk[:, 4:self.K],
+                "found_scopes_h": self.scopes.of(blk[:, 4:self.K]),
                 "attention_mass": mass.astype(np.float64), "step_first": blk[:, self.SF], "step_last": blk[:, self.SL],
                 "lclock_first": blk[:, self.LF], "lclock_last": blk[:, self.LL],
                 "n_reads": blk[:, self.N].astype(np.int32), "ts_first": blk[:, self.TF], "ts_last": blk[:, self.TL],
@@ -156,6 +187,7 @@ class PageLedger:
         self.writer, self.keys, self.span_ids, self.coalesce = writer, keys, span_ids, coalesce
         self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
         self.step_writes: dict[str, list] = {}  # writer thread only: each step's writes, built per flush
+        self.scopes = Scopes()
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -194,6 +226,7 @@ class PageLedger:
         return {"node": _dict([node], np.zeros(len(first))), "lclock": lc[first], "ts": ts[first],
                 "page": page[first], "generation": gen[first], "slot_first": off[first],
                 "n_slots": np.diff(bounds).astype(np.int16), "position_first": pos[first], "writer": wr[first],
+                "scope_h": self.scopes.of(wr[first]),
                 "tag_h": Ragged(bounds, self.keys.tag_pseudonyms(_np(tags))), "path": _dict(paths, path[first]),
                 **{k: Coded(np.asarray(c.codes)[first], c.values) for k, c in ids.items()}}
 
@@ -222,7 +255,7 @@ class PageLedger:
             {"trace_id": _dict([t for t, _ in ids], tok_b), "span_id": _dict([s for _, s in ids], tok_b)}))
         runs = self.runs.get(node)
         if runs is None:
-            runs = self.runs[node] = ReadRuns(node, S, self.coalesce)
+            runs = self.runs[node] = ReadRuns(node, S, self.coalesce, self.scopes)
         runs.add(steps, lclock, ts_ns, incs, ids, lay, chk, out.page_mass)
         return []
 
@@ -268,6 +301,9 @@ class PageLedger:
             "lclock_dst": [int(rec.landed_lclock.max()) if n else engine.lclock],
             "ts_submit": pa.array([to_ns(rec.submitted_at)], pa.timestamp("ns")),
             "ts_landed": pa.array([to_ns(rec.landed_at)], pa.timestamp("ns")), "trace_id": [trace], "span_id": [span]}))
+
+    def on_arrived(self, req) -> None:
+        self.scopes.add(req.incarnation, self.keys.pseudonym(req.scope))
 
     def on_finished(self, req) -> None:
         for role, toks in (("prompt", req.prompt_ids), ("output", req.output_ids)):

@@ -268,6 +268,8 @@ class Telemetry(Recorder):
             "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version]}))
 
     def request_arrived(self, engine, req) -> None:
+        if self.ledger is not None:
+            self.ledger.on_arrived(req)
         if req.incarnation in self._roots:          # the prefill half of a disaggregated request
             req.on_finish.append(lambda r: self._child(engine, r, "prefill", r.prefill_started_at, r.first_token_at,
                                                        **{"kvledger.prompt_tokens.prefilled": r.prefilled_tokens}))

@@ -22,6 +22,7 @@ CREATE TABLE page_writes (
     n_slots     SMALLINT NOT NULL,    -- slots in the run
     position_first INTEGER NOT NULL,  -- logical token position of the first slot in the writer's sequence
     writer      BIGINT NOT NULL,      -- writer request incarnation (from the tag plane's writer word)
+    scope_h     VARCHAR,              -- the writer's cache scope (keyed; NULL: writer unknown to this process)
     tag_h       BIGINT[] NOT NULL,    -- keyed pseudonym of each slot's content tag, in slot order
     path        VARCHAR NOT NULL,     -- prefill | decode | transfer_landing | offload | reload
     trace_id    VARCHAR,
@@ -34,6 +35,7 @@ CREATE TABLE page_writes (
 CREATE TABLE page_reads (
     node            VARCHAR NOT NULL,
     reader          BIGINT NOT NULL,  -- reader request incarnation
+    scope_h         VARCHAR,          -- the reader's cache scope (keyed)
     page            INTEGER NOT NULL,
     generation      BIGINT NOT NULL,  -- generation the reader was granted for this page
     found_generation BIGINT NOT NULL, -- generation found in the page header at read time
@@ -41,7 +43,8 @@ CREATE TABLE page_reads (
     slots_read      SMALLINT NOT NULL,
     bad_mask        BIGINT NOT NULL,  -- bit s set: slot s failed the read check (generation or content tag)
     check_passed    BOOLEAN NOT NULL,
-    found_writers   BIGINT[] NOT NULL, -- writer incarnation per slot found in the tag plane
+    found_writers   BIGINT[] NOT NULL, -- writer incarnation per slot found in the tag plane (-1: slot not read)
+    found_scopes_h  VARCHAR[],         -- cache scope (keyed) of each slot's found writer (NULL: not read / unknown)
     attention_mass  DOUBLE NOT NULL,  -- summed over the run: mean softmax mass on the page per step
     step_first      BIGINT NOT NULL,
     step_last       BIGINT NOT NULL,

@@ -79,7 +79,7 @@ class Ragged(NamedTuple):
     values: np.ndarray
 
 
-Columns = dict[str, "np.ndarray | Coded | Ragged"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings, Ragged lists
+Columns = dict[str, "np.ndarray | Coded | Ragged"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings (2-D: lists), Ragged lists
 
 
 def _num_rows(data: "pa.Table | Columns") -> int:
@@ -116,7 +116,11 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     out = {}
     for name, v in cols.items():
         if isinstance(v, Coded):
-            out[name] = pa.DictionaryArray.from_arrays(v.codes.astype(np.int32, copy=False), pa.array(v.values, pa.string()))
+            codes = v.codes.astype(np.int32, copy=False)
+            arr = pa.DictionaryArray.from_arrays(codes.ravel(), pa.array(v.values, pa.string()))
+            if codes.ndim == 2:         # one list of strings per row (e.g. a scope per slot)
+                arr = pa.ListArray.from_arrays(np.arange(codes.shape[0] + 1, dtype=np.int32) * codes.shape[1], arr)
+            out[name] = arr
         elif isinstance(v, Ragged):
             out[name] = pa.ListArray.from_arrays(v.offsets.astype(np.int32), pa.array(v.values))
         elif (v := np.asarray(v)).ndim == 2:

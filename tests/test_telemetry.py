@@ -51,6 +51,24 @@ def test_ledger_rows_carry_their_requests_trace(glm53_vulnerable):
     assert con.sql("SELECT count(*) FROM page_reads WHERE trace_id IS NULL").fetchall() == [(0,)]
 
 
+def test_ledger_rows_carry_writer_reader_and_found_scopes(glm53_vulnerable):
+    _, store = glm53_vulnerable
+    con = open_store(store)
+    scope = "(SELECT DISTINCT incarnation, scope_h FROM spans WHERE operation = 'request')"
+    for table, who in (("page_writes", "writer"), ("page_reads", "reader")):
+        n, wrong = con.sql(f"""SELECT count(*), count(*) FILTER (WHERE t.scope_h IS DISTINCT FROM s.scope_h)
+                               FROM {table} t LEFT JOIN {scope} s ON s.incarnation = t.{who}""").fetchall()[0]
+        assert n > 0 and wrong == 0, table
+    # per slot read: the scope found is the scope of the writer found (NULL where no slot was read)
+    n, wrong = con.sql(f"""WITH slots AS (SELECT unnest(found_writers) AS w, unnest(found_scopes_h) AS fs FROM page_reads)
+                           SELECT count(*), count(*) FILTER (WHERE fs IS DISTINCT FROM s.scope_h)
+                           FROM slots LEFT JOIN {scope} s ON s.incarnation = slots.w""").fetchall()[0]
+    assert n > 0 and wrong == 0
+    cross = con.sql("""SELECT check_passed, count(*) FILTER (WHERE list_bool_or(list_transform(found_scopes_h,
+                           lambda x: x IS NOT NULL AND x <> scope_h))) FROM page_reads GROUP BY ALL""").fetchall()
+    assert dict(cross)[True] == 0 and dict(cross)[False] > 0     # scopes never share; the incident crosses them
+
+
 def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):
     res, store = glm53_vulnerable
     m = open_store(store).sql("""SELECT node, bucket_counts, boundaries, count FROM metrics
