@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from typing import Callable
+from collections import deque
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -74,12 +75,29 @@ class Scopes:
         return Coded(codes[inv.reshape(np.shape(incarnations))], list(self.values))
 
 
+class StepReads(NamedTuple):
+    """What one step's attention read, as the engine handed it over (its own tensors)."""
+    step: int
+    lclock: int
+    ts_ns: int
+    incs: list
+    ids: list
+    block_tables: object            # [B, C] pages (-1: none)
+    expected_gen: object            # [B, C]
+    slots_read: object              # [B, C]
+    found_gen: object               # [B, C]
+    bad_mask: object                # [B, C]
+    found_writers: object           # [B, C, S]
+    page_mass: object               # [B, C]
+
+
 class ReadRuns:
     """The open read runs of one node, kept on the writer thread as dense state per (reader, block
     column): each step's [B, C] read tensors are compared with it in a few array operations, a
     read that found the same thing as the run open there (page, generation, found generation,
     failing slots, the writer of every slot) extends it (n_reads, step/clock/time range, attention
-    mass), any other read closes that run (it becomes a row) and opens a new one. ``drain`` closes
+    mass), any other read closes that run (it becomes a row) and opens a new one. Steps come in
+    batches (``add``), folded with a fixed number of array operations per batch, not per step. ``drain`` closes
     every open run (the store calls it at each flush, so a long decode shows up live). Lossless:
     every read step is inside exactly one row. With coalesce=False every read is its own row.
 
@@ -118,42 +136,82 @@ class ReadRuns:
             out.append(s)
         return np.asarray(out, dtype=np.int64)
 
-    def add(self, step: int, lclock: int, ts_ns: int, incs: list[int], ids: list[tuple], lay, chk, page_mass) -> None:
-        B, C = lay.block_tables.shape
-        rs = self._slots(incs, ids)
+    def add(self, steps: list["StepReads"]) -> None:
+        """Fold a batch of steps' reads into the runs, in step order, with one set of array
+        operations for the whole batch: the reads are flattened, a stable sort by (reader, column)
+        lines each one's reads up in step order, and a run starts wherever what was found changes.
+        A (reader, column)'s first run extends the run open there if it found the same thing
+        (otherwise that one closes); every run but its last closes, the last stays open."""
+        S, K = self.S, self.K
+        rs = [self._slots(st.incs, st.ids) for st in steps]
         R0, C0 = self.open.shape
-        if len(self.incs) > R0 or C > C0:
-            self._grow(max(R0, 2 * len(self.incs)), max(C0, C))
-        page, sr = _np(lay.block_tables), _np(chk.slots_read)
-        valid = (page >= 0) & (sr > 0)                                           # [B, C]: pages this step read
-        key = np.empty((B, C, self.K), dtype=np.int64)                           # what each read found
-        key[..., 0], key[..., 1], key[..., 2], key[..., 3] = page, _np(lay.expected_gen), _np(chk.found_gen), _np(chk.bad_mask)
-        key[..., 4:] = np.where(np.arange(self.S) < sr[..., None], _np(chk.found_writers), -1)   # -1: slot not read
-        mass = _np(page_mass)
-        ri, ci = rs[:, None], np.arange(C)[None, :]
-        st, was_open = self.I[ri, ci], self.open[ri, ci]                         # [B, C, F]: the runs open there
-        same = valid & was_open & (st[..., :self.K] == key).all(axis=-1) if self.coalesce else np.zeros_like(valid)
-        new = valid & ~same
-        b, c = np.nonzero(new & was_open)
-        if len(b):          # closed runs: kept as state rows, made columns once per flush (drain)
-            self._closed.append((rs[b], c, st[b, c], self.mass[rs[b], c]))
-        b, c = np.nonzero(same)
-        if len(b):
-            r, blk = rs[b], st[b, c]
-            blk[:, self.SL], blk[:, self.LL], blk[:, self.TL] = step, lclock, ts_ns
-            blk[:, self.N] += 1
-            blk[:, self.SR] = np.maximum(blk[:, self.SR], sr[b, c])
-            self.I[r, c] = blk
-            self.mass[r, c] += mass[b, c]
-        b, c = np.nonzero(new)
-        if len(b):
-            r, blk = rs[b], np.empty((len(b), self.I.shape[2]), dtype=np.int64)
-            blk[:, :self.K], blk[:, self.SR] = key[b, c], sr[b, c]
-            blk[:, self.SF] = blk[:, self.SL] = step
-            blk[:, self.LF] = blk[:, self.LL] = lclock
-            blk[:, self.TF] = blk[:, self.TL] = ts_ns
-            blk[:, self.N] = 1
-            self.I[r, c], self.mass[r, c], self.open[r, c] = blk, mass[b, c], True
+        Cmax = max(st.block_tables.shape[1] for st in steps)
+        if len(self.incs) > R0 or Cmax > C0:
+            self._grow(max(R0, 2 * len(self.incs)), max(C0, Cmax))
+        R, C = self.open.shape
+        Bs = np.array([st.block_tables.shape[0] for st in steps])
+        Cs = np.array([st.block_tables.shape[1] for st in steps])
+        cat = lambda f: np.concatenate([_np(getattr(st, f)).reshape(-1) for st in steps])  # noqa: E731
+        page, sr = cat("block_tables"), cat("slots_read")
+        idx = np.flatnonzero((page >= 0) & (sr > 0))                          # the cells that read a page
+        n = len(idx)
+        if n == 0:
+            return
+        row_c = np.repeat(Cs, Bs)                                             # block-table rows, all steps
+        cell_row = np.repeat(np.arange(len(row_c)), row_c)[idx]
+        col = idx - (np.cumsum(row_c) - row_c)[cell_row]
+        r = np.concatenate(rs)[cell_row]
+        si = np.repeat(np.arange(len(steps)), Bs)[cell_row]
+        if self.coalesce:       # line each (reader, column)'s reads up in step order (stable radix sort)
+            g = r * C + col
+            order = np.argsort(g.astype(np.uint16) if R * C <= 1 << 16 else g, kind="stable")
+            idx, g, r, col, si = idx[order], g[order], r[order], col[order], si[order]
+        sr = sr[idx]
+        blk = np.empty((n, K + 8), dtype=np.int64)                            # each read as a run of one
+        blk[:, 0], blk[:, 1], blk[:, 2], blk[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
+        writers = np.concatenate([_np(st.found_writers).reshape(-1, S) for st in steps])[idx]
+        blk[:, 4:K] = np.where(np.arange(S) < sr[:, None], writers, -1)       # -1: slot not read
+        blk[:, self.SR], blk[:, self.N] = sr, 1
+        for fields, v in (((self.SF, self.SL), "step"), ((self.LF, self.LL), "lclock"), ((self.TF, self.TL), "ts_ns")):
+            blk[:, fields[0]] = blk[:, fields[1]] = np.array([getattr(st, v) for st in steps], dtype=np.int64)[si]
+        mass = cat("page_mass")[idx].astype(np.float64)
+        if not self.coalesce:
+            self._closed.append((r, col, blk, mass))
+            return
+        start = np.ones(n, dtype=bool)                                        # a run starts where the group or the finding changes
+        start[1:] = (g[1:] != g[:-1]) | (blk[1:, :K] != blk[:-1, :K]).any(axis=1)
+        first = np.flatnonzero(start)
+        last = np.append(first[1:], n) - 1
+        runs = blk[first]
+        for f in (self.SL, self.LL, self.TL):
+            runs[:, f] = blk[last, f]
+        runs[:, self.N] = np.add.reduceat(blk[:, self.N], first)
+        runs[:, self.SR] = np.maximum.reduceat(blk[:, self.SR], first)
+        mass = np.add.reduceat(mass, first)
+        rg, rr, rc = g[first], r[first], col[first]
+        head = np.ones(len(first), dtype=bool)                                # first run of its (reader, column) here
+        head[1:] = rg[1:] != rg[:-1]
+        j = np.flatnonzero(head)
+        j = j[self.open[rr[j], rc[j]]]                                        # ... where a run was open before
+        if len(j):
+            st, st_mass = self.I[rr[j], rc[j]], self.mass[rr[j], rc[j]]
+            ext = (st[:, :K] == runs[j, :K]).all(axis=1)                      # same finding: the open run goes on
+            je, se = j[ext], st[ext]
+            for f in (self.SF, self.LF, self.TF):
+                runs[je, f] = se[:, f]
+            runs[je, self.N] += se[:, self.N]
+            runs[je, self.SR] = np.maximum(runs[je, self.SR], se[:, self.SR])
+            mass[je] += st_mass[ext]
+            if not ext.all():                                                 # a different finding: it closes
+                jc = j[~ext]
+                self._closed.append((rr[jc], rc[jc], st[~ext], st_mass[~ext]))
+        stays = np.ones(len(first), dtype=bool)                               # the last run of each (reader, column)
+        stays[:-1] = head[1:]
+        if not stays.all():
+            done = ~stays
+            self._closed.append((rr[done], rc[done], runs[done], mass[done]))
+        rr, rc = rr[stays], rc[stays]
+        self.I[rr, rc], self.mass[rr, rc], self.open[rr, rc] = runs[stays], mass[stays], True
 
     def _emit(self, r: np.ndarray, c: np.ndarray, blk: np.ndarray, mass: np.ndarray) -> Columns:
         n = len(r)
@@ -188,10 +246,13 @@ class PageLedger:
         self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
         self.step_writes: dict[str, list] = {}  # writer thread only: each step's writes, built per flush
         self.scopes = Scopes()
+        self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
+        self._pending_cells = 0                 # engine thread only
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
         """Writer thread, before every flush: the steps' writes and read runs since the last one."""
+        self._take()
         out = [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
         for node, parts in self.step_writes.items():
             if parts:
@@ -231,33 +292,58 @@ class PageLedger:
                 **{k: Coded(np.asarray(c.codes)[first], c.values) for k, c in ids.items()}}
 
     # ---- a model step: its writes, then everything its attention read ---------------------------
+    FOLD_CELLS = 65536   # block-table cells (reads) handed to the writer thread per wake-up: a batch
+                         # small enough that its arrays stay in cache, large enough to amortise the
+                         # per-batch array calls over many decode steps; also folded at every flush
+
     def on_step(self, engine, out) -> None:
-        """Engine thread: capture what only exists now (page generations, the read check, ids);
-        the columns are built on the writer thread from the step's own (immutable) tensors."""
+        """Engine thread: capture what only exists now (page generations, the read check, ids) and
+        hand the step's own (immutable) tensors over; the writer thread folds them in batches, at
+        every flush and whenever FOLD_CELLS reads are waiting (each wake-up goes through the
+        bounded queue: a writer that falls behind blocks the engine, never loses a step)."""
         chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
         incs = [s.req.incarnation for s in out.batch]
-        snap = (engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs,
-                [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch],
-                engine.pool.generation[out.slot_pages], engine.pool.page_size, out, chk)
-        self.writer.submit_lazy(lambda: self._step_rows(*snap))
+        self._pending.append((engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs,
+                              [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch],
+                              engine.pool.generation[out.slot_pages], engine.pool.page_size, out, chk))
+        self._pending_cells += out.layout.block_tables.numel()
+        if self._pending_cells >= self.FOLD_CELLS:
+            self._pending_cells = 0
+            self.writer.submit_lazy(self._take)
 
-    def _step_rows(self, node, steps, lclock, ts_ns, incs, ids, prompt_lens, gen_written, S, out, chk):
-        """Writer thread: a step's writes are kept as arrays (columns are built once per flush) and its
-        reads go into the node's read runs."""
-        lay = out.layout
-        tok_b = _np(lay.tok_batch)
-        n = len(tok_b)
-        is_decode = _np(lay.positions) >= np.asarray(prompt_lens)[tok_b]
+    def _take(self) -> list:
+        """Writer thread: fold every step waiting, per node in step order: its writes are kept as
+        arrays (columns are built once per flush) and its reads go into the node's read runs."""
+        by_node: dict[str, list] = {}
+        while self._pending:                    # only this thread pops; the engine only appends
+            snap = self._pending.popleft()
+            by_node.setdefault(snap[0], []).append(snap)
+        for node, snaps in by_node.items():
+            self._fold(node, snaps)
+        return []
+
+    def _fold(self, node: str, snaps: list) -> None:
+        outs = [sn[9] for sn in snaps]
+        tok_b = [_np(o.layout.tok_batch) for o in outs]
+        n = np.array([len(t) for t in tok_b])
+        base = np.cumsum([0] + [len(sn[4]) for sn in snaps[:-1]])             # each step's batch in the concatenation
+        tb = np.concatenate(tok_b) + np.repeat(base, n)
+        ids = [x for sn in snaps for x in sn[5]]
+        cat = lambda xs: np.concatenate([_np(x).reshape(-1) for x in xs])     # noqa: E731
+        positions = cat([o.layout.positions for o in outs])
         self.step_writes.setdefault(node, []).append((
-            np.full(n, lclock, dtype=np.int64), _np(out.slot_pages), _np(gen_written), _np(out.slot_offsets),
-            _np(lay.positions), _np(out.new_writers), _np(out.new_tags), is_decode,
-            np.full(n, ts_ns, dtype=np.int64),
-            {"trace_id": _dict([t for t, _ in ids], tok_b), "span_id": _dict([s for _, s in ids], tok_b)}))
+            np.repeat(np.array([sn[2] for sn in snaps], dtype=np.int64), n), cat([o.slot_pages for o in outs]),
+            cat([sn[7] for sn in snaps]), cat([o.slot_offsets for o in outs]), positions,
+            cat([o.new_writers for o in outs]), cat([o.new_tags for o in outs]),
+            positions >= np.concatenate([sn[6] for sn in snaps]).astype(np.int64)[tb],       # decode append
+            np.repeat(np.array([sn[3] for sn in snaps], dtype=np.int64), n),
+            {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}))
         runs = self.runs.get(node)
         if runs is None:
-            runs = self.runs[node] = ReadRuns(node, S, self.coalesce, self.scopes)
-        runs.add(steps, lclock, ts_ns, incs, ids, lay, chk, out.page_mass)
-        return []
+            runs = self.runs[node] = ReadRuns(node, snaps[0][8], self.coalesce, self.scopes)
+        runs.add([StepReads(sn[1], sn[2], sn[3], sn[4], sn[5], sn[9].layout.block_tables, sn[9].layout.expected_gen,
+                            sn[10].slots_read, sn[10].found_gen, sn[10].bad_mask, sn[10].found_writers, sn[9].page_mass)
+                  for sn in snaps])
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:
@@ -314,10 +400,12 @@ class PageLedger:
                                               "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h})
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:
-        self.writer.submit("releases", pa.table({
-            "node": [engine.cfg.node_id], "incarnation": [req.incarnation], "pages": [list(pages)], "kind": [kind],
-            "ended_by": [ended_by], "hold_ns": [hold_ns], "lclock": [engine.lclock],
-            "ts": pa.array([time.time_ns()], pa.timestamp("ns"))}))
+        self.writer.submit("releases", {       # numpy columns: Arrow is built once per flush on the writer thread
+            "node": _dict([engine.cfg.node_id], np.zeros(1)), "incarnation": np.array([req.incarnation], dtype=np.int64),
+            "pages": Ragged(np.array([0, len(pages)]), np.asarray(pages, dtype=np.int32)),
+            "kind": _dict([kind], np.zeros(1)), "ended_by": _dict([ended_by], np.zeros(1)),
+            "hold_ns": np.array([hold_ns], dtype=np.int64), "lclock": np.array([engine.lclock], dtype=np.int64),
+            "ts": np.array([time.time_ns()], dtype=np.int64)})
 
 
 NGRAM = 12          # tokens per n-gram for "surfaced" (long enough that shared prose is rare)
