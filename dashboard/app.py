@@ -41,10 +41,18 @@ if not (Path(STORE) / "chain").is_dir():
     wait_for_store()
     st.stop()
 
+WINDOWS = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
+
+
+def window_start(window: str) -> dt.datetime | None:
+    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - WINDOWS[window] if window in WINDOWS else None
+
+
 with st.sidebar:
     st.header("Filters")
-    meta = Panels(STORE)
     window = st.selectbox("Window", ["whole store", "last 5 minutes", "last hour", "last day"], key="window")
+    meta = Panels(STORE, Filters(start=window_start(window)))
+    meta.prefetch()         # every query of the page at once, while the sidebar fills in
     tenant = st.selectbox("Tenant", ["all"] + meta.tenants(), key="tenant")
     node = st.selectbox("Node", ["all"] + meta.node_names(), key="node")
     policy = st.selectbox("Policy", ["all", "vulnerable", "hardened", "custom"], key="policy")
@@ -54,11 +62,10 @@ with st.sidebar:
 _THIS_RUN = {"snapshot": meta}
 
 
-def filters() -> Filters:
-    spans = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
-    start = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - spans[window] if window in spans else None
-    return Filters(start=start, tenant=None if tenant == "all" else tenant, node=None if node == "all" else node,
-                   policy=None if policy == "all" else policy)
+def filters(start: dt.datetime | None = None) -> Filters:
+    """The sidebar's filters; the window starts now unless this run's snapshot fixed it (start)."""
+    return Filters(start=start or window_start(window), tenant=None if tenant == "all" else tenant,
+                   node=None if node == "all" else node, policy=None if policy == "all" else policy)
 
 
 ROWS = 300      # a table shows the rows that matter first (red ones), at most this many
@@ -88,9 +95,11 @@ def _switches(v) -> str:
 @st.fragment(run_every=REFRESH)
 def live() -> None:
     global _T0
-    if "snapshot" not in _THIS_RUN:         # a fragment rerun: time it from here
+    snap = _THIS_RUN.pop("snapshot", None)
+    if snap is None:                        # a fragment rerun: time it from here, on a fresh snapshot
         _T0 = time.perf_counter()
-    p = Panels(STORE, filters(), same_snapshot_as=_THIS_RUN.pop("snapshot", None))
+    p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap)
+    p.prefetch()
     t = p.totals()
     cols = st.columns(6)
     for c, (label, key) in zip(cols, [("Affected responses", "affected_responses"), ("Surfaced", "surfaced_responses"),

@@ -158,6 +158,16 @@ def test_scores_add_up_per_tenant_and_window(glm53_vulnerable, capsys):
     assert "--bucket must be a positive number of seconds" in capsys.readouterr().err
 
 
+def test_queries_side_by_side_equal_each_query_alone(glm53_vulnerable):
+    _, store = glm53_vulnerable
+    names = ["exposures", "scores", "tenants", "ttft", "transfers", "guards", "preflight", "releases"]
+    together = Forensics(store).queries(names)            # fresh snapshot: materialised on the way
+    alone = Forensics(store)
+    for n in names:
+        assert together[n].equals(alone.query(n)), n
+    assert together["exposures"].height > 0 and together["scores"].height > 0
+
+
 def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulnerable, tmp_path):
     """Columns added to schema.sql later (here preflight_action and advertised_context, and the
     transfers' set summaries) read as NULL in segments written before them; every query still runs,

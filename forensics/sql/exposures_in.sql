@@ -3,7 +3,7 @@
 -- pages (summed over read steps), decode steps, first/last time, both sides' tenants (pseudonyms)
 -- and severity: 'surfaced' when the response's output shares a keyed n-gram with the donor's
 -- prompt (exposure_ngrams), else 'read'. Window: failing reads whose first time is in [t0, t1].
-CREATE OR REPLACE TEMP MACRO exposures_in(t0, t1) AS TABLE
+CREATE OR REPLACE MACRO exposures_in(t0, t1) AS TABLE
 WITH e AS (
     SELECT * FROM exposure_slots WHERE ts_first BETWEEN t0 AND t1
 ),
@@ -16,7 +16,7 @@ mass AS (
 SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_tenant,
        list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
        count(DISTINCT (e.node, e.page)) AS pages,
-       list(DISTINCT e.node || ':' || e.page::VARCHAR) AS node_pages,
+       list(DISTINCT e.node || ':' || e.page::VARCHAR ORDER BY e.node || ':' || e.page::VARCHAR) AS node_pages,
        count(DISTINCT (e.node, e.position)) AS foreign_tokens,
        any_value(m.attention_mass) AS attention_mass,
        CASE WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,

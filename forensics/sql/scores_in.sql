@@ -1,7 +1,7 @@
 -- Table macro scores_in(t0, t1): the exposure score per response (README: "Exposure score"):
 -- tokens of other requests' KV the response read (unwritten slots carry no one's data and count
 -- 0), times 10 when any of it surfaced in the response's output.
-CREATE OR REPLACE TEMP MACRO scores_in(t0, t1) AS TABLE
+CREATE OR REPLACE MACRO scores_in(t0, t1) AS TABLE
 SELECT response, any_value(response_tenant) AS tenant,
        sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END)::BIGINT AS foreign_tokens,
        count(DISTINCT donor) FILTER (WHERE donor <> -1) AS donors,
