@@ -167,26 +167,34 @@ class ReadRuns:
             order = np.argsort(g.astype(np.uint16) if R * C <= 1 << 16 else g, kind="stable")
             idx, g, r, col, si = idx[order], g[order], r[order], col[order], si[order]
         sr = sr[idx]
-        blk = np.empty((n, K + 8), dtype=np.int64)                            # each read as a run of one
-        blk[:, 0], blk[:, 1], blk[:, 2], blk[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
-        writers = np.concatenate([_np(st.found_writers).reshape(-1, S) for st in steps])[idx]
-        blk[:, 4:K] = np.where(np.arange(S) < sr[:, None], writers, -1)       # -1: slot not read
-        blk[:, self.SR], blk[:, self.N] = sr, 1
-        for fields, v in (((self.SF, self.SL), "step"), ((self.LF, self.LL), "lclock"), ((self.TF, self.TL), "ts_ns")):
-            blk[:, fields[0]] = blk[:, fields[1]] = np.array([getattr(st, v) for st in steps], dtype=np.int64)[si]
+        # each read as a run of one: the scalar fields by column (page, generation, found generation,
+        # bad mask, then SR..TL), the writers found per slot by row (-1: slot not read)
+        sc = np.empty((n, 12), dtype=np.int64, order="F")
+        sc[:, 0], sc[:, 1], sc[:, 2], sc[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
+        wk = np.concatenate([_np(st.found_writers).reshape(-1, S) for st in steps])[idx]
+        np.copyto(wk, -1, where=np.arange(S) >= sr[:, None])
+        sc[:, 4], sc[:, 9] = sr, 1                                            # SR, N
+        for a_, v in ((5, "step"), (7, "lclock"), (10, "ts_ns")):            # SF = SL, LF = LL, TF = TL
+            sc[:, a_] = np.array([getattr(st, v) for st in steps], dtype=np.int64)[si]
+            sc[:, a_ + 1] = sc[:, a_]
         mass = cat("page_mass")[idx].astype(np.float64)
+
+        def rows(at: np.ndarray) -> np.ndarray:          # reads `at` as state rows [len, K + 8]
+            out = np.empty((len(at), K + 8), dtype=np.int64)
+            out[:, :4], out[:, 4:K], out[:, K:] = sc[at, :4], wk[at], sc[at, 4:]
+            return out
         if not self.coalesce:
-            self._closed.append((r, col, blk, mass))
+            self._closed.append((r, col, rows(np.arange(n)), mass))
             return
         start = np.ones(n, dtype=bool)                                        # a run starts where the group or the finding changes
-        start[1:] = (g[1:] != g[:-1]) | (blk[1:, :K] != blk[:-1, :K]).any(axis=1)
+        start[1:] = (g[1:] != g[:-1]) | (sc[1:, :4] != sc[:-1, :4]).any(axis=1) | (wk[1:] != wk[:-1]).any(axis=1)
         first = np.flatnonzero(start)
         last = np.append(first[1:], n) - 1
-        runs = blk[first]
+        runs = rows(first)
         for f in (self.SL, self.LL, self.TL):
-            runs[:, f] = blk[last, f]
-        runs[:, self.N] = np.add.reduceat(blk[:, self.N], first)
-        runs[:, self.SR] = np.maximum.reduceat(blk[:, self.SR], first)
+            runs[:, f] = sc[last, f - K + 4]
+        runs[:, self.N] = np.add.reduceat(sc[:, 9], first)
+        runs[:, self.SR] = np.maximum.reduceat(sc[:, 4], first)
         mass = np.add.reduceat(mass, first)
         rg, rr, rc = g[first], r[first], col[first]
         head = np.ones(len(first), dtype=bool)                                # first run of its (reader, column) here
