@@ -75,13 +75,26 @@ class Scopes:
         return Coded(codes[inv.reshape(np.shape(incarnations))], list(self.values))
 
 
-class StepReads(NamedTuple):
-    """What one step's attention read, as the engine handed it over (its own tensors)."""
+class StepRecord(NamedTuple):
+    """One model step as the engine thread hands it to the writer thread: exactly the tensors the
+    ledger reads (the step's own, immutable), never the logits or the layout's expected-tag plane."""
+    node: str
     step: int
     lclock: int
     ts_ns: int
-    incs: list
-    ids: list
+    incs: list                      # reader incarnation per batch row
+    ids: list                       # (trace id, span id) per batch row
+    prompt_lens: list
+    page_size: int
+    # what the step wrote, one entry per new token
+    tok_batch: object               # [T] batch row
+    positions: object               # [T]
+    slot_pages: object              # [T]
+    slot_offsets: object            # [T]
+    gen_written: object             # [T] the page's generation when written
+    new_writers: object             # [T]
+    new_tags: object                # [T]
+    # what its attention read, per batch row and block-table column
     block_tables: object            # [B, C] pages (-1: none)
     expected_gen: object            # [B, C]
     slots_read: object              # [B, C]
@@ -93,13 +106,13 @@ class StepReads(NamedTuple):
 
 class ReadRuns:
     """The open read runs of one node, kept on the writer thread as dense state per (reader, block
-    column): each step's [B, C] read tensors are compared with it in a few array operations, a
-    read that found the same thing as the run open there (page, generation, found generation,
-    failing slots, the writer of every slot) extends it (n_reads, step/clock/time range, attention
-    mass), any other read closes that run (it becomes a row) and opens a new one. Steps come in
-    batches (``add``), folded with a fixed number of array operations per batch, not per step. ``drain`` closes
-    every open run (the store calls it at each flush, so a long decode shows up live). Lossless:
-    every read step is inside exactly one row. With coalesce=False every read is its own row.
+    column). A read that found the same thing as the run open there (page, generation, found
+    generation, failing slots, the writer of every slot) extends it (n_reads, step/clock/time
+    range, attention mass); any other read closes that run (it becomes a row) and opens a new one.
+    Steps come in batches (``add``), folded with a fixed number of array operations per batch,
+    not per step. ``drain`` closes every open run (the store calls it at each flush, so a long
+    decode shows up live). Lossless: every read step is inside exactly one row. With
+    coalesce=False every read is its own row.
 
     State: one int64 array [readers, columns, fields]; the key fields (what a read found) come first
     so a run is compared with a read in one operation."""
@@ -136,7 +149,7 @@ class ReadRuns:
             out.append(s)
         return np.asarray(out, dtype=np.int64)
 
-    def add(self, steps: list["StepReads"]) -> None:
+    def add(self, steps: list[StepRecord]) -> None:
         """Fold a batch of steps' reads into the runs, in step order, with one set of array
         operations for the whole batch: the reads are flattened, a stable sort by (reader, column)
         lines each one's reads up in step order, and a run starts wherever what was found changes.
@@ -300,9 +313,9 @@ class PageLedger:
                 **{k: Coded(np.asarray(c.codes)[first], c.values) for k, c in ids.items()}}
 
     # ---- a model step: its writes, then everything its attention read ---------------------------
-    FOLD_CELLS = 65536   # block-table cells (reads) handed to the writer thread per wake-up: a batch
-                         # small enough that its arrays stay in cache, large enough to amortise the
-                         # per-batch array calls over many decode steps; also folded at every flush
+    FOLD_CELLS = 65536   # block-table cells (reads) waiting before the writer thread is woken (also
+                         # folded at every flush): many decode steps per batch of array calls, and a
+                         # bound on what waits (found writers: 65536 x page_size x 8 bytes, 8 MiB at 16)
 
     def on_step(self, engine, out) -> None:
         """Engine thread: capture what only exists now (page generations, the read check, ids) and
@@ -310,11 +323,16 @@ class PageLedger:
         every flush and whenever FOLD_CELLS reads are waiting (each wake-up goes through the
         bounded queue: a writer that falls behind blocks the engine, never loses a step)."""
         chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
+        lay = out.layout
         incs = [s.req.incarnation for s in out.batch]
-        self._pending.append((engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs,
-                              [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch],
-                              engine.pool.generation[out.slot_pages], engine.pool.page_size, out, chk))
-        self._pending_cells += out.layout.block_tables.numel()
+        self._pending.append(StepRecord(
+            engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, [self.span_ids(i) for i in incs],
+            [len(s.req.prompt_ids) for s in out.batch], engine.pool.page_size,
+            lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets, engine.pool.generation[out.slot_pages],
+            out.new_writers, out.new_tags,
+            lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
+            out.page_mass))
+        self._pending_cells += lay.block_tables.numel()
         if self._pending_cells >= self.FOLD_CELLS:
             self._pending_cells = 0
             self.writer.submit_lazy(self._take)
@@ -322,36 +340,32 @@ class PageLedger:
     def _take(self) -> list:
         """Writer thread: fold every step waiting, per node in step order: its writes are kept as
         arrays (columns are built once per flush) and its reads go into the node's read runs."""
-        by_node: dict[str, list] = {}
+        by_node: dict[str, list[StepRecord]] = {}
         while self._pending:                    # only this thread pops; the engine only appends
-            snap = self._pending.popleft()
-            by_node.setdefault(snap[0], []).append(snap)
-        for node, snaps in by_node.items():
-            self._fold(node, snaps)
+            rec = self._pending.popleft()
+            by_node.setdefault(rec.node, []).append(rec)
+        for node, recs in by_node.items():
+            self._fold(node, recs)
         return []
 
-    def _fold(self, node: str, snaps: list) -> None:
-        outs = [sn[9] for sn in snaps]
-        tok_b = [_np(o.layout.tok_batch) for o in outs]
+    def _fold(self, node: str, recs: list[StepRecord]) -> None:
+        cat = lambda f: np.concatenate([_np(getattr(r, f)).reshape(-1) for r in recs])     # noqa: E731
+        tok_b = [_np(r.tok_batch) for r in recs]
         n = np.array([len(t) for t in tok_b])
-        base = np.cumsum([0] + [len(sn[4]) for sn in snaps[:-1]])             # each step's batch in the concatenation
+        base = np.cumsum([0] + [len(r.incs) for r in recs[:-1]])             # each step's batch in the concatenation
         tb = np.concatenate(tok_b) + np.repeat(base, n)
-        ids = [x for sn in snaps for x in sn[5]]
-        cat = lambda xs: np.concatenate([_np(x).reshape(-1) for x in xs])     # noqa: E731
-        positions = cat([o.layout.positions for o in outs])
+        ids = [x for r in recs for x in r.ids]
+        positions = cat("positions")
         self.step_writes.setdefault(node, []).append((
-            np.repeat(np.array([sn[2] for sn in snaps], dtype=np.int64), n), cat([o.slot_pages for o in outs]),
-            cat([sn[7] for sn in snaps]), cat([o.slot_offsets for o in outs]), positions,
-            cat([o.new_writers for o in outs]), cat([o.new_tags for o in outs]),
-            positions >= np.concatenate([sn[6] for sn in snaps]).astype(np.int64)[tb],       # decode append
-            np.repeat(np.array([sn[3] for sn in snaps], dtype=np.int64), n),
+            np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n), cat("slot_pages"), cat("gen_written"),
+            cat("slot_offsets"), positions, cat("new_writers"), cat("new_tags"),
+            positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb],     # decode append
+            np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n),
             {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}))
         runs = self.runs.get(node)
         if runs is None:
-            runs = self.runs[node] = ReadRuns(node, snaps[0][8], self.coalesce, self.scopes)
-        runs.add([StepReads(sn[1], sn[2], sn[3], sn[4], sn[5], sn[9].layout.block_tables, sn[9].layout.expected_gen,
-                            sn[10].slots_read, sn[10].found_gen, sn[10].bad_mask, sn[10].found_writers, sn[9].page_mass)
-                  for sn in snaps])
+            runs = self.runs[node] = ReadRuns(node, recs[0].page_size, self.coalesce, self.scopes)
+        runs.add(recs)
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:

@@ -213,19 +213,16 @@ def test_read_runs_and_write_runs_are_lossless(tmp_path):
 def test_read_runs_fold_the_same_in_any_batching(tmp_path):
     """Steps folded one at a time, in uneven batches and all at once give the same rows (the
     batched fold is exact, whatever the writer thread's wake-ups were)."""
-    from telemetry.ledger import ReadRuns, StepReads
+    from telemetry.ledger import ReadRuns
     tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60, flush_interval=600)
     tel.ledger.FOLD_CELLS = 1 << 40                 # keep every step pending: fold them here by hand
     eng = _engine(tel)
     for i in range(3):
         eng.add_request("the quick brown fox jumps over the lazy dog " * (2 + i), SamplingParams(max_tokens=24), f"t{i}")
     eng.run_until_done()
-    snaps = list(tel.ledger._pending)
-    steps = [StepReads(sn[1], sn[2], sn[3], sn[4], sn[5], sn[9].layout.block_tables, sn[9].layout.expected_gen,
-                       sn[10].slots_read, sn[10].found_gen, sn[10].bad_mask, sn[10].found_writers, sn[9].page_mass)
-             for sn in snaps]
+    steps = list(tel.ledger._pending)       # StepRecords, as the engine handed them over
 
-    def rows(batches: list[list[StepReads]]) -> list[tuple]:
+    def rows(batches: list[list]) -> list[tuple]:
         runs = ReadRuns("n", eng.pool.page_size)
         for b in batches:
             runs.add(b)
