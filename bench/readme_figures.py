@@ -66,6 +66,9 @@ def telemetry_table(r: dict) -> str:
         f"{i.get('cold_rows_per_s_end_to_end', i['rows_per_s_end_to_end']) / 1e6:.2f}) | >= 5 M rows/s |",
         f"| ledger, engine-thread side only | {i['rows_per_s_engine_side'] / 1e6:.1f} M rows/s | |",
         f"| rows stored (read runs coalesced, write runs) | {i['rows_stored']} of {i['rows_in']} | |",
+        "",
+        "Run-to-run noise of the cost on this shared machine is a couple of percent, close to the goal itself "
+        "(repeated runs of this bench give the ledger cost between about +2 % and +4 %).",
     ])
 
 
