@@ -25,7 +25,7 @@ import torch
 from engine.attention import read_check
 from engine.recorder import TransferRecord
 from telemetry.keys import Keys
-from telemetry.store import Coded, Columns, Ragged, SegmentWriter, concat_columns
+from telemetry.store import Coded, Columns, Ragged, SegmentWriter
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
 
@@ -265,23 +265,15 @@ class PageLedger:
     def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds, coalesce: bool = True):
         self.writer, self.keys, self.span_ids, self.coalesce = writer, keys, span_ids, coalesce
         self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
-        self.step_writes: dict[str, list] = {}  # writer thread only: each step's writes, built per flush
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
         self._pending_cells = 0                 # engine thread only
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
-        """Writer thread, before every flush: the steps' writes and read runs since the last one."""
-        self._take()
-        out = [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
-        for node, parts in self.step_writes.items():
-            if parts:
-                cols = [np.concatenate([p[i] for p in parts]) for i in range(9)]
-                ids = concat_columns([p[9] for p in parts])
-                out.append(("page_writes", self._write_cols(node, len(cols[0]), *cols[:8], ["prefill", "decode"], ids, cols[8])))
-        self.step_writes = {}
-        return out
+        """Writer thread, before every flush: the steps still waiting, and every read run."""
+        out = self._take()
+        return out + [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
 
     def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, Coded]:
         ids = [self.span_ids(i) for i in incarnations]
@@ -337,18 +329,16 @@ class PageLedger:
             self._pending_cells = 0
             self.writer.submit_lazy(self._take)
 
-    def _take(self) -> list:
-        """Writer thread: fold every step waiting, per node in step order: its writes are kept as
-        arrays (columns are built once per flush) and its reads go into the node's read runs."""
+    def _take(self) -> list[tuple[str, Columns]]:
+        """Writer thread: fold every step waiting, per node in step order: its writes become
+        page_writes rows (write runs) and its reads go into the node's read runs."""
         by_node: dict[str, list[StepRecord]] = {}
         while self._pending:                    # only this thread pops; the engine only appends
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
-        for node, recs in by_node.items():
-            self._fold(node, recs)
-        return []
+        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()]
 
-    def _fold(self, node: str, recs: list[StepRecord]) -> None:
+    def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
         cat = lambda f: np.concatenate([_np(getattr(r, f)).reshape(-1) for r in recs])     # noqa: E731
         tok_b = [_np(r.tok_batch) for r in recs]
         n = np.array([len(t) for t in tok_b])
@@ -356,16 +346,16 @@ class PageLedger:
         tb = np.concatenate(tok_b) + np.repeat(base, n)
         ids = [x for r in recs for x in r.ids]
         positions = cat("positions")
-        self.step_writes.setdefault(node, []).append((
-            np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n), cat("slot_pages"), cat("gen_written"),
-            cat("slot_offsets"), positions, cat("new_writers"), cat("new_tags"),
-            positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb],     # decode append
-            np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n),
-            {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}))
         runs = self.runs.get(node)
         if runs is None:
             runs = self.runs[node] = ReadRuns(node, recs[0].page_size, self.coalesce, self.scopes)
         runs.add(recs)
+        return self._write_cols(
+            node, len(positions), np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n), cat("slot_pages"),
+            cat("gen_written"), cat("slot_offsets"), positions, cat("new_writers"), cat("new_tags"),
+            positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb],     # decode append
+            ["prefill", "decode"], {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)},
+            np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n))
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:
