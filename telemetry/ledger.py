@@ -404,12 +404,19 @@ class PageLedger:
         self.scopes.add(req.incarnation, self.keys.pseudonym(req.scope))
 
     def on_finished(self, req) -> None:
-        for role, toks in (("prompt", req.prompt_ids), ("output", req.output_ids)):
+        """The request's n-gram hashes, computed on the writer thread from copies of its token lists."""
+        inc, parts = req.incarnation, (("prompt", list(req.prompt_ids)), ("output", list(req.output_ids)))
+        self.writer.submit_lazy(lambda: self._ngrams(inc, parts))
+
+    def _ngrams(self, incarnation: int, parts) -> list[tuple[str, Columns]]:
+        out = []
+        for role, toks in parts:
             h = ngram_hashes(self.keys, toks)
             if len(h):
-                self.writer.submit("ngrams", {"incarnation": np.full(len(h), req.incarnation, dtype=np.int64),
-                                              "role": _dict([role], np.zeros(len(h))),
-                                              "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h})
+                out.append(("ngrams", {"incarnation": np.full(len(h), incarnation, dtype=np.int64),
+                                       "role": _dict([role], np.zeros(len(h))),
+                                       "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h}))
+        return out
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:
         self.writer.submit("releases", {       # numpy columns: Arrow is built once per flush on the writer thread
