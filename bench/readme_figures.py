@@ -47,8 +47,10 @@ def guards_table(r: dict) -> str:
 def telemetry_table(r: dict) -> str:
     t, c, i = r["tokens_per_s"], r["config"], r["ingest"]
     return "\n".join([
-        f"Telemetry, same workload as above ({c['batch']} prompts, {c['new_tokens']} new tokens, median of "
-        f"{c['repeats']} interleaved runs), and ledger ingest end to end from real captured steps "
+        f"Telemetry, same workload as above ({c['batch']} prompts, {c['new_tokens']} new tokens; {c['repeats']} rounds of "
+        f"the three variants back to back, their order rotated each round; throughput over all rounds, i.e. total tokens "
+        f"over total time: the ledger's cost is lumpy - a flush every second lands in some runs and not in others - and "
+        f"a median of runs would leave it out), and ledger ingest end to end from real captured steps "
         f"({c['ingest_batch']} requests of {c['ingest_context']} tokens, {c['ingest_steps']} steps):",
         "",
         "| measurement | value | goal |",
@@ -67,9 +69,15 @@ def telemetry_table(r: dict) -> str:
         f"| ledger, engine-thread side only | {i['rows_per_s_engine_side'] / 1e6:.1f} M rows/s | |",
         f"| rows stored (read runs coalesced, write runs) | {i['rows_stored']} of {i['rows_in']} | |",
         "",
-        "Run-to-run noise of the cost on this shared machine is a couple of percent, close to the goal itself "
-        "(repeated runs of this bench give the ledger cost between about +2 % and +4 %).",
+        f"Per round the ledger's cost spreads from {100 * _q(r['spans_ledger_cost_per_round'], 0.25):+.0f} % to "
+        f"{100 * _q(r['spans_ledger_cost_per_round'], 0.75):+.0f} % (quartiles): this shared machine's noise is larger "
+        f"than the goal, and whole runs of this bench differ by a few percent." if "spans_ledger_cost_per_round" in r else "",
     ])
+
+
+def _q(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def forensics_table(r: dict) -> str:

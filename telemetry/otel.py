@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Sequence
@@ -203,6 +204,7 @@ class _Node:
         # guards run every step: they bump a plain tally, read by the SDK at each collection (an
         # observable counter: the same cumulative sum, without an SDK call on the engine's path)
         self.guard_tally: dict[tuple[str, str], int] = {}
+        self.guard_lock = threading.Lock()        # guards may run on the KV link's thread too
         self.guard_checks = m.create_observable_counter("kvledger.guard.checks", [self._observe_guards], "{check}",
                                                         "Checks each guard ran, by result")
         self.released = m.create_counter("kvledger.pages.released", "{page}", "Pages released, by kind and end")
@@ -211,9 +213,9 @@ class _Node:
         self.held_pages = m.create_up_down_counter("kvledger.release.held_pages", "{page}",
                                                    "Pages held by deferred releases right now")
 
-
     def _observe_guards(self, options: CallbackOptions) -> list[Observation]:
-        return [Observation(n, {"kvledger.guard": g, "result": r}) for (g, r), n in list(self.guard_tally.items())]
+        with self.guard_lock:
+            return [Observation(n, {"kvledger.guard": g, "result": r}) for (g, r), n in self.guard_tally.items()]
 
 
 class Telemetry(Recorder):
@@ -332,8 +334,9 @@ class Telemetry(Recorder):
 
     def guard_checked(self, engine, guard, failed, count=1) -> None:
         if count:
-            tally, key = self._node(engine).guard_tally, (guard, "fail" if failed else "pass")
-            tally[key] = tally.get(key, 0) + count
+            node, key = self._node(engine), (guard, "fail" if failed else "pass")
+            with node.guard_lock:
+                node.guard_tally[key] = node.guard_tally.get(key, 0) + count
 
     def rejected(self, engine, req, where, error) -> None:
         self._rejections[req.incarnation] = (where, error)
