@@ -93,6 +93,7 @@ def main() -> None:
            "spans_cost": 1 - tps["spans"] / tps["off"],
            "spans_ledger_cost": 1 - tps["spans_ledger"] / tps["off"],
            "spans_ledger_cost_per_round": [1 - o / s for o, s in zip(wall["off"], wall["spans_ledger"])],
+           "spans_ledger_cost_ci95": _bootstrap_cost(wall["off"], wall["spans_ledger"]),
            "cpu_seconds": cpu_s, "spans_cpu_cost": cpu_s["spans"] / cpu_s["off"] - 1,
            "spans_ledger_cpu_cost": cpu_s["spans_ledger"] / cpu_s["off"] - 1,
            "store_rows": {k: c["rows"] for k, c in closed.items()},
@@ -103,7 +104,8 @@ def main() -> None:
                       "rows_stored": stored["page_reads"] + stored["page_writes"], "bytes_on_disk": size}}
     out = write("telemetry", res)
     print(f"decode tokens/s: off {tps['off']:.0f}, spans {tps['spans']:.0f} (cost {100 * res['spans_cost']:+.1f} %), "
-          f"spans + ledger {tps['spans_ledger']:.0f} (cost {100 * res['spans_ledger_cost']:+.1f} %); CPU seconds: off "
+          f"spans + ledger {tps['spans_ledger']:.0f} (cost {100 * res['spans_ledger_cost']:+.1f} %, 95 % interval "
+          f"{100 * res['spans_ledger_cost_ci95'][0]:+.1f} to {100 * res['spans_ledger_cost_ci95'][1]:+.1f} %); CPU seconds: off "
           f"{cpu_s['off']:.2f}, spans {cpu_s['spans']:.2f} ({100 * res['spans_cpu_cost']:+.1f} %), spans + ledger "
           f"{cpu_s['spans_ledger']:.2f} ({100 * res['spans_ledger_cpu_cost']:+.1f} %)")
     ing = res["ingest"]
@@ -112,6 +114,20 @@ def main() -> None:
           f"{ing['rows_stored']} rows stored after coalescing, {size / 2**20:.1f} MiB")
     print(f"wrote {out}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _bootstrap_cost(off: list[float], on: list[float], n: int = 2000) -> list[float]:
+    """95 % interval of the cost (1 - throughput ratio over all rounds), resampling whole rounds:
+    how far this run's figure could be from the machine's, given its round-to-round noise."""
+    import random
+    rng = random.Random(0)
+    k = len(off)
+    costs = []
+    for _ in range(n):
+        idx = [rng.randrange(k) for _ in range(k)]
+        costs.append(1 - sum(off[i] for i in idx) / sum(on[i] for i in idx))
+    costs.sort()
+    return [costs[int(0.025 * n)], costs[int(0.975 * n)]]
 
 
 if __name__ == "__main__":
