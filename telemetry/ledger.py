@@ -39,6 +39,11 @@ def _np(t: "torch.Tensor | np.ndarray") -> np.ndarray:
         return t.detach().cpu().numpy()
 
 
+def _cat(recs: list, field: str) -> np.ndarray:
+    """One field of a batch of step records, flattened and concatenated in step order."""
+    return np.concatenate([_np(getattr(r, field)).reshape(-1) for r in recs])
+
+
 def _ts(n: int, ns: int) -> np.ndarray:
     return np.full(n, ns, dtype=np.int64)
 
@@ -164,7 +169,7 @@ class ReadRuns:
         R, C = self.open.shape
         Bs = np.array([st.block_tables.shape[0] for st in steps])
         Cs = np.array([st.block_tables.shape[1] for st in steps])
-        cat = lambda f: np.concatenate([_np(getattr(st, f)).reshape(-1) for st in steps])  # noqa: E731
+        cat = lambda f: _cat(steps, f)  # noqa: E731
         page, sr = cat("block_tables"), cat("slots_read")
         idx = np.flatnonzero((page >= 0) & (sr > 0))                          # the cells that read a page
         n = len(idx)
@@ -339,7 +344,7 @@ class PageLedger:
         return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()]
 
     def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
-        cat = lambda f: np.concatenate([_np(getattr(r, f)).reshape(-1) for r in recs])     # noqa: E731
+        cat = lambda f: _cat(recs, f)  # noqa: E731
         tok_b = [_np(r.tok_batch) for r in recs]
         n = np.array([len(t) for t in tok_b])
         base = np.cumsum([0] + [len(r.incs) for r in recs[:-1]])             # each step's batch in the concatenation
