@@ -40,8 +40,13 @@ def _np(t: "torch.Tensor | np.ndarray") -> np.ndarray:
 
 
 def _cat(recs: list, field: str) -> np.ndarray:
-    """One field of a batch of step records, flattened and concatenated in step order."""
-    return np.concatenate([_np(getattr(r, field)).reshape(-1) for r in recs])
+    """One field of a batch of step records, flattened and concatenated in step order (tensors in
+    one C++ call: a batch is hundreds of steps, and a Python call per step and field adds up)."""
+    i = StepRecord._fields.index(field)
+    ts = [r[i] for r in recs]
+    if isinstance(ts[0], torch.Tensor):
+        return _np(torch._utils._flatten_dense_tensors(ts))
+    return np.concatenate([np.asarray(t).reshape(-1) for t in ts])
 
 
 def _ts(n: int, ns: int) -> np.ndarray:
@@ -161,7 +166,11 @@ class ReadRuns:
         A (reader, column)'s first run extends the run open there if it found the same thing
         (otherwise that one closes); every run but its last closes, the last stays open."""
         S, K = self.S, self.K
-        rs = [self._slots(st.incs, st.ids) for st in steps]
+        rs, last = [], (None, None)
+        for st in steps:                        # a decode batch is usually the same readers step after step
+            if st.incs != last[0]:
+                last = (st.incs, self._slots(st.incs, st.ids))
+            rs.append(last[1])
         R0, C0 = self.open.shape
         Cmax = max(st.block_tables.shape[1] for st in steps)
         if len(self.incs) > R0 or Cmax > C0:
@@ -189,7 +198,7 @@ class ReadRuns:
         # bad mask, then SR..TL), the writers found per slot by row (-1: slot not read)
         sc = np.empty((n, 12), dtype=np.int64, order="F")
         sc[:, 0], sc[:, 1], sc[:, 2], sc[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
-        wk = np.concatenate([_np(st.found_writers).reshape(-1, S) for st in steps])[idx]
+        wk = cat("found_writers").reshape(-1, S)[idx]
         np.copyto(wk, -1, where=np.arange(S) >= sr[:, None])
         sc[:, 4], sc[:, 9] = sr, 1                                            # SR, N
         for a_, v in ((5, "step"), (7, "lclock"), (10, "ts_ns")):            # SF = SL, LF = LL, TF = TL
@@ -273,6 +282,7 @@ class PageLedger:
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
         self._pending_cells = 0                 # engine thread only
+        self._finished: deque = deque()         # (incarnation, prompt ids, output ids) of finished requests, not yet hashed
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -341,7 +351,7 @@ class PageLedger:
         while self._pending:                    # only this thread pops; the engine only appends
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
-        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()]
+        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams()
 
     def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
         cat = lambda f: _cat(recs, f)  # noqa: E731
@@ -409,19 +419,25 @@ class PageLedger:
         self.scopes.add(req.incarnation, self.keys.pseudonym(req.scope))
 
     def on_finished(self, req) -> None:
-        """The request's n-gram hashes, computed on the writer thread from copies of its token lists."""
-        inc, parts = req.incarnation, (("prompt", list(req.prompt_ids)), ("output", list(req.output_ids)))
-        self.writer.submit_lazy(lambda: self._ngrams(inc, parts))
+        """Engine thread: copies of the request's token lists; their n-grams are hashed on the
+        writer thread with every other request finished since the last fold, in one pass."""
+        self._finished.append((req.incarnation, list(req.prompt_ids), list(req.output_ids)))
 
-    def _ngrams(self, incarnation: int, parts) -> list[tuple[str, Columns]]:
-        out = []
-        for role, toks in parts:
-            h = ngram_hashes(self.keys, toks)
-            if len(h):
-                out.append(("ngrams", {"incarnation": np.full(len(h), incarnation, dtype=np.int64),
-                                       "role": _dict([role], np.zeros(len(h))),
-                                       "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h}))
-        return out
+    def _ngrams(self) -> list[tuple[str, Columns]]:
+        """Writer thread: the n-gram rows of every request finished and not yet hashed."""
+        parts, incs = [], []
+        while self._finished:                   # only this thread pops; the engine only appends
+            inc, prompt, output = self._finished.popleft()
+            parts += [prompt, output]
+            incs.append(inc)
+        if not parts:
+            return []
+        group, h = ngram_hashes(self.keys, parts)
+        if not len(h):
+            return []
+        return [("ngrams", {"incarnation": np.asarray(incs, dtype=np.int64)[group // 2],
+                            "role": _dict(["prompt", "output"], group % 2), "n": np.full(len(h), NGRAM, dtype=np.int16),
+                            "hash": h})]
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:
         self.writer.submit("releases", {       # numpy columns: Arrow is built once per flush on the writer thread
@@ -435,15 +451,26 @@ class PageLedger:
 NGRAM = 12          # tokens per n-gram for "surfaced" (long enough that shared prose is rare)
 
 
-def ngram_hashes(keys: Keys, tokens: list[int], n: int = NGRAM) -> np.ndarray:
-    """Distinct keyed hashes of every n-token window (polynomial hash, then the keyed mix)."""
-    if len(tokens) < n:
-        return np.zeros(0, dtype=np.int64)
-    win = np.lib.stride_tricks.sliding_window_view(np.asarray(tokens, dtype=np.uint64), n)
+def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct keyed hashes of every n-token window of each token list (polynomial hash, then
+    the keyed mix), all lists in one pass: (list index, hash) pairs, ordered by list then hash."""
+    lens = np.array([len(t) for t in token_lists], dtype=np.int64)
+    if not (lens >= n).any():
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    toks = np.concatenate([np.asarray(t, dtype=np.uint64) for t in token_lists])
+    ends = np.cumsum(lens)
+    group = np.repeat(np.arange(len(lens)), lens)[: len(toks) - n + 1]
+    start = np.flatnonzero(np.arange(len(group)) + n <= ends[group])      # windows inside one list
+    win = np.lib.stride_tricks.sliding_window_view(toks, n)[start]
     powers = np.uint64(0x100000001B3) ** np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        h = (win * powers).sum(axis=1, dtype=np.uint64)
-    return np.unique(keys.tag_pseudonyms(h.view(np.int64)))
+        h = keys.tag_pseudonyms((win * powers).sum(axis=1, dtype=np.uint64).view(np.int64))
+    g = group[start]
+    order = np.lexsort((h, g))
+    g, h = g[order], h[order]
+    keep = np.ones(len(h), dtype=bool)
+    keep[1:] = (g[1:] != g[:-1]) | (h[1:] != h[:-1])
+    return g[keep], h[keep]
 
 
 _PERF_EPOCH_NS = time.time_ns() - time.perf_counter_ns()

@@ -131,6 +131,16 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     return pa.table(out)
 
 
+def _parquet_options(schema: pa.Schema) -> dict:
+    """Statistics on scalar columns only (what a reader prunes on: times, clocks, ids; not lists
+    of slots) and dictionary encoding on string columns only (ids and pseudonyms repeat; numbers
+    mostly do not): a segment is written every second, so its CPU counts."""
+    def leaf(t: pa.DataType) -> pa.DataType:
+        return leaf(t.value_type) if pa.types.is_list(t) else t
+    return {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
+            "use_dictionary": [f.name for f in schema if pa.types.is_string(leaf(f.type))]}
+
+
 class Link(NamedTuple):
     seq: int
     table: str
@@ -182,6 +192,7 @@ class SegmentWriter:
         self.flush_interval, self.max_rows = flush_interval, max_rows
         self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
         self.schemas = arrow_schemas()
+        self._parquet = {t: _parquet_options(s) for t, s in self.schemas.items()}
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._buf: dict[str, list[pa.Table]] = {t: [] for t in self.schemas}
         self._rows: dict[str, int] = dict.fromkeys(self.schemas, 0)
@@ -304,7 +315,7 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="lz4"))
+        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="lz4", **self._parquet[table]))
         self._link(seq, table, rel, data.num_rows)
         self.rows_written[table] += data.num_rows
         self.segments_written += 1
