@@ -1,7 +1,9 @@
 """Telemetry cost and ledger ingest, measured side by side in one run.
 
 1. decode tokens/s of the same workload with no recorder, with spans + metrics only, and with
-   spans + metrics + the page ledger (all into a real store), interleaved: the cost ratios.
+   spans + metrics + the page ledger (all into a real store), interleaved: the cost ratios. Each
+   variant's window includes a flush of everything it recorded (written and linked), so no work
+   is left outside the measurement.
 2. ledger ingest, end to end: real StepOutputs captured from a decode-heavy batch are fed through
    the ledger (numpy columns -> bounded queue -> writer thread -> coalesce -> Parquet segment ->
    chain link) as fast as it takes them; rows/s counts per-step read rows plus slot writes.
@@ -26,7 +28,9 @@ from telemetry import Telemetry  # noqa: E402
 
 
 def main() -> None:
-    ap = workload_parser(__doc__, repeats=45)
+    ap = workload_parser(__doc__, repeats=30)
+    ap.add_argument("--gens-per-round", type=int, default=2,
+                    help="generate calls per variant per round (2 x 64 decode steps of 8 sequences: about one flush interval)")
     ap.add_argument("--ingest-steps", type=int, default=300)
     ap.add_argument("--ingest-context", type=int, default=2048)
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
@@ -40,20 +44,21 @@ def main() -> None:
     wall: dict[str, list[float]] = {k: [] for k in engines}
     cpu: dict[str, list[float]] = {k: [] for k in engines}
     names = list(engines)
-    for rep in range(args.repeats):                # interleaved, the order rotated each round (no variant always
-        for k in names[rep % 3:] + names[:rep % 3]:  # first); wall: the generate (the store flushes on its
-            e = engines[k]                         # own thread, as in production); CPU: the whole process over
-            c0, t0 = time.process_time(), time.perf_counter()     # the generate plus a flush, so every row
-            e.generate(prompts, sp)                # the variant caused is built and written inside its own window
-            wall[k].append(time.perf_counter() - t0)
-            if k in tels:
-                tels[k].writer.flush()
+    for rep in range(args.repeats):                # interleaved, the order rotated each round (no variant always first)
+        for k in names[rep % 3:] + names[:rep % 3]:
+            e = engines[k]
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in range(args.gens_per_round):
+                e.generate(prompts, sp)
+            if k in tels:        # the window ends when every row the variant caused is written and linked (the
+                tels[k].writer.flush()    # flush is charged to it): a round is about one flush interval long, so
+            wall[k].append(time.perf_counter() - t0)      # a round holds about the flushes a steady decode would
             cpu[k].append(time.process_time() - c0)
     # throughput over the whole run (total tokens / total time), not a median: the ledger's cost is
     # lumpy (a flush every second lands in some runs and not others), and a median would drop it
     t = {k: statistics.fmean(v) for k, v in wall.items()}
     cpu_s = {k: statistics.fmean(v) for k, v in cpu.items()}
-    new_tokens = args.batch * args.new_tokens
+    new_tokens = args.batch * args.new_tokens * args.gens_per_round
     tps = {k: new_tokens / v for k, v in t.items()}
     closed = {k: tel.close() for k, tel in tels.items()}
 
@@ -87,7 +92,7 @@ def main() -> None:
     total = statistics.median(t for t, _ in runs[1:])
     submitted = statistics.median(s for _, s in runs[1:])
     res = {"config": {"model": "tiny llama hidden 256, 4 layers", "batch": args.batch, "new_tokens": args.new_tokens,
-                      "repeats": args.repeats, "ingest_batch": len(step.batch), "ingest_context": args.ingest_context,
+                      "repeats": args.repeats, "gens_per_round": args.gens_per_round, "ingest_batch": len(step.batch), "ingest_context": args.ingest_context,
                       "ingest_steps": args.ingest_steps, "ingest_repeats": args.ingest_repeats},
            "tokens_per_s": tps,
            "spans_cost": 1 - tps["spans"] / tps["off"],

@@ -131,14 +131,19 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     return pa.table(out)
 
 
+NO_DICTIONARY = {"tag_h", "hash"}      # keyed content hashes: they do not repeat, a dictionary only costs
+
+
 def _parquet_options(schema: pa.Schema) -> dict:
     """Statistics on scalar columns only (what a reader prunes on: times, clocks, ids; not lists
-    of slots) and dictionary encoding on string columns only (ids and pseudonyms repeat; numbers
-    mostly do not): a segment is written every second, so its CPU counts."""
-    def leaf(t: pa.DataType) -> pa.DataType:
-        return leaf(t.value_type) if pa.types.is_list(t) else t
+    of slots), no dictionary for the keyed hashes: a segment is written every second, so its CPU counts."""
     return {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
-            "use_dictionary": [f.name for f in schema if pa.types.is_string(leaf(f.type))]}
+            "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY]}
+
+
+def _leaf_path(f: pa.Field) -> str:
+    """The Parquet column path of a field's values ("found_writers.list.element" for a list)."""
+    return f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name
 
 
 class Link(NamedTuple):
@@ -261,6 +266,7 @@ class SegmentWriter:
             try:
                 if table == "__flush__":
                     self._write_all()
+                    last = time.monotonic()         # everything is written: the next periodic flush is an interval away
                     data.set()
                     continue
                 items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
