@@ -283,6 +283,7 @@ class PageLedger:
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
         self._pending_cells = 0                 # engine thread only
         self._finished: deque = deque()         # (incarnation, prompt ids, output ids) of finished requests, not yet hashed
+        self._releases: deque = deque()         # releases not yet written (one tuple each)
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -345,13 +346,14 @@ class PageLedger:
             self.writer.submit_lazy(self._take)
 
     def _take(self) -> list[tuple[str, Columns]]:
-        """Writer thread: fold every step waiting, per node in step order: its writes become
-        page_writes rows (write runs) and its reads go into the node's read runs."""
+        """Writer thread: fold every step waiting, per node in step order (its writes become
+        page_writes rows, write runs; its reads go into the node's read runs), then the n-grams of
+        the requests finished and the releases made since the last fold."""
         by_node: dict[str, list[StepRecord]] = {}
         while self._pending:                    # only this thread pops; the engine only appends
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
-        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams()
+        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams() + self._release_rows()
 
     def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
         cat = lambda f: _cat(recs, f)  # noqa: E731
@@ -440,12 +442,28 @@ class PageLedger:
                             "hash": h})]
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:
-        self.writer.submit("releases", {       # numpy columns: Arrow is built once per flush on the writer thread
-            "node": _dict([engine.cfg.node_id], np.zeros(1)), "incarnation": np.array([req.incarnation], dtype=np.int64),
-            "pages": Ragged(np.array([0, len(pages)]), np.asarray(pages, dtype=np.int32)),
-            "kind": _dict([kind], np.zeros(1)), "ended_by": _dict([ended_by], np.zeros(1)),
-            "hold_ns": np.array([hold_ns], dtype=np.int64), "lclock": np.array([engine.lclock], dtype=np.int64),
-            "ts": np.array([time.time_ns()], dtype=np.int64)})
+        """Any thread (a deferred release may end on a timer): one tuple; the rows are built on the
+        writer thread, all releases since the last fold as one set of columns."""
+        self._releases.append((engine.cfg.node_id, req.incarnation, list(pages), kind, ended_by, hold_ns, engine.lclock,
+                               time.time_ns()))
+
+    def _release_rows(self) -> list[tuple[str, Columns]]:
+        rel = []
+        while self._releases:                   # only this thread pops
+            rel.append(self._releases.popleft())
+        if not rel:
+            return []
+        node, inc, pages, kind, ended_by, hold, lclock, ts = zip(*rel)
+        sizes = np.array([len(p) for p in pages], dtype=np.int64)
+
+        def coded(values: tuple) -> Coded:
+            names = list(dict.fromkeys(values))
+            return Coded(np.array([names.index(v) for v in values], dtype=np.int32), names)
+        return [("releases", {"node": coded(node), "incarnation": np.array(inc, dtype=np.int64),
+                              "pages": Ragged(np.concatenate([[0], np.cumsum(sizes)]),
+                                              np.fromiter((p for ps in pages for p in ps), dtype=np.int32, count=int(sizes.sum()))),
+                              "kind": coded(kind), "ended_by": coded(ended_by), "hold_ns": np.array(hold, dtype=np.int64),
+                              "lclock": np.array(lclock, dtype=np.int64), "ts": np.array(ts, dtype=np.int64)})]
 
 
 NGRAM = 12          # tokens per n-gram for "surfaced" (long enough that shared prose is rare)
