@@ -11,6 +11,7 @@ Writes bench/results/telemetry.json.
 """
 from __future__ import annotations
 
+import inspect
 import shutil
 import statistics
 import sys
@@ -18,6 +19,7 @@ import time
 from pathlib import Path
 
 import torch
+from rich.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import tiny_llama_workload, workload_parser, write  # noqa: E402
@@ -28,9 +30,10 @@ from telemetry import Telemetry  # noqa: E402
 
 
 def main() -> None:
-    ap = workload_parser(__doc__, repeats=30)
-    ap.add_argument("--gens-per-round", type=int, default=2,
-                    help="generate calls per variant per round (2 x 64 decode steps of 8 sequences: about one flush interval)")
+    ap = workload_parser(__doc__, repeats=20)
+    ap.add_argument("--gens-per-round", type=int, default=4,
+                    help="generate calls per variant per round (4 x 64 decode steps of 8 sequences, about 2 s: "
+                         "two flush intervals of 1 s, one of 2 s)")
     ap.add_argument("--ingest-steps", type=int, default=300)
     ap.add_argument("--ingest-context", type=int, default=2048)
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
@@ -38,29 +41,37 @@ def main() -> None:
     model, prompts, g, tmp = tiny_llama_workload(args.batch)
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     cfg = lambda: EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch)  # noqa: E731
+    default_interval = inspect.signature(Telemetry).parameters["flush_interval"].default
+    intervals = sorted({1.0, 2.0, default_interval})
     tels = {"spans": Telemetry(tmp / "spans", record_ledger=False, model_name="tiny"),
-            "spans_ledger": Telemetry(tmp / "ledger", model_name="tiny")}
+            **{_ledger(fi): Telemetry(tmp / _ledger(fi), model_name="tiny", flush_interval=fi) for fi in intervals}}
     engines = {"off": LLMEngine(model, None, cfg()), **{k: LLMEngine(model, None, cfg(), recorder=t) for k, t in tels.items()}}
     wall: dict[str, list[float]] = {k: [] for k in engines}
     cpu: dict[str, list[float]] = {k: [] for k in engines}
     names = list(engines)
-    for rep in range(args.repeats):                # interleaved, the order rotated each round (no variant always first)
-        for k in names[rep % 3:] + names[:rep % 3]:
+    for rep in track(range(args.repeats), description="rounds"):   # interleaved, the order rotated each round
+        for k in names[rep % len(names):] + names[:rep % len(names)]:     # (no variant always first)
             e = engines[k]
             c0, t0 = time.process_time(), time.perf_counter()
             for _ in range(args.gens_per_round):
                 e.generate(prompts, sp)
             if k in tels:        # the window ends when every row the variant caused is written and linked (the
-                tels[k].writer.flush()    # flush is charged to it): a round is about one flush interval long, so
-            wall[k].append(time.perf_counter() - t0)      # a round holds about the flushes a steady decode would
+                tels[k].writer.flush()    # flush is charged to it); a round holds the flushes a steady decode would
+            wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
     # throughput over the whole run (total tokens / total time), not a median: the ledger's cost is
-    # lumpy (a flush every second lands in some runs and not others), and a median would drop it
+    # lumpy (a flush lands in some stretches and not others), and a median would drop it
     t = {k: statistics.fmean(v) for k, v in wall.items()}
     cpu_s = {k: statistics.fmean(v) for k, v in cpu.items()}
     new_tokens = args.batch * args.new_tokens * args.gens_per_round
     tps = {k: new_tokens / v for k, v in t.items()}
     closed = {k: tel.close() for k, tel in tels.items()}
+    ledger = {fi: {"flush_interval_s": fi, "tokens_per_s": tps[_ledger(fi)], "cost": 1 - tps[_ledger(fi)] / tps["off"],
+                   "cost_ci95": _bootstrap_cost(wall["off"], wall[_ledger(fi)]),
+                   "cost_per_round": [1 - o / s for o, s in zip(wall["off"], wall[_ledger(fi)])],
+                   "cpu_cost": cpu_s[_ledger(fi)] / cpu_s["off"] - 1, "segments": closed[_ledger(fi)]["segments"]}
+              for fi in intervals}
+    tps["spans_ledger"], cpu_s["spans_ledger"] = tps[_ledger(default_interval)], cpu_s[_ledger(default_interval)]
 
     # ---- ingest: capture real decode steps of a long-context batch, then replay them into a ledger
     captured = []
@@ -96,11 +107,13 @@ def main() -> None:
                       "ingest_steps": args.ingest_steps, "ingest_repeats": args.ingest_repeats},
            "tokens_per_s": tps,
            "spans_cost": 1 - tps["spans"] / tps["off"],
-           "spans_ledger_cost": 1 - tps["spans_ledger"] / tps["off"],
-           "spans_ledger_cost_per_round": [1 - o / s for o, s in zip(wall["off"], wall["spans_ledger"])],
-           "spans_ledger_cost_ci95": _bootstrap_cost(wall["off"], wall["spans_ledger"]),
+           "flush_interval_s": default_interval,
+           "spans_ledger_cost": ledger[default_interval]["cost"],
+           "spans_ledger_cost_per_round": ledger[default_interval]["cost_per_round"],
+           "spans_ledger_cost_ci95": ledger[default_interval]["cost_ci95"],
+           "ledger_by_flush_interval": list(ledger.values()),
            "cpu_seconds": cpu_s, "spans_cpu_cost": cpu_s["spans"] / cpu_s["off"] - 1,
-           "spans_ledger_cpu_cost": cpu_s["spans_ledger"] / cpu_s["off"] - 1,
+           "spans_ledger_cpu_cost": ledger[default_interval]["cpu_cost"],
            "store_rows": {k: c["rows"] for k, c in closed.items()},
            "ingest": {"rows_in": rows_in, "reads_per_step": reads_per_step, "writes_per_step": writes_per_step,
                       "seconds_engine_side": submitted, "seconds_end_to_end": total,
@@ -108,17 +121,22 @@ def main() -> None:
                       "cold_rows_per_s_end_to_end": rows_in / runs[0][0],
                       "rows_stored": stored["page_reads"] + stored["page_writes"], "bytes_on_disk": size}}
     out = write("telemetry", res)
-    print(f"decode tokens/s: off {tps['off']:.0f}, spans {tps['spans']:.0f} (cost {100 * res['spans_cost']:+.1f} %), "
-          f"spans + ledger {tps['spans_ledger']:.0f} (cost {100 * res['spans_ledger_cost']:+.1f} %, 95 % interval "
-          f"{100 * res['spans_ledger_cost_ci95'][0]:+.1f} to {100 * res['spans_ledger_cost_ci95'][1]:+.1f} %); CPU seconds: off "
-          f"{cpu_s['off']:.2f}, spans {cpu_s['spans']:.2f} ({100 * res['spans_cpu_cost']:+.1f} %), spans + ledger "
-          f"{cpu_s['spans_ledger']:.2f} ({100 * res['spans_ledger_cpu_cost']:+.1f} %)")
+    print(f"decode tokens/s: off {tps['off']:.0f}, spans {tps['spans']:.0f} (cost {100 * res['spans_cost']:+.1f} %, "
+          f"CPU {100 * res['spans_cpu_cost']:+.1f} %)")
+    for fi, r in ledger.items():
+        print(f"  spans + ledger, flush every {fi:g} s{' (default)' if fi == default_interval else ''}: "
+              f"{r['tokens_per_s']:.0f} (cost {100 * r['cost']:+.1f} %, 95 % interval {100 * r['cost_ci95'][0]:+.1f} to "
+              f"{100 * r['cost_ci95'][1]:+.1f} %; CPU {100 * r['cpu_cost']:+.1f} %)")
     ing = res["ingest"]
     print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
           f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
           f"{ing['rows_stored']} rows stored after coalescing, {size / 2**20:.1f} MiB")
     print(f"wrote {out}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _ledger(flush_interval: float) -> str:
+    return f"spans_ledger_{flush_interval:g}s"
 
 
 def _bootstrap_cost(off: list[float], on: list[float], n: int = 2000) -> list[float]:
