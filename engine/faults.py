@@ -50,7 +50,7 @@ class _Replay:
     """Model, oracle, optional telemetry and tenant text shared by the fault scenarios."""
 
     def __init__(self, name: str, policy: str, guards: Guards | None, seed: int, store: str | None,
-                 flush_interval: float, canary_key: bytes | None):
+                 flush_interval: float | None, canary_key: bytes | None):
         self.name, self.policy = name, policy
         self.guards = guards or Guards.policy(policy)
         self.model, self.tok = load_model("recall")
@@ -244,7 +244,7 @@ RUNNERS = {"offload_race": offload_race, "late_write": late_write, "double_free"
 
 
 def run_fault(name: str, policy: str = "vulnerable", seed: int = 0, trigger: bool = True, guards: Guards | None = None,
-              store: str | None = None, flush_interval: float = 1.0, progress=None,
+              store: str | None = None, flush_interval: float | None = None, progress=None,
               canary_key: bytes | None = None) -> ReplayResult:
     """Replay fault ``name`` under ``policy`` (or explicit ``guards``); see FAULTS."""
     if name not in RUNNERS:

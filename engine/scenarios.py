@@ -80,7 +80,7 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
 
 def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
           victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
-          guards: Guards | None = None, store: str | None = None, flush_interval: float = 1.0,
+          guards: Guards | None = None, store: str | None = None, flush_interval: float | None = None,
           coalesce: bool = True, processes: bool = False) -> ReplayResult:
     """Run the scaled incident. With ``store``, every node records spans, metrics and the page
     ledger there (protection and recording are separate: both policies record). ``processes``:

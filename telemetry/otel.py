@@ -39,7 +39,7 @@ from opentelemetry.trace import Status, StatusCode
 from engine.recorder import Recorder, TransferRecord
 from telemetry.keys import Keys
 from telemetry.ledger import PageLedger, _perf_to_unix_ns
-from telemetry.store import SegmentWriter
+from telemetry.store import FLUSH_INTERVAL, SegmentWriter
 
 SEMCONV_VERSION = "0.66b2"          # opentelemetry-semantic-conventions the attribute names come from
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.40.0"
@@ -223,14 +223,14 @@ class Telemetry(Recorder):
 
     def __init__(self, store: str | Path, *, policy: str = "", guards: dict[str, bool] | None = None,
                  isolation_level: str = "tenant", model_name: str = "", service: str = "kvledger",
-                 flush_interval: float = 1.0, span_queue_size: int = 8192, metric_interval: float = 5.0,
+                 flush_interval: float | None = None, span_queue_size: int = 8192, metric_interval: float = 5.0,
                  record_ledger: bool = True, coalesce: bool = True):
         from importlib.metadata import PackageNotFoundError, version
         try:
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
-        self.writer = SegmentWriter(store, flush_interval=flush_interval)
+        self.writer = SegmentWriter(store, flush_interval=FLUSH_INTERVAL if flush_interval is None else flush_interval)
         self.keys: Keys = self.writer.keys
         self.policy, self.guards, self.isolation_level = policy, guards, isolation_level
         self.model_name, self.service = model_name, service

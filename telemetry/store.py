@@ -15,8 +15,9 @@ link = HMAC(chain key, prev link | seq | table | file | rows | sha256(file)): a 
 removed, reordered or inserted breaks the chain at that point (`verify` names it).
 
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
-seconds (default 1 s), when ``max_rows`` are buffered, and on close. After ``kill -9`` at most
-the last ``flush_interval`` seconds of rows (plus one segment being written) are lost; a segment
+seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` are buffered, and on close. After
+``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
+are lost; a segment
 written but not yet linked is reported by ``verify`` as an unlinked tail, ignored by readers, and
 linked by the next writer that opens the store (``adopted``).
 """
@@ -42,6 +43,11 @@ from telemetry.keys import Keys, load_secret
 from telemetry.schema import arrow_schemas, conform, empty
 
 GENESIS = "0" * 64
+# Seconds between flushes: the durability window after kill -9 and how far behind a live reader
+# is. Each flush writes a segment and a chain link per table, a cost that does not shrink with
+# fewer rows: at 1 s the ledger cost about 1.5 points more decode throughput than at 2 s on the
+# bench's 2-core machine (bench/telemetry.py measures both).
+FLUSH_INTERVAL = 2.0
 
 
 class StoreError(KvledgerError):
@@ -177,7 +183,7 @@ class SegmentWriter:
     rows to write with it (the page ledger closes its open read runs there).
     """
 
-    def __init__(self, root: str | Path, flush_interval: float = 1.0, max_rows: int = 1_000_000,
+    def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
                  queue_size: int = 256):
         self.root = Path(root)
         if self.root.exists() and not self.root.is_dir():

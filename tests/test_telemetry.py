@@ -5,7 +5,9 @@ from __future__ import annotations
 import http.server
 import threading
 import time
+from pathlib import Path
 
+import numpy as np
 import polars as pl
 import pytest
 from opentelemetry.sdk.metrics.export import MetricExportResult
@@ -17,6 +19,8 @@ from engine.models import load_model
 from engine.request import SamplingParams
 from forensics.api import Forensics
 from telemetry import Telemetry, open_store
+from telemetry.keys import Keys, load_secret
+from telemetry.ledger import NGRAM
 from telemetry.otel import TTFT_BUCKETS, StoreMetricExporter, StoreSpanExporter
 
 pytestmark = pytest.mark.xdist_group("glm53")
@@ -67,6 +71,44 @@ def test_ledger_rows_carry_writer_reader_and_found_scopes(glm53_vulnerable):
     cross = con.sql("""SELECT check_passed, count(*) FILTER (WHERE list_bool_or(list_transform(found_scopes_h,
                            lambda x: x IS NOT NULL AND x <> scope_h))) FROM page_reads GROUP BY ALL""").fetchall()
     assert dict(cross)[True] == 0 and dict(cross)[False] > 0     # scopes never share; the incident crosses them
+
+
+def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
+    """Finished requests' n-grams are hashed together on the writer thread: per request and role
+    they must be exactly the keyed hashes of that request's own 12-token windows (a reference
+    computed here, one window at a time: no window may span two requests). Every request that
+    decoded released its pages, and a release row names them."""
+    res, store = glm53_vulnerable
+    con = open_store(store)
+    keys = Keys(load_secret(Path(store)))
+
+    def reference(tokens: list[int]) -> set[int]:
+        h = [sum(t * pow(0x100000001B3, i, 1 << 64) for i, t in enumerate(tokens[k:k + NGRAM])) % (1 << 64)
+             for k in range(len(tokens) - NGRAM + 1)]
+        return set(keys.tag_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist())
+    stored = {(i, role): set(h) for i, role, h in con.sql("SELECT incarnation, role, list(hash) FROM ngrams GROUP BY ALL").fetchall()}
+    for req in res.requests:
+        for role, toks in (("prompt", req.prompt_ids), ("output", req.output_ids)):
+            assert stored.get((req.incarnation, role), set()) == reference(list(toks)), (req.incarnation, role)
+    assert sum(len(v) for v in stored.values()) > 1000
+    rel = con.sql("SELECT incarnation, kind, ended_by, len(pages) FROM releases").fetchall()
+    assert {k for _, k, _, _ in rel} <= {"immediate", "deferred"} and all(n > 0 for *_, n in rel)
+    assert {i for i, *_ in rel} >= {r.incarnation for r in res.requests if r.output_ids}
+
+
+def test_segments_dictionary_encode_all_but_the_keyed_hashes(glm53_vulnerable):
+    """Parquet options name leaf columns by path ("found_writers.list.element"): a list column
+    left out of the dictionary would be stored as plain 8-byte values (a real size regression)."""
+    import pyarrow.parquet as pq
+    _, store = glm53_vulnerable
+    for table, dictionary, plain in (("page_reads", ["found_writers.list.element", "found_scopes_h.list.element", "reader"], []),
+                                     ("page_writes", ["writer", "trace_id"], ["tag_h.list.element"])):
+        seg = sorted((Path(store) / "segments" / table).glob("*.parquet"))[0]
+        rg = pq.ParquetFile(seg).metadata.row_group(0)
+        cols = {rg.column(i).path_in_schema: rg.column(i) for i in range(rg.num_columns)}
+        assert all("RLE_DICTIONARY" in cols[c].encodings for c in dictionary), table
+        assert all("RLE_DICTIONARY" not in cols[c].encodings for c in plain), table
+        assert cols["page"].is_stats_set and not any(c.is_stats_set for p, c in cols.items() if ".list." in p)
 
 
 def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):
