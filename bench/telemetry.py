@@ -11,10 +11,11 @@ Writes bench/results/telemetry.json.
 """
 from __future__ import annotations
 
-import inspect
+import os
 import shutil
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +28,7 @@ from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 from telemetry import Telemetry  # noqa: E402
+from telemetry.store import FLUSH_INTERVAL  # noqa: E402
 
 
 def main() -> None:
@@ -41,24 +43,30 @@ def main() -> None:
     model, prompts, g, tmp = tiny_llama_workload(args.batch)
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     cfg = lambda: EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch)  # noqa: E731
-    default_interval = inspect.signature(Telemetry).parameters["flush_interval"].default
+    default_interval = FLUSH_INTERVAL
     intervals = sorted({1.0, 2.0, default_interval})
     tels = {"spans": Telemetry(tmp / "spans", record_ledger=False, model_name="tiny"),
             **{_ledger(fi): Telemetry(tmp / _ledger(fi), model_name="tiny", flush_interval=fi) for fi in intervals}}
     engines = {"off": LLMEngine(model, None, cfg()), **{k: LLMEngine(model, None, cfg(), recorder=t) for k, t in tels.items()}}
     wall: dict[str, list[float]] = {k: [] for k in engines}
     cpu: dict[str, list[float]] = {k: [] for k in engines}
+    bg: dict[str, list[float]] = {k: [] for k in engines}     # CPU of the telemetry threads (store writer, OTel SDK)
     names = list(engines)
+    for k, e in engines.items():                   # warm-up, untimed: first allocations, first segments
+        e.generate(prompts, sp)
+        if k in tels:
+            tels[k].writer.flush()
     for rep in track(range(args.repeats), description="rounds"):   # interleaved, the order rotated each round
         for k in names[rep % len(names):] + names[:rep % len(names)]:     # (no variant always first)
             e = engines[k]
-            c0, t0 = time.process_time(), time.perf_counter()
+            b0, c0, t0 = _background_cpu(), time.process_time(), time.perf_counter()
             for _ in range(args.gens_per_round):
                 e.generate(prompts, sp)
             if k in tels:        # the window ends when every row the variant caused is written and linked (the
                 tels[k].writer.flush()    # flush is charged to it); a round holds the flushes a steady decode would
             wall[k].append(time.perf_counter() - t0)
             cpu[k].append(time.process_time() - c0)
+            bg[k].append(_background_cpu() - b0)
     # throughput over the whole run (total tokens / total time), not a median: the ledger's cost is
     # lumpy (a flush lands in some stretches and not others), and a median would drop it
     t = {k: statistics.fmean(v) for k, v in wall.items()}
@@ -69,7 +77,8 @@ def main() -> None:
     ledger = {fi: {"flush_interval_s": fi, "tokens_per_s": tps[_ledger(fi)], "cost": 1 - tps[_ledger(fi)] / tps["off"],
                    "cost_ci95": _bootstrap_cost(wall["off"], wall[_ledger(fi)]),
                    "cost_per_round": [1 - o / s for o, s in zip(wall["off"], wall[_ledger(fi)])],
-                   "cpu_cost": cpu_s[_ledger(fi)] / cpu_s["off"] - 1, "segments": closed[_ledger(fi)]["segments"]}
+                   "cpu_cost": cpu_s[_ledger(fi)] / cpu_s["off"] - 1, "segments": closed[_ledger(fi)]["segments"],
+                   "background_cpu_ms_per_decode_s": 1e3 * sum(bg[_ledger(fi)]) / sum(wall[_ledger(fi)])}
               for fi in intervals}
     tps["spans_ledger"], cpu_s["spans_ledger"] = tps[_ledger(default_interval)], cpu_s[_ledger(default_interval)]
 
@@ -113,6 +122,7 @@ def main() -> None:
            "spans_ledger_cost_ci95": ledger[default_interval]["cost_ci95"],
            "ledger_by_flush_interval": list(ledger.values()),
            "cpu_seconds": cpu_s, "spans_cpu_cost": cpu_s["spans"] / cpu_s["off"] - 1,
+           "spans_background_cpu_ms_per_decode_s": 1e3 * sum(bg["spans"]) / sum(wall["spans"]),
            "spans_ledger_cpu_cost": ledger[default_interval]["cpu_cost"],
            "store_rows": {k: c["rows"] for k, c in closed.items()},
            "ingest": {"rows_in": rows_in, "reads_per_step": reads_per_step, "writes_per_step": writes_per_step,
@@ -126,13 +136,29 @@ def main() -> None:
     for fi, r in ledger.items():
         print(f"  spans + ledger, flush every {fi:g} s{' (default)' if fi == default_interval else ''}: "
               f"{r['tokens_per_s']:.0f} (cost {100 * r['cost']:+.1f} %, 95 % interval {100 * r['cost_ci95'][0]:+.1f} to "
-              f"{100 * r['cost_ci95'][1]:+.1f} %; CPU {100 * r['cpu_cost']:+.1f} %)")
+              f"{100 * r['cost_ci95'][1]:+.1f} %; CPU {100 * r['cpu_cost']:+.1f} %); telemetry threads "
+              f"{r['background_cpu_ms_per_decode_s']:.1f} ms CPU per second of decoding")
     ing = res["ingest"]
     print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
           f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
           f"{ing['rows_stored']} rows stored after coalescing, {size / 2**20:.1f} MiB")
     print(f"wrote {out}")
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _background_cpu() -> float:
+    """CPU seconds so far of this process's telemetry threads (the store writer and the OTel SDK's
+    export threads), from /proc: the ledger's own work, free of the machine's wall-clock noise."""
+    total = 0
+    for t in threading.enumerate():
+        if t.name.startswith(("kvledger-store-writer", "Otel")) and t.native_id is not None:
+            try:
+                stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
+            except OSError:
+                continue
+            f = stat[stat.rindex(")") + 2:].split()
+            total += int(f[11]) + int(f[12])          # utime + stime, clock ticks
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def _ledger(flush_interval: float) -> str:
