@@ -17,9 +17,8 @@ removed, reordered or inserted breaks the chain at that point (`verify` names it
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
 seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` are buffered, and on close. After
 ``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
-are lost; a segment
-written but not yet linked is reported by ``verify`` as an unlinked tail, ignored by readers, and
-linked by the next writer that opens the store (``adopted``).
+are lost; a segment written but not yet linked is reported by ``verify`` as an unlinked tail,
+ignored by readers, and linked by the next writer that opens the store (``adopted``).
 """
 from __future__ import annotations
 
@@ -45,8 +44,8 @@ from telemetry.schema import arrow_schemas, conform, empty
 GENESIS = "0" * 64
 # Seconds between flushes: the durability window after kill -9 and how far behind a live reader
 # is. Each flush writes a segment and a chain link per table, a cost that does not shrink with
-# fewer rows: at 1 s the ledger cost about 1.5 points more decode throughput than at 2 s on the
-# bench's 2-core machine (bench/telemetry.py measures both).
+# fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py measures 1 s and
+# 2 s side by side; at 1 s the ledger's threads used about a quarter more CPU).
 FLUSH_INTERVAL = 2.0
 
 
@@ -142,7 +141,7 @@ NO_DICTIONARY = {"tag_h", "hash"}      # keyed content hashes: they do not repea
 
 def _parquet_options(schema: pa.Schema) -> dict:
     """Statistics on scalar columns only (what a reader prunes on: times, clocks, ids; not lists
-    of slots), no dictionary for the keyed hashes: a segment is written every second, so its CPU counts."""
+    of slots), no dictionary for the keyed hashes: every flush writes a segment per table, so its CPU counts."""
     return {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
             "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY]}
 
