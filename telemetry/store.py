@@ -7,7 +7,8 @@ rename), then appends a chain link for it (temp file, rename). Readers open an i
 over exactly the chained segments, so a reader never sees a half-written file.
 
     ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
-    ROOT/chain/<seq>.json                   {seq, table, file, rows, sha256, prev, link}
+    ROOT/chain/<seq>.json                   {seq, table, file, rows, sha256, prev, link}, or a list
+                                            of them: the links of one flush, named by the first seq
     ROOT/secret.key                         store secret (or $KVLEDGER_STORE_SECRET)
     ROOT/writer.lock                        one writer at a time (flock)
 
@@ -165,10 +166,12 @@ class Link(NamedTuple):
 
 
 def read_chain(root: Path) -> list[Link]:
+    """Every link in seq order; a chain file holds one link, or the links of one flush (a list)."""
     out = []
     for p in sorted((root / "chain").glob("[0-9]*.json")):
         try:
-            out.append(Link(**json.loads(p.read_text())))
+            body = json.loads(p.read_text())
+            out += [Link(**e) for e in (body if isinstance(body, list) else [body])]
         except (ValueError, TypeError) as e:
             raise StoreError(f"chain entry {p.name} is unreadable: {e}") from None
     return out
@@ -301,22 +304,32 @@ class SegmentWriter:
         return adopted
 
     def _link(self, seq: int, table: str, rel: str, rows: int) -> None:
-        link = Link(seq, table, rel, rows, _sha256(self.root / rel), self._prev, "")
-        link = link._replace(link=self.keys.link(self._prev, link.payload()))
-        _atomic_write(self.root / "chain" / f"{seq:09d}.json",
-                      lambda tmp: tmp.write_text(json.dumps(link._asdict())))
-        self._seq, self._prev = seq + 1, link.link
+        self._link_many([(seq, table, rel, rows)])
+
+    def _link_many(self, segments: list[tuple[int, str, str, int]]) -> None:
+        """Chain the segments (seq order), one link each, written as one chain file named by the
+        first seq (temp file, fsync, rename): a flush's segments cost one chain write, not one each."""
+        links = []
+        for seq, table, rel, rows in segments:
+            link = Link(seq, table, rel, rows, _sha256(self.root / rel), self._prev, "")
+            link = link._replace(link=self.keys.link(self._prev, link.payload()))
+            links.append(link._asdict())
+            self._seq, self._prev = seq + 1, link.link
+        body = json.dumps(links[0] if len(links) == 1 else links)
+        _atomic_write(self.root / "chain" / f"{segments[0][0]:09d}.json", lambda tmp: tmp.write_text(body))
 
     def _write_all(self) -> None:
         for drain in self._drains:
             for t, d in drain():
                 self._buf[t].append(d)
                 self._rows[t] += _num_rows(d)
-        for t in self.schemas:
-            if self._rows[t]:
-                self._write(t)
+        written = [self._write(t, link=False) for t in self.schemas if self._rows[t]]
+        if written:
+            self._link_many(written)
 
-    def _write(self, table: str) -> None:
+    def _write(self, table: str, link: bool = True) -> tuple[int, str, str, int]:
+        """Write the table's buffered rows as one segment (temp file, fsync, rename) and, unless
+        the caller links a batch of segments itself, link it."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
@@ -327,10 +340,13 @@ class SegmentWriter:
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
         _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="lz4", **self._parquet[table]))
-        self._link(seq, table, rel, data.num_rows)
+        self._seq = seq + 1                     # taken only once the segment is in place: no gap on a failed write
+        if link:
+            self._link(seq, table, rel, data.num_rows)
         self.rows_written[table] += data.num_rows
         self.segments_written += 1
         self._buf[table], self._rows[table] = [], 0
+        return seq, table, rel, data.num_rows
 
 
 # ---- readers ---------------------------------------------------------------------------------

@@ -70,6 +70,30 @@ def test_tampering_is_named_at_the_first_broken_link(store, tamper, expect, caps
     assert re.search(expect, capsys.readouterr().err)
 
 
+def test_a_flush_links_its_segments_in_one_chain_file(tmp_path):
+    """The segments of one flush are linked by one chain file (a list of links): it verifies and
+    reads back like single links, and an edit to any link inside it is named."""
+    root = tmp_path / "s"
+    w = SegmentWriter(root)
+    w.submit("releases", _releases(3))
+    w.submit("ngrams", {"incarnation": np.arange(4, dtype=np.int64), "role": ["prompt"] * 4,
+                        "n": np.full(4, 12, dtype=np.int16), "hash": np.arange(4, dtype=np.int64)})
+    w.flush()
+    w.submit("releases", _releases(2))
+    w.close()
+    files = sorted((root / "chain").glob("*.json"))
+    assert len(files) == 2 and len(json.loads(files[0].read_text())) == 2
+    v = verify(root)
+    assert v.ok and v.segments == 3 and v.rows == 9
+    con = open_store(root)
+    assert con.sql("SELECT count(*) FROM releases").fetchall() == [(5,)] and con.sql("SELECT count(*) FROM ngrams").fetchall() == [(4,)]
+    body = json.loads(files[0].read_text())
+    body[1]["rows"] += 1
+    files[0].write_text(json.dumps(body))
+    v = verify(root)
+    assert not v.ok and "segment 1 " in v.broken and "edited" in v.broken, v.broken
+
+
 def test_a_second_writer_is_refused_with_a_clear_error(tmp_path):
     w = SegmentWriter(tmp_path / "s")
     try:
