@@ -58,6 +58,14 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
+def forget_oldest_half(d: dict, cap: int) -> None:
+    """Keep a per-incarnation map bounded in a long-running server: once it holds ``cap`` entries,
+    the oldest half (insertion order) is forgotten."""
+    if len(d) >= cap:
+        for k in list(itertools.islice(d, cap // 2)):
+            del d[k]
+
+
 class Scopes:
     """incarnation -> its cache scope's pseudonym, registered when a request arrives (engine thread)
     and looked up per column on the writer thread: page_writes gets the writer's scope, page_reads
@@ -69,9 +77,7 @@ class Scopes:
         self.cap, self.code, self.values, self._index = cap, {}, [None], {}   # code 0: unknown / no writer
 
     def add(self, incarnation: int, scope_h: str) -> None:
-        if len(self.code) >= self.cap:
-            for k in list(itertools.islice(self.code, self.cap // 2)):
-                del self.code[k]
+        forget_oldest_half(self.code, self.cap)
         c = self._index.get(scope_h)
         if c is None:
             c = self._index[scope_h] = len(self.values)

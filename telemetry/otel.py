@@ -38,7 +38,7 @@ from opentelemetry.trace import Status, StatusCode
 
 from engine.recorder import Recorder, TransferRecord
 from telemetry.keys import Keys
-from telemetry.ledger import PageLedger, _perf_to_unix_ns
+from telemetry.ledger import PageLedger, _perf_to_unix_ns, forget_oldest_half
 from telemetry.store import FLUSH_INTERVAL, SegmentWriter
 
 SEMCONV_VERSION = "0.66b2"          # opentelemetry-semantic-conventions the attribute names come from
@@ -70,7 +70,7 @@ class StoreSpanExporter(SpanExporter):
         self.writer, self.exported = writer, 0
 
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
-        if self.writer.closed:      # e.g. an SDK thread restarted in a forked child after close: not exported
+        if not self.writer.accepting:   # closed (an SDK thread restarted in a forked child) or failed: not exported
             return SpanExportResult.FAILURE
         cols: dict[str, list] = {k: [] for k in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState",
                                                  "SpanName", "SpanKind", "ServiceName", "ResourceAttributes",
@@ -120,7 +120,7 @@ class StoreMetricExporter(MetricExporter):
         self.writer, self.node = writer, node
 
     def export(self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs) -> MetricExportResult:
-        if self.writer.closed:
+        if not self.writer.accepting:
             return MetricExportResult.FAILURE
         rows: dict[str, list] = {k: [] for k in ("ts", "node", "name", "kind", "attributes", "value", "count", "sum",
                                                  "bucket_counts", "boundaries")}
@@ -238,7 +238,8 @@ class Telemetry(Recorder):
         self.ledger = PageLedger(self.writer, self.keys, self.span_ids, coalesce) if record_ledger else None
         self.nodes: dict[str, _Node] = {}
         self._roots: dict[int, trace.Span] = {}
-        self._ids: dict[int, tuple[str, str]] = {}
+        self._ids: dict[int, tuple[str, str]] = {}    # incarnation -> (trace id, span id), kept after the request
+        self.ids_cap = 1 << 20                          # ends (late ledger rows still name its trace), bounded
         self._rejections: dict[int, tuple[str, BaseException]] = {}
         self._transfers: dict[int, TransferRecord] = {}
 
@@ -296,6 +297,7 @@ class Telemetry(Recorder):
                         "kvledger.prompt_tokens.received": len(req.prompt_ids)})
         ctx = root.get_span_context()
         self._roots[req.incarnation] = root
+        forget_oldest_half(self._ids, self.ids_cap)     # past 1 Mi requests, the oldest lose their ids on late rows
         self._ids[req.incarnation] = (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
         req.on_finish.append(lambda r: self.request_finished(engine, r))
 

@@ -223,6 +223,12 @@ class SegmentWriter:
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def accepting(self) -> bool:
+        """Open and not failed: a background exporter checks this and reports a failure to its SDK
+        instead of raising into the SDK's thread (the engine still gets the StoreError itself)."""
+        return not self._closed and self.error is None
+
     # ---- producer side -------------------------------------------------------------------------
     def submit(self, table: str, data: "pa.Table | Columns") -> None:
         if table not in self.schemas:

@@ -216,6 +216,37 @@ def test_exporters_after_close_report_failure_instead_of_raising(tmp_path):
     assert sorted((tmp_path / "s" / "chain").iterdir()) == segments
 
 
+def test_exporters_report_failure_once_the_store_writer_failed(tmp_path):
+    """A failed store writer (here: rows that do not fit the schema) is a StoreError for the engine,
+    and a reported failure - not an exception with a traceback - for the SDK's exporters."""
+    from telemetry.store import StoreError
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    tel.writer.submit("ngrams", {"incarnation": np.zeros(1, dtype=np.int64)})     # no role, n, hash
+    with pytest.raises(StoreError, match="missing columns"):
+        tel.writer.flush()
+    assert not tel.writer.accepting
+    assert StoreSpanExporter(tel.writer).export([]) == SpanExportResult.FAILURE
+    assert StoreMetricExporter(tel.writer, "n").export(None) == MetricExportResult.FAILURE
+
+
+def test_per_request_maps_stay_bounded_in_a_long_run(tmp_path):
+    """The incarnation -> trace ids and incarnation -> scope maps outlive their requests (late
+    ledger rows still name them) but are bounded: past the cap the oldest half is forgotten, and
+    the newest requests' rows still carry their trace and scope."""
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    tel.ids_cap = tel.ledger.scopes.cap = 4
+    eng = _engine(tel)
+    for i in range(7):
+        eng.generate([f"request number {i} " * 3], SamplingParams(max_tokens=2))
+    assert 0 < len(tel._ids) <= 4 and 0 < len(tel.ledger.scopes.code) <= 4
+    last = next(reversed(tel._ids))
+    tel.close()
+    con = open_store(tmp_path / "s")
+    rows = con.sql(f"SELECT count(*), bool_and(trace_id = '{tel._ids[last][0]}'), bool_and(scope_h IS NOT NULL) "
+                   f"FROM page_reads WHERE reader = {last}").fetchall()[0]
+    assert rows[0] > 0 and rows[1] and rows[2]
+
+
 def test_read_runs_and_write_runs_are_lossless(tmp_path):
     """The same traffic recorded with read-run coalescing on and off describes the same reads (every
     read step inside exactly one run, with the same findings), and write runs expand to one slot
