@@ -122,28 +122,39 @@ class StepRecord(NamedTuple):
 
 class ReadRuns:
     """The open read runs of one node, kept on the writer thread as dense state per (reader, block
-    column). A read that found the same thing as the run open there (page, generation, found
-    generation, failing slots, the writer of every slot) extends it (n_reads, step/clock/time
-    range, attention mass); any other read closes that run (it becomes a row) and opens a new one.
-    Steps come in batches (``add``), folded with a fixed number of array operations per batch,
-    not per step. ``drain`` closes every open run (the store calls it at each flush, so a long
-    decode shows up live). Lossless: every read step is inside exactly one row. With
-    coalesce=False every read is its own row.
+    column). Each read is linked to the one before it in the same (reader, column) when it found
+    the same page, generation, found generation and failing slots, and either
 
-    State: one int64 array [readers, columns, fields]; the key fields (what a read found) come first
-    so a run is compared with a read in one operation."""
+    - the same slots with the same writer in each (a page read again as it was), or
+    - one slot more, the others as before (the page the reader is filling with its own decode: its
+      context grew by one token since the last read).
+
+    A run is a chain of reads linked the same way (all "same" or all "one more"), so every read
+    of it is exact: the k-th read of a run read ``slots_first + k`` slots if the run grows
+    (``slots_read > slots_first``), else ``slots_read``, and found the run's writer in each (the
+    last read's, which read them all). A read that does not link (or links the other way) closes
+    the run and opens a new one. Steps come in batches (``add``), folded with a fixed number of
+    array operations per batch, not per step; each read's link depends only on the read before it
+    and that one's link, so any batching folds to the same rows. ``drain`` closes every open run
+    (the store calls it at each flush, so a long decode shows up live). Lossless: every read step
+    is inside exactly one row (n_reads, step range). With coalesce=False every read is its own row.
+
+    State: one int64 array [readers, columns, fields], a run as its last read (the key fields
+    first, so a read is compared with a run in one operation) plus the run's ranges and counts."""
 
     def __init__(self, node: str, page_size: int, coalesce: bool = True, scopes: "Scopes | None" = None):
         self.node, self.S, self.coalesce = node, page_size, coalesce
         self.scopes = scopes if scopes is not None else Scopes()
         self.K = 4 + page_size                      # page, generation, found_generation, bad_mask, writers[S]
         K = self.K
-        self.SR, self.SF, self.SL, self.LF, self.LL, self.N, self.TF, self.TL = range(K, K + 8)
+        # slots read (the last read's: the most), step / clock / time ranges, reads, slots the first
+        # read read, and how the last read linked to the one before it (0: it did not, 1: same, 2: one more)
+        (self.SR, self.SF, self.SL, self.LF, self.LL, self.N, self.TF, self.TL, self.SB, self.LK) = range(K, K + 10)
         self.slot_of: dict[int, int] = {}
         self.incs: list[int] = []
         self.ids: list[tuple] = []
         self._closed: list[tuple] = []
-        self.I = np.zeros((0, 0, K + 8), dtype=np.int64)
+        self.I = np.zeros((0, 0, K + 10), dtype=np.int64)
         self.mass = np.zeros((0, 0))
         self.open = np.zeros((0, 0), dtype=bool)
         self._grow(16, 16)
@@ -168,9 +179,9 @@ class ReadRuns:
     def add(self, steps: list[StepRecord]) -> None:
         """Fold a batch of steps' reads into the runs, in step order, with one set of array
         operations for the whole batch: the reads are flattened, a stable sort by (reader, column)
-        lines each one's reads up in step order, and a run starts wherever what was found changes.
-        A (reader, column)'s first run extends the run open there if it found the same thing
-        (otherwise that one closes); every run but its last closes, the last stays open."""
+        lines each one's reads up in step order, each read is linked to the one before it (or to
+        the run open there), and a run starts wherever a read does not link or links the other
+        way. Every run but the last of each (reader, column) closes; the last stays open."""
         S, K = self.S, self.K
         rs, last = [], (None, None)
         for st in steps:                        # a decode batch is usually the same readers step after step
@@ -201,58 +212,75 @@ class ReadRuns:
             idx, g, r, col, si = idx[order], g[order], r[order], col[order], si[order]
         sr = sr[idx]
         # each read as a run of one: the scalar fields by column (page, generation, found generation,
-        # bad mask, then SR..TL), the writers found per slot by row (-1: slot not read)
-        sc = np.empty((n, 12), dtype=np.int64, order="F")
+        # bad mask, then SR..LK), the writers found per slot by row (-1: slot not read)
+        sc = np.empty((n, 14), dtype=np.int64, order="F")
         sc[:, 0], sc[:, 1], sc[:, 2], sc[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
         wk = cat("found_writers").reshape(-1, S)[idx]
         np.copyto(wk, -1, where=np.arange(S) >= sr[:, None])
-        sc[:, 4], sc[:, 9] = sr, 1                                            # SR, N
+        sc[:, 4], sc[:, 9], sc[:, 12], sc[:, 13] = sr, 1, sr, 0                # SR, N, SB, LK
         for a_, v in ((5, "step"), (7, "lclock"), (10, "ts_ns")):            # SF = SL, LF = LL, TF = TL
             sc[:, a_] = np.array([getattr(st, v) for st in steps], dtype=np.int64)[si]
             sc[:, a_ + 1] = sc[:, a_]
         mass = cat("page_mass")[idx].astype(np.float64)
 
-        def rows(at: np.ndarray) -> np.ndarray:          # reads `at` as state rows [len, K + 8]
-            out = np.empty((len(at), K + 8), dtype=np.int64)
+        def rows(at: np.ndarray) -> np.ndarray:          # reads `at` as state rows [len, K + 10]
+            out = np.empty((len(at), K + 10), dtype=np.int64)
             out[:, :4], out[:, 4:K], out[:, K:] = sc[at, :4], wk[at], sc[at, 4:]
             return out
         if not self.coalesce:
             self._closed.append((r, col, rows(np.arange(n)), mass))
             return
-        start = np.ones(n, dtype=bool)                                        # a run starts where the group or the finding changes
-        start[1:] = (g[1:] != g[:-1]) | (sc[1:, :4] != sc[:-1, :4]).any(axis=1) | (wk[1:] != wk[:-1]).any(axis=1)
-        first = np.flatnonzero(start)
+        # how each read links to the read before it in its (reader, column): in this batch, or the
+        # open run's last read for the first read of a (reader, column) here
+        fresh = np.ones(n, dtype=bool)                                        # first read of its (reader, column) in this batch
+        fresh[1:] = g[1:] != g[:-1]
+        link, more = np.zeros(n, dtype=bool), np.zeros(n, dtype=bool)
+        before = np.zeros(n, dtype=np.int64)                                  # how the read before linked (LK)
+        if n > 1:
+            link[1:], more[1:] = self._links(sc[:-1, :4], wk[:-1], sr[:-1], sc[1:, :4], wk[1:], sr[1:])
+            link[1:] &= ~fresh[1:]
+        fs = np.flatnonzero(fresh)
+        fs = fs[self.open[r[fs], col[fs]]]                                    # ... where a run is open
+        run = self.I[r[fs], col[fs]]
+        if len(fs):
+            link[fs], more[fs] = self._links(run[:, :4], run[:, 4:K], run[:, self.SR], sc[fs, :4], wk[fs], sr[fs])
+            before[fs] = run[:, self.LK]
+        lk = np.where(link, 1 + more, 0)
+        before[1:] = np.where(fresh[1:], before[1:], lk[:-1])
+        start = ~link | ((before != 0) & (lk != before))                      # a run links one way only
+        sc[:, 13] = lk
+        first = np.flatnonzero(start | fresh)                                 # segments; a fresh one that links extends the open run
         last = np.append(first[1:], n) - 1
-        runs = rows(first)
-        for f in (self.SL, self.LL, self.TL):
-            runs[:, f] = sc[last, f - K + 4]
+        runs = rows(last)                                                     # a run's key and writers: its last read's
+        for f in (self.SF, self.LF, self.TF, self.SB):
+            runs[:, f] = sc[first, f - K + 4]
         runs[:, self.N] = np.add.reduceat(sc[:, 9], first)
-        runs[:, self.SR] = np.maximum.reduceat(sc[:, 4], first)
         mass = np.add.reduceat(mass, first)
-        rg, rr, rc = g[first], r[first], col[first]
-        head = np.ones(len(first), dtype=bool)                                # first run of its (reader, column) here
-        head[1:] = rg[1:] != rg[:-1]
-        j = np.flatnonzero(head)
-        j = j[self.open[rr[j], rc[j]]]                                        # ... where a run was open before
-        if len(j):
-            st, st_mass = self.I[rr[j], rc[j]], self.mass[rr[j], rc[j]]
-            ext = (st[:, :K] == runs[j, :K]).all(axis=1)                      # same finding: the open run goes on
-            je, se = j[ext], st[ext]
-            for f in (self.SF, self.LF, self.TF):
-                runs[je, f] = se[:, f]
-            runs[je, self.N] += se[:, self.N]
-            runs[je, self.SR] = np.maximum(runs[je, self.SR], se[:, self.SR])
-            mass[je] += st_mass[ext]
-            if not ext.all():                                                 # a different finding: it closes
-                jc = j[~ext]
-                self._closed.append((rr[jc], rc[jc], st[~ext], st_mass[~ext]))
+        rr, rc = r[first], col[first]
+        if len(fs):
+            ext = ~start[fs]                                                  # linked, the same way as the run
+            seg = np.searchsorted(first, fs[ext])                             # the segments that go on an open run
+            se = run[ext]
+            for f in (self.SF, self.LF, self.TF, self.SB):
+                runs[seg, f] = se[:, f]
+            runs[seg, self.N] += se[:, self.N]
+            mass[seg] += self.mass[r[fs[ext]], col[fs[ext]]]
+            if not ext.all():                                                 # the open run closes
+                self._closed.append((r[fs[~ext]], col[fs[~ext]], run[~ext], self.mass[r[fs[~ext]], col[fs[~ext]]]))
         stays = np.ones(len(first), dtype=bool)                               # the last run of each (reader, column)
-        stays[:-1] = head[1:]
+        stays[:-1] = fresh[first[1:]]
         if not stays.all():
             done = ~stays
             self._closed.append((rr[done], rc[done], runs[done], mass[done]))
         rr, rc = rr[stays], rc[stays]
         self.I[rr, rc], self.mass[rr, rc], self.open[rr, rc] = runs[stays], mass[stays], True
+
+    def _links(self, pk, pw, psr, k, w, sr) -> tuple[np.ndarray, np.ndarray]:
+        """Whether each read links to the read before it (same key; the same slots with the same
+        writers, or one slot more and the others unchanged), and whether by one slot more."""
+        d = sr - psr
+        same_w = ((w == pw) | (np.arange(self.S) >= psr[:, None])).all(axis=1)   # slots the read before did not read: -1 there
+        return (k == pk).all(axis=1) & same_w & ((d == 0) | (d == 1)), d == 1
 
     def _emit(self, r: np.ndarray, c: np.ndarray, blk: np.ndarray, mass: np.ndarray) -> Columns:
         n = len(r)
@@ -260,6 +288,7 @@ class ReadRuns:
         return {"node": _dict([self.node], np.zeros(n)), "reader": reader, "scope_h": self.scopes.of(reader),
                 "page": blk[:, 0].astype(np.int32), "generation": blk[:, 1], "found_generation": blk[:, 2],
                 "block_index": c.astype(np.int32), "slots_read": blk[:, self.SR].astype(np.int16),
+                "slots_first": blk[:, self.SB].astype(np.int16),
                 "bad_mask": blk[:, 3], "check_passed": blk[:, 3] == 0, "found_writers": blk[:, 4:self.K],
                 "found_scopes_h": self.scopes.of(blk[:, 4:self.K]),
                 "attention_mass": mass.astype(np.float64), "step_first": blk[:, self.SF], "step_last": blk[:, self.SL],

@@ -321,6 +321,7 @@ class Telemetry(Recorder):
         self._node(engine).held_pages.add(len(pages))
 
     def transfer_landed(self, engine, rec: TransferRecord) -> None:
+        forget_oldest_half(self._transfers, self.ids_cap)   # dropped when the request ends; a late one is bounded
         self._transfers[rec.incarnation] = rec
         if self.ledger is not None:
             self.ledger.on_transfer(engine, rec)
@@ -341,9 +342,12 @@ class Telemetry(Recorder):
                 node.guard_tally[key] = node.guard_tally.get(key, 0) + count
 
     def rejected(self, engine, req, where, error) -> None:
+        forget_oldest_half(self._rejections, self.ids_cap)
         self._rejections[req.incarnation] = (where, error)
 
     def request_finished(self, engine, req) -> None:
+        rec = self._transfers.pop(req.incarnation, None)        # used by the root span below, then dropped
+        rejection = self._rejections.pop(req.incarnation, None)
         root = self._roots.get(req.incarnation)
         if root is None:
             return
@@ -357,7 +361,6 @@ class Telemetry(Recorder):
                    "kvledger.preemptions": req.preemptions}
         if req.ttft is not None:
             a["kvledger.time_to_first_token"] = req.ttft
-        rec = self._transfers.get(req.incarnation)
         if rec is not None:
             a.update({"kvledger.slots.reserved": rec.reserved.numel(), "kvledger.slots.landed": rec.landed.numel()})
         metric_attrs = {GA.GEN_AI_OPERATION_NAME: OPERATION, GA.GEN_AI_PROVIDER_NAME: PROVIDER,
@@ -365,8 +368,8 @@ class Telemetry(Recorder):
         if req.error is not None:
             a[ERROR_TYPE] = metric_attrs[ERROR_TYPE] = type(req.error).__name__
             root.set_status(Status(StatusCode.ERROR, str(req.error)))
-            if req.incarnation in self._rejections:
-                where, err = self._rejections[req.incarnation]
+            if rejection is not None:
+                where, err = rejection
                 a["kvledger.rejection.where"], a["kvledger.rejection.reason"] = where, str(err)
                 root.add_event("rejected", {"kvledger.rejection.where": where}, timestamp=_perf_to_unix_ns(end))
         root.set_attributes(a)

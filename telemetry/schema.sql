@@ -29,9 +29,12 @@ CREATE TABLE page_writes (
     span_id     VARCHAR
 );
 
--- One row per (reader, page, generation, block-table column) over a run of steps in which what
--- the reader found there (generation, failing slots, writers) did not change. Lossless: every
--- read step is inside exactly one row's [step_first, step_last] with n_reads counting them.
+-- One row per (reader, page, generation, block-table column) over a run of reads that found the
+-- same generation and failing slots and the same writer in every slot, either reading the same
+-- slots each time or one slot more each time (the page the reader fills with its own decode).
+-- Lossless: every read step is inside exactly one row's [step_first, step_last] with n_reads
+-- counting them, and the k-th read (k = 0 .. n_reads - 1) read slots_first + k slots if
+-- slots_read > slots_first, else slots_read; found_writers holds what every read found there.
 CREATE TABLE page_reads (
     node            VARCHAR NOT NULL,
     reader          BIGINT NOT NULL,  -- reader request incarnation
@@ -40,7 +43,8 @@ CREATE TABLE page_reads (
     generation      BIGINT NOT NULL,  -- generation the reader was granted for this page
     found_generation BIGINT NOT NULL, -- generation found in the page header at read time
     block_index     INTEGER NOT NULL, -- column in the reader's block table: positions block_index*S + slot
-    slots_read      SMALLINT NOT NULL,
+    slots_read      SMALLINT NOT NULL, -- slots read by the run's last read (the most)
+    slots_first     SMALLINT,          -- slots read by its first read (NULL in stores written before it)
     bad_mask        BIGINT NOT NULL,  -- bit s set: slot s failed the read check (generation or content tag)
     check_passed    BOOLEAN NOT NULL,
     found_writers   BIGINT[] NOT NULL, -- writer incarnation per slot found in the tag plane (-1: slot not read)

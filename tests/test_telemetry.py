@@ -247,6 +247,34 @@ def test_per_request_maps_stay_bounded_in_a_long_run(tmp_path):
     assert rows[0] > 0 and rows[1] and rows[2]
 
 
+def test_transfer_and_rejection_records_are_dropped_when_their_request_ends(tmp_path):
+    """Disaggregated: a request's transfer record (it holds the slot sets as tensors) and its
+    rejection are read by its root span when it ends, then dropped: a long-running server keeps
+    neither once the request is over (late ones are bounded like the other per-request maps)."""
+    from engine.disagg import DisaggCluster, Guards
+    from engine.pool import KVPool
+    model, tok = load_model("recall")
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)
+    cfg = lambda tokens, node: EngineConfig(kv_memory_budget=tokens // 16 * pb, page_size=16,  # noqa: E731
+                                            context_length=512, node_id=node)
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    cl = DisaggCluster(model, tok, [cfg(1024, "p0")], cfg(256, "d0"), Guards.policy("hardened"), recorder=tel)
+    try:
+        ok = [cl.submit(f"request {i} " * 8, SamplingParams(max_tokens=3), f"t{i}") for i in range(3)]
+        big = cl.submit("x" * 400, SamplingParams(max_tokens=3), "t9")     # more KV than the decode pool holds
+        cl.run_until_done()
+    finally:
+        cl.close()
+    assert all(r.error is None for r in ok) and big.error is not None
+    assert tel._transfers == {} and tel._rejections == {}
+    tel.close()
+    spans = open_store(tmp_path / "s").sql(
+        "SELECT SpanAttributes['kvledger.slots.landed'], SpanAttributes['kvledger.rejection.where'] FROM spans "
+        "WHERE SpanAttributes['kvledger.operation'] = 'request' ORDER BY incarnation").fetchall()
+    assert sum(landed is not None for landed, _ in spans) == 3          # the transfer records were read first
+    assert sum(where is not None for _, where in spans) == 1            # and the rejection
+
+
 def test_read_runs_and_write_runs_are_lossless(tmp_path):
     """The same traffic recorded with read-run coalescing on and off describes the same reads (every
     read step inside exactly one run, with the same findings), and write runs expand to one slot
@@ -262,16 +290,21 @@ def test_read_runs_and_write_runs_are_lossless(tmp_path):
         eng.run_until_done()
         tel.close()
         stores[coalesce] = open_store(tmp_path / str(coalesce))
-    per_step = """WITH m AS (SELECT min(reader) AS m FROM page_reads)   -- incarnations differ by an offset per run
-                  SELECT reader - m, page, generation, found_generation, block_index, bad_mask,
-                         list_transform(found_writers, lambda x: CASE WHEN x < 0 THEN x ELSE x - m END),
-                         unnest(range(step_first, step_last + 1)) AS step
-                  FROM page_reads, m ORDER BY ALL"""
+    per_step = """WITH m AS (SELECT min(reader) AS m FROM page_reads),   -- incarnations differ by an offset per run
+                  r AS (SELECT *, unnest(range(step_last - step_first + 1)) AS k FROM page_reads),
+                  s AS (SELECT *, CASE WHEN slots_read > slots_first THEN slots_first + k ELSE slots_read END AS sr FROM r)
+                  SELECT reader - m, page, generation, found_generation, block_index, bad_mask, step_first + k AS step, sr,
+                         list_transform(found_writers, lambda x, i: CASE WHEN x < 0 OR i > sr THEN -1 ELSE x - m END)
+                  FROM s, m ORDER BY ALL"""
     merged, plain = (stores[c].sql(per_step).fetchall() for c in (True, False))
     assert merged == plain and len(plain) > 0
     sums = [stores[c].sql("SELECT count(*), sum(n_reads), sum(step_last - step_first + 1) FROM page_reads").fetchall()[0]
             for c in (True, False)]
     assert sums[0][1] == sums[0][2] == sums[1][1] == sums[1][0] and sums[0][0] < sums[1][0]
+    # a page the reader fills with its own decode is one growing run, not a row per token
+    grown = stores[True].sql("SELECT max(n_reads) FROM page_reads WHERE slots_read = slots_first + n_reads - 1 "
+                             "AND n_reads > 1").fetchall()[0][0]
+    assert grown is not None and grown >= 8
     assert stores[False].sql("SELECT max(n_reads) FROM page_reads").fetchall() == [(1,)]
     for con in stores.values():
         slots = con.sql("""SELECT count(*), count(DISTINCT (node, page, generation, slot, lclock)),
@@ -301,7 +334,7 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
             runs.add(b)
         d = runs.drain()
         return sorted(zip(d["reader"].tolist(), d["block_index"].tolist(), d["page"].tolist(), d["step_first"].tolist(),
-                          d["step_last"].tolist(), d["n_reads"].tolist(), d["slots_read"].tolist(),
+                          d["step_last"].tolist(), d["n_reads"].tolist(), d["slots_read"].tolist(), d["slots_first"].tolist(),
                           map(tuple, d["found_writers"].tolist()), d["attention_mass"].round(9).tolist()))
     one = rows([[s] for s in steps])
     assert len(steps) > 10 and len(one) < sum(int((s.block_tables >= 0).sum()) for s in steps)     # runs merged
