@@ -317,6 +317,7 @@ class PageLedger:
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
         self._pending_cells = 0                 # engine thread only
+        self._batch: tuple = (None, None, None)  # engine thread only: the last step's incarnations, ids, prompt lengths
         self._finished: deque = deque()         # (incarnation, prompt ids, output ids) of finished requests, not yet hashed
         self._releases: deque = deque()         # releases not yet written (one tuple each)
         writer.add_drain(self._drain)
@@ -368,9 +369,11 @@ class PageLedger:
         chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
         lay = out.layout
         incs = [s.req.incarnation for s in out.batch]
+        if incs != self._batch[0]:              # a decode batch is usually the same requests step after step
+            self._batch = (incs, [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch])
+        incs, ids, prompt_lens = self._batch
         self._pending.append(StepRecord(
-            engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, [self.span_ids(i) for i in incs],
-            [len(s.req.prompt_ids) for s in out.batch], engine.pool.page_size,
+            engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, ids, prompt_lens, engine.pool.page_size,
             lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets, engine.pool.generation[out.slot_pages],
             out.new_writers, out.new_tags,
             lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
