@@ -62,15 +62,22 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+def _atomic_write(path: Path, data: "bytes | pa.Buffer") -> None:
+    """Write data as path: a temp file, fsync, rename (a reader never sees a partial file)."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
-    write(tmp)
-    fd = os.open(tmp, os.O_RDONLY)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)            # e.g. disk full: no half-written temp file is left behind
+        raise
 
 
 class Coded(NamedTuple):
@@ -256,14 +263,18 @@ class SegmentWriter:
             raise StoreError(f"store writer failed: {self.error}") from self.error
 
     def close(self) -> None:
+        """Flush and stop; the thread and the store's lock are released even when the flush fails
+        (its StoreError still reaches the caller), so another writer can take the store over."""
         if self._closed:
             return
-        self.flush()
-        self._closed = True
-        self._q.put(None)
-        self._thread.join()
-        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-        os.close(self._lock_fd)
+        try:
+            self.flush()
+        finally:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join()
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
 
     # ---- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -309,20 +320,21 @@ class SegmentWriter:
                 adopted.append(rel)
         return adopted
 
-    def _link(self, seq: int, table: str, rel: str, rows: int) -> None:
-        self._link_many([(seq, table, rel, rows)])
+    def _link(self, seq: int, table: str, rel: str, rows: int, sha256: str | None = None) -> None:
+        self._link_many([(seq, table, rel, rows, sha256)])
 
-    def _link_many(self, segments: list[tuple[int, str, str, int]]) -> None:
+    def _link_many(self, segments: list[tuple[int, str, str, int, "str | None"]]) -> None:
         """Chain the segments (seq order), one link each, written as one chain file named by the
-        first seq (temp file, fsync, rename): a flush's segments cost one chain write, not one each."""
+        first seq (temp file, fsync, rename): a flush's segments cost one chain write, not one each.
+        A segment's hash is the one taken as it was written, or read back from its file (None)."""
         links = []
-        for seq, table, rel, rows in segments:
-            link = Link(seq, table, rel, rows, _sha256(self.root / rel), self._prev, "")
+        for seq, table, rel, rows, sha in segments:
+            link = Link(seq, table, rel, rows, sha or _sha256(self.root / rel), self._prev, "")
             link = link._replace(link=self.keys.link(self._prev, link.payload()))
             links.append(link._asdict())
             self._seq, self._prev = seq + 1, link.link
         body = json.dumps(links[0] if len(links) == 1 else links)
-        _atomic_write(self.root / "chain" / f"{segments[0][0]:09d}.json", lambda tmp: tmp.write_text(body))
+        _atomic_write(self.root / "chain" / f"{segments[0][0]:09d}.json", body.encode())
 
     def _write_all(self) -> None:
         for drain in self._drains:
@@ -333,9 +345,9 @@ class SegmentWriter:
         if written:
             self._link_many(written)
 
-    def _write(self, table: str, link: bool = True) -> tuple[int, str, str, int]:
-        """Write the table's buffered rows as one segment (temp file, fsync, rename) and, unless
-        the caller links a batch of segments itself, link it."""
+    def _write(self, table: str, link: bool = True) -> tuple[int, str, str, int, str]:
+        """Write the table's buffered rows as one segment (encoded in memory and hashed there, then
+        temp file, fsync, rename) and, unless the caller links a batch of segments itself, link it."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
@@ -345,14 +357,18 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         path = self.root / rel
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, lambda tmp: pq.write_table(data, tmp, compression="lz4", **self._parquet[table]))
+        sink = pa.BufferOutputStream()
+        pq.write_table(data, sink, compression="lz4", **self._parquet[table])
+        body = sink.getvalue()
+        sha = hashlib.sha256(body).hexdigest()
+        _atomic_write(path, body)
         self._seq = seq + 1                     # taken only once the segment is in place: no gap on a failed write
         if link:
-            self._link(seq, table, rel, data.num_rows)
+            self._link(seq, table, rel, data.num_rows, sha)
         self.rows_written[table] += data.num_rows
         self.segments_written += 1
         self._buf[table], self._rows[table] = [], 0
-        return seq, table, rel, data.num_rows
+        return seq, table, rel, data.num_rows, sha
 
 
 # ---- readers ---------------------------------------------------------------------------------
