@@ -215,17 +215,16 @@ class ReadRuns:
         # bad mask, then SR..LK), the writers found per slot by row (-1: slot not read)
         sc = np.empty((n, 14), dtype=np.int64, order="F")
         sc[:, 0], sc[:, 1], sc[:, 2], sc[:, 3] = page[idx], cat("expected_gen")[idx], cat("found_gen")[idx], cat("bad_mask")[idx]
-        wk = cat("found_writers").reshape(-1, S)[idx]
-        np.copyto(wk, -1, where=np.arange(S) >= sr[:, None])
+        wk = cat("found_writers").reshape(-1, S)[idx]      # slots past sr: whatever is there (masked in rows())
         sc[:, 4], sc[:, 9], sc[:, 12], sc[:, 13] = sr, 1, sr, 0                # SR, N, SB, LK
         for a_, v in ((5, "step"), (7, "lclock"), (10, "ts_ns")):            # SF = SL, LF = LL, TF = TL
             sc[:, a_] = np.array([getattr(st, v) for st in steps], dtype=np.int64)[si]
             sc[:, a_ + 1] = sc[:, a_]
         mass = cat("page_mass")[idx].astype(np.float64)
 
-        def rows(at: np.ndarray) -> np.ndarray:          # reads `at` as state rows [len, K + 10]
+        def rows(at: np.ndarray) -> np.ndarray:          # reads `at` as state rows [len, K + 10], -1: slot not read
             out = np.empty((len(at), K + 10), dtype=np.int64)
-            out[:, :4], out[:, 4:K], out[:, K:] = sc[at, :4], wk[at], sc[at, 4:]
+            out[:, :4], out[:, 4:K], out[:, K:] = sc[at, :4], np.where(np.arange(S) < sr[at, None], wk[at], -1), sc[at, 4:]
             return out
         if not self.coalesce:
             self._closed.append((r, col, rows(np.arange(n)), mass))
