@@ -278,7 +278,7 @@ class ReadRuns:
         """Whether each read links to the read before it (same key; the same slots with the same
         writers, or one slot more and the others unchanged), and whether by one slot more."""
         d = sr - psr
-        same_w = ((w == pw) | (np.arange(self.S) >= psr[:, None])).all(axis=1)   # slots the read before did not read: -1 there
+        same_w = ((w == pw) | (np.arange(self.S) >= psr[:, None])).all(axis=1)   # slots the read before did not read do not count
         return (k == pk).all(axis=1) & same_w & ((d == 0) | (d == 1)), d == 1
 
     def _emit(self, r: np.ndarray, c: np.ndarray, blk: np.ndarray, mass: np.ndarray) -> Columns:

@@ -208,6 +208,7 @@ class SegmentWriter:
         chain = read_chain(self.root)
         self._seq = chain[-1].seq + 1 if chain else 0
         self._prev = chain[-1].link if chain else GENESIS
+        self._unlinked: list[tuple[int, str, str, int, str | None]] = []   # segments in place, not yet chained
         self.adopted = self._adopt_unlinked_tail()
         self.flush_interval, self.max_rows = flush_interval, max_rows
         self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
@@ -300,7 +301,8 @@ class SegmentWriter:
                         self._buf[t].append(d)
                         self._rows[t] += _num_rows(d)
                         if self._rows[t] >= self.max_rows:
-                            self._write(t)
+                            self._unlinked.append(self._write(t))
+                            self._link_unlinked()
                 if time.monotonic() - last >= self.flush_interval:
                     self._write_all()
                     last = time.monotonic()
@@ -316,38 +318,45 @@ class SegmentWriter:
         for p in sorted(self.root.glob("segments/*/[0-9]*.parquet"), key=lambda p: int(p.stem)):
             if int(p.stem) >= self._seq:
                 rel = str(p.relative_to(self.root))
-                self._link(int(p.stem), p.parent.name, rel, pq.ParquetFile(p).metadata.num_rows)
+                self._unlinked.append((int(p.stem), p.parent.name, rel, pq.ParquetFile(p).metadata.num_rows, None))
+                self._seq = int(p.stem) + 1
                 adopted.append(rel)
+        self._link_unlinked()
         return adopted
 
-    def _link(self, seq: int, table: str, rel: str, rows: int, sha256: str | None = None) -> None:
-        self._link_many([(seq, table, rel, rows, sha256)])
-
-    def _link_many(self, segments: list[tuple[int, str, str, int, "str | None"]]) -> None:
-        """Chain the segments (seq order), one link each, written as one chain file named by the
-        first seq (temp file, fsync, rename): a flush's segments cost one chain write, not one each.
-        A segment's hash is the one taken as it was written, or read back from its file (None)."""
-        links = []
-        for seq, table, rel, rows, sha in segments:
-            link = Link(seq, table, rel, rows, sha or _sha256(self.root / rel), self._prev, "")
-            link = link._replace(link=self.keys.link(self._prev, link.payload()))
+    def _link_unlinked(self) -> None:
+        """Chain the segments written and not yet linked (seq order), one link each, as one chain
+        file named by the first seq (temp file, fsync, rename): a flush's segments cost one chain
+        write, not one each. A segment's hash is the one taken as it was written, or read back from
+        its file (None). The chain head moves only once the file is in place: if writing it fails,
+        the segments stay waiting and the next flush links them."""
+        if not self._unlinked:
+            return
+        links, prev = [], self._prev
+        for seq, table, rel, rows, sha in self._unlinked:
+            link = Link(seq, table, rel, rows, sha or _sha256(self.root / rel), prev, "")
+            link = link._replace(link=self.keys.link(prev, link.payload()))
             links.append(link._asdict())
-            self._seq, self._prev = seq + 1, link.link
+            prev = link.link
         body = json.dumps(links[0] if len(links) == 1 else links)
-        _atomic_write(self.root / "chain" / f"{segments[0][0]:09d}.json", body.encode())
+        _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", body.encode())
+        self._prev, self._unlinked = prev, []
 
     def _write_all(self) -> None:
         for drain in self._drains:
             for t, d in drain():
                 self._buf[t].append(d)
                 self._rows[t] += _num_rows(d)
-        written = [self._write(t, link=False) for t in self.schemas if self._rows[t]]
-        if written:
-            self._link_many(written)
+        try:
+            for t in self.schemas:
+                if self._rows[t]:
+                    self._unlinked.append(self._write(t))
+        finally:                                # what was written is linked, even if a later table failed
+            self._link_unlinked()
 
-    def _write(self, table: str, link: bool = True) -> tuple[int, str, str, int, str]:
+    def _write(self, table: str) -> tuple[int, str, str, int, str]:
         """Write the table's buffered rows as one segment (encoded in memory and hashed there, then
-        temp file, fsync, rename) and, unless the caller links a batch of segments itself, link it."""
+        temp file, fsync, rename); the caller links it."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
@@ -363,8 +372,6 @@ class SegmentWriter:
         sha = hashlib.sha256(body).hexdigest()
         _atomic_write(path, body)
         self._seq = seq + 1                     # taken only once the segment is in place: no gap on a failed write
-        if link:
-            self._link(seq, table, rel, data.num_rows, sha)
         self.rows_written[table] += data.num_rows
         self.segments_written += 1
         self._buf[table], self._rows[table] = [], 0

@@ -95,33 +95,41 @@ def test_a_flush_links_its_segments_in_one_chain_file(tmp_path):
 
 
 def test_a_failed_segment_write_leaves_the_store_verifiable(tmp_path, monkeypatch):
-    """The disk fails while a segment is written (fsync raises ENOSPC): the producer gets a
-    StoreError naming it, no temp file is left behind, the store still verifies with every row
-    linked before the failure; the failed rows stay buffered and are written by the close (which
-    still reports the error and lets go of the store), and the next writer goes on from there."""
+    """The disk fails while a flush writes its second segment (fsync raises ENOSPC): the producer
+    gets a StoreError naming it, no temp file is left behind, the segment written before it in the
+    same flush is still linked, so the store verifies with every row that reached a segment; the
+    failed rows stay buffered and are written by the close (which still reports the error and lets
+    go of the store), and the next writer goes on from there."""
     import errno
     root = tmp_path / "s"
     w = SegmentWriter(root)
     w.submit("releases", _releases(3))
     w.flush()
-    real = os.fsync
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "No space left on device")))
+    real, calls = os.fsync, []
+
+    def fsync(fd):                          # the flush's second segment (ngrams, then releases) fails
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+    monkeypatch.setattr(os, "fsync", fsync)
     w.submit("releases", _releases(2))
+    w.submit("ngrams", {"incarnation": np.arange(4, dtype=np.int64), "role": ["prompt"] * 4,
+                        "n": np.full(4, 12, dtype=np.int16), "hash": np.arange(4, dtype=np.int64)})
     with pytest.raises(StoreError, match="No space left"):
         w.flush()
     assert not list(root.rglob(".tmp-*")) and not w.accepting
     v = verify(root)
-    assert v.ok and v.segments == 1 and v.rows == 3
-    monkeypatch.setattr(os, "fsync", real)  # the disk has room again
+    assert v.ok and v.segments == 2 and v.rows == 7 and not v.warnings, v
     with pytest.raises(StoreError):
         w.close()
     v = verify(root)
-    assert v.ok and v.segments == 2 and v.rows == 5
+    assert v.ok and v.segments == 3 and v.rows == 9
     w2 = SegmentWriter(root)
     w2.submit("releases", _releases(4))
     w2.close()
     v = verify(root)
-    assert v.ok and v.segments == 3 and v.rows == 9
+    assert v.ok and v.segments == 4 and v.rows == 13 and w2.adopted == []
 
 
 def test_a_second_writer_is_refused_with_a_clear_error(tmp_path):
