@@ -13,10 +13,13 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def interleaved(variants: dict, repeats: int) -> dict[str, float]:
-    """Run each variant callable `repeats` times, interleaved; return the median seconds of each."""
+    """Run each variant callable `repeats` times, interleaved, the order rotated each round (no
+    variant always runs first, e.g. right after the other's garbage); the median seconds of each."""
     times: dict[str, list[float]] = {k: [] for k in variants}
-    for _ in range(repeats):
-        for name, fn in variants.items():
+    names = list(variants)
+    for rep in range(repeats):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            fn = variants[name]
             t0 = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - t0)
