@@ -19,7 +19,9 @@ Durability: rows reach disk when their table's buffer is flushed - every ``flush
 seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` are buffered, and on close. After
 ``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
 are lost; a segment written but not yet linked is reported by ``verify`` as an unlinked tail,
-ignored by readers, and linked by the next writer that opens the store (``adopted``).
+ignored by readers, and linked by the next writer that opens the store (``adopted``). A write
+that fails mid-flush leaves what the flush wrote before it linked and its own rows buffered (the
+next flush or the close retries them); the producer gets the StoreError.
 """
 from __future__ import annotations
 
