@@ -15,7 +15,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import random
-import secrets
 from dataclasses import asdict
 
 from engine.config import EngineConfig
@@ -26,7 +25,7 @@ from engine.models import load_model
 from engine.oracle import Oracle
 from engine.pool import KVPool
 from engine.request import Request, SamplingParams, Status
-from engine.scenarios import ReplayResult, _background
+from engine.scenarios import ReplayResult, _background, judge_blocked
 
 PAGE, CONTEXT = 16, 1024
 
@@ -58,9 +57,9 @@ class _Replay:
         self.oracle = Oracle(self.model, seed)
         self.rng = random.Random(seed)
         self.canaries: dict[str, str] = {}
-        # canaries are unguessable (keyed by a random secret); pass the same key to replay the
-        # same texts with and without the triggering event
-        self._canary_key = canary_key or secrets.token_bytes(16)
+        # canaries are keyed by a secret derived from the seed (the same --seed replays the same texts
+        # and verdict); pass a key to replay the same texts with and without the triggering event
+        self._canary_key = canary_key or hashlib.blake2b(f"kvledger-canary/{seed}".encode(), digest_size=16).digest()
         self._canary_no = itertools.count()
         self.tel = None
         if store is not None:
@@ -97,7 +96,7 @@ class _Replay:
         exposures = {r.incarnation: self.oracle.exposures(r) for r in reqs if r.error is None}
         res = ReplayResult(self.policy, MODES[self.name], CONTEXT, pools, reqs, [], exposures, self.canaries,
                            all(f == t for f, t in free.values()), free_pages=free, scenario=self.name,
-                           affected=affected, triggered=triggered)
+                           affected=affected, triggered=triggered, blocked=judge_blocked(self.oracle, reqs))
         if self.tel is not None:
             res.telemetry = self.tel.close()
         for r in reqs:

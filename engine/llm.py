@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import time
 from typing import Callable, Iterable
@@ -76,17 +77,27 @@ class LLMEngine:
         self.rec.node_started(self)
 
     # ---- admission: every check runs before any page is taken ------------------------------
-    def scope_for(self, tenant: str, user: str = "") -> str:
+    def scope_for(self, tenant: str, user: str = "", salt: str = "") -> str:
         """The cache scope, derived here from the tenant and the configured isolation level (a
-        client names its tenant and user, never its scope)."""
+        client names its tenant and user, never its scope).
+
+        Injective by construction: the scope is a JSON array of tagged components, so no choice of
+        names can make two different (level, tenant, user, org, salt) tuples equal - an unmapped
+        tenant named "acme-corp" is ["tenant", "acme-corp"], never org "acme-corp"'s
+        ["org", "acme-corp"]; tenant "acme" + user "bob/carol" never meets tenant "acme/bob" + user
+        "carol". A client ``salt`` only narrows a scope: it is one more component of that scope."""
         level = self.cfg.isolation_level
         if level == "user":
             if not user:
                 raise InputError("isolation level 'user' needs a user id with every request")
-            return f"user:{tenant}/{user}"
-        if level == "org":
-            return f"org:{self.cfg.orgs.get(tenant, tenant)}"
-        return f"tenant:{tenant}"
+            parts = ["user", tenant, user]
+        elif level == "org" and tenant in self.cfg.orgs:
+            parts = ["org", self.cfg.orgs[tenant]]
+        else:                        # level 'tenant', or a tenant that no org mapping names
+            parts = ["tenant", tenant]
+        if salt:
+            parts += ["salt", salt]
+        return json.dumps(parts, ensure_ascii=True, separators=(",", ":"))
 
     def validate(self, prompt_ids: list[int], sp: SamplingParams) -> None:
         limit = self.cfg.context_length
@@ -111,7 +122,7 @@ class LLMEngine:
                              f"{self.pool.capacity_tokens} tokens")
 
     def new_request(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
-                    rid: str = "", incarnation: int | None = None, user: str = "") -> Request:
+                    rid: str = "", incarnation: int | None = None, user: str = "", cache_salt: str = "") -> Request:
         """Validate and build a request; takes no page and queues nothing."""
         sp = sampling or SamplingParams()
         if isinstance(prompt, str):
@@ -121,7 +132,7 @@ class LLMEngine:
         else:
             prompt_ids = [int(t) for t in prompt]
         self.validate(prompt_ids, sp)
-        scope = self.scope_for(tenant, user)
+        scope = self.scope_for(tenant, user, cache_salt)
         chain = TagChain(scope_key(self.cfg.scope_secret, scope, self.cfg.kv_format_version), self.cfg.kv_format_version)
         chain.extend(prompt_ids)
         req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid, prompt_tokens_billed=len(prompt_ids))

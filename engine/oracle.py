@@ -8,10 +8,15 @@
   is the hash index of writes.
 - Verdict: each response's own tokens go through a clean, unpaged forward pass (dense causal
   attention, no pool); read slots whose K/V differ from the clean K/V are exposures; the donor is
-  whoever wrote those exact bytes into that very slot (identical bytes do recur: the recall
-  model's K/V at a position depends on a couple of tokens, so two texts sharing "    " at the same
-  positions write identical records); failing that, whoever wrote those bytes anywhere (records
-  reloaded from the host tier); -1: bytes nobody wrote (e.g. a never-used page).
+  whoever wrote those exact bytes into that very slot *last before the read* (identical bytes do
+  recur: the recall model's K/V at a position depends on a couple of tokens, so two texts sharing
+  "    " at the same positions write identical records); failing that, whoever last wrote those
+  bytes anywhere before the read (records reloaded from the host tier); -1: bytes nobody wrote
+  (e.g. a never-used page). Time-aware: the donor is looked up when the read is observed, in the
+  order the engine's steps and transfer landings happened (the store's logical clocks), so a page
+  rewritten after the read never changes who is named.
+- Every request is judged, failed ones too: what a request the read check stopped had read is
+  returned by the same ``exposures`` call; the caller files it as *blocked* (it returned nothing).
 The tag plane (content tags, writer ids) is never consulted: fingerprints skip those 16 bytes.
 """
 from __future__ import annotations
@@ -61,7 +66,7 @@ class Oracle:
         self.index: dict[int, int] = {}                  # fingerprint -> writer incarnation
         self.index_at: dict[tuple[int, str, int, int], int] = {}   # (fingerprint, node, page, slot) -> writer
         self._seen: dict[tuple[int, int], torch.Tensor] = {}     # (pool id, incarnation) -> write_seq seen per position
-        self._reads: dict[int, list[tuple[torch.Tensor, ...]]] = {}
+        self._reads: dict[int, list[tuple]] = {}
 
     # ---- fingerprints ------------------------------------------------------------------------
     def _fingerprint(self, pool, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +102,11 @@ class Oracle:
             if changed.any():
                 idx = torch.nonzero(changed).flatten()
                 f, sk = self._fingerprint(pool, pool.read_records(pages[idx], offs[idx]))
-                self._reads.setdefault(req.incarnation, []).append((engine.cfg.node_id, idx, pages[idx], offs[idx], f, sk))
+                node = engine.cfg.node_id
+                # the donor of each slot as of this read (writes so far), not as of the end of the run
+                donors = torch.tensor([self.donor(fp, node, pg, o) for fp, pg, o in
+                                       zip(f.tolist(), pages[idx].tolist(), offs[idx].tolist())], dtype=torch.int64)
+                self._reads.setdefault(req.incarnation, []).append((node, idx, pages[idx], offs[idx], donors, sk))
 
     def observe_landing(self, engine, job, sl: slice) -> None:
         """One transfer call copied records ``job.*[sl]`` from the source node into ``engine``'s
@@ -135,11 +144,11 @@ class Oracle:
         if not reads:
             return []
         nodes = [n for n, idx, *_ in reads for _ in range(idx.numel())]
-        pos, pages, offs, fps, sk = (torch.cat(x) for x in list(zip(*reads))[1:])
+        pos, pages, offs, donors, sk = (torch.cat(x) for x in list(zip(*reads))[1:])
         clean = self.clean_sketch(response.all_ids)[pos]
         bad = ((sk - clean).abs().amax(1) > tol * (1 + clean.abs().amax(1)))
         out = set()
-        for i, p, pg, o, f in zip(torch.nonzero(bad).flatten().tolist(), pos[bad].tolist(), pages[bad].tolist(),
-                                  offs[bad].tolist(), fps[bad].tolist()):
-            out.add(Exposure(response.incarnation, self.donor(f, nodes[i], pg, o), nodes[i], pg, p))
+        for i, p, pg, d in zip(torch.nonzero(bad).flatten().tolist(), pos[bad].tolist(), pages[bad].tolist(),
+                               donors[bad].tolist()):
+            out.add(Exposure(response.incarnation, d, nodes[i], pg, p))
         return sorted(out)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import enum
 import itertools
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -56,13 +57,35 @@ class IllegalTransition(KvledgerError):
     pass
 
 
-# Incarnation ids: unique per attempt, even across processes and reused client ids.
-_PREFIX = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-_COUNTER = itertools.count(1)
+# Incarnation ids: unique per attempt, even across processes, restarts, machines and reused client
+# ids. 63 bits: a random 40-bit prefix drawn per process (and again whenever its 23-bit counter runs
+# out), so ids of different boots collide only if two of their prefixes do (about n^2 / 2^41 for n
+# prefixes drawn into one store: 1 in 45,000 for 10,000 restarts).
+_COUNTER_BITS = 23
+_ids_lock = threading.Lock()
+_prefix = 0
+_counter = iter(())
+
+
+def _draw_prefix() -> None:
+    global _prefix, _counter
+    _prefix = int.from_bytes(os.urandom(5), "little") or 1
+    _counter = itertools.count(1)
 
 
 def new_incarnation() -> int:
-    return (_PREFIX << 31) | next(_COUNTER)
+    with _ids_lock:
+        n = next(_counter, 1 << _COUNTER_BITS)
+        if n >= 1 << _COUNTER_BITS:
+            _draw_prefix()
+            n = next(_counter)
+        return (_prefix << _COUNTER_BITS) | n
+
+
+def new_boot_id() -> str:
+    """A run's id, new at every start of a deployment: 16 hex chars, the start's unix seconds (so
+    ids sort by start) then 32 random bits (so two machines starting in the same second differ)."""
+    return f"{int(time.time()) & 0xFFFFFFFF:08x}{os.urandom(4).hex()}"
 
 
 @dataclass(slots=True)

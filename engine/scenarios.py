@@ -10,17 +10,21 @@ prefill pool but within the context.
 from __future__ import annotations
 
 import random
-import secrets
 from dataclasses import dataclass, field
 
 from engine.config import EngineConfig
 from engine.disagg import DisaggCluster, Guards
-from engine.errors import KvledgerError
+from engine.errors import KvledgerError, ReadCheckViolation
 from engine.llm import LLMEngine
 from engine.models import load_model
 from engine.oracle import Exposure, Oracle
 from engine.pool import KVPool
 from engine.request import Request, SamplingParams
+
+def judge_blocked(oracle: Oracle, reqs: list[Request]) -> dict[int, list[Exposure]]:
+    """The oracle's verdict on requests the read check stopped: what they read of others' KV first."""
+    return {r.incarnation: oracle.exposures(r) for r in reqs if isinstance(r.error, ReadCheckViolation)}
+
 
 INCIDENT_CONTEXT, INCIDENT_POOL = 1_048_576, 681_280
 SCENARIOS = {"glm53": "the GLM-5.3 reject path: over-pool prompts get a placeholder, decode reads stale pages"}
@@ -34,7 +38,7 @@ class ReplayResult:
     pools: dict[str, int]
     requests: list[Request]
     over_pool: list[Request]
-    exposures: dict[int, list[Exposure]]
+    exposures: dict[int, list[Exposure]]         # served requests: what each read of others' KV (oracle)
     canaries: dict[str, str]                     # canary -> owning tenant
     pages_balanced: bool = False                 # every pool's free count back to its initial value
     surfaced: list[tuple[int, str, str]] = field(default_factory=list)   # (incarnation, reader tenant, canary)
@@ -43,6 +47,9 @@ class ReplayResult:
     scenario: str = "glm53"
     affected: list[Request] = field(default_factory=list)   # the requests the triggering event targets
     triggered: bool = True
+    # requests the read check stopped (ReadCheckViolation): what they read before it did, by the
+    # same oracle - blocked reads, never exposures (they returned nothing)
+    blocked: dict[int, list[Exposure]] = field(default_factory=dict)
 
     @property
     def readers_of_foreign(self) -> dict[int, set[int]]:
@@ -55,12 +62,25 @@ class ReplayResult:
         return out
 
     @property
+    def exposure_set(self) -> set[Exposure]:
+        """Every (response, donor, node, page, position) a served response read of others' KV."""
+        return {e for ex in self.exposures.values() for e in ex if e.donor != e.response}
+
+    @property
+    def blocked_set(self) -> set[Exposure]:
+        """The same, for what requests stopped by the read check had read before it stopped them."""
+        return {e for ex in self.blocked.values() for e in ex if e.donor != e.response}
+
+    @property
     def foreign_readers(self) -> list[Request]:
         return [r for r in self.requests if any(e.donor != r.incarnation for e in self.exposures.get(r.incarnation, []))]
 
 
 def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str, str], tenants: list[str],
-                token=lambda: secrets.token_hex(5)):
+                token=None):
+    # canaries come from the replay's seeded generator: the same --seed replays the same texts (and
+    # the same oracle verdict); a different seed gives canaries nobody can guess from another run's
+    token = token or (lambda: f"{rng.getrandbits(40):010x}")
     from pydoc_data.topics import topics
     texts = [t for t in topics.values() if len(t) > hi]
     out = []
@@ -81,10 +101,12 @@ def _background(rng: random.Random, n: int, lo: int, hi: int, canaries: dict[str
 def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0, context: int = 1024,
           victims: int = 3, background: int = 12, max_tokens: int = 96, progress=None,
           guards: Guards | None = None, store: str | None = None, flush_interval: float | None = None,
-          coalesce: bool = True, processes: bool = False) -> ReplayResult:
+          coalesce: bool = True, processes: bool = False,
+          tenants: tuple[str, ...] = ("acme", "globex", "initech")) -> ReplayResult:
     """Run the scaled incident. With ``store``, every node records spans, metrics and the page
     ledger there (protection and recording are separate: both policies record). ``processes``:
-    each prefill node is its own OS process writing into decode's pool through shared memory."""
+    each prefill node is its own OS process writing into decode's pool through shared memory.
+    ``tenants``: who sends the background traffic (the over-pool prompts are tenant umbrella's)."""
     guards = guards or Guards.policy(policy)
     if mode not in ("disaggregated", "unified"):
         raise KvledgerError(f"unknown mode {mode!r}: expected 'disaggregated' or 'unified'")
@@ -100,7 +122,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
                                             preflight="fit" if guards == Guards.policy("hardened") else "record")
     rng = random.Random(seed)
     canaries: dict[str, str] = {}
-    tenants = ["acme", "globex", "initech"]
+    tenants = list(tenants)
     traffic = _background(rng, background, small // 2, int(small * 0.95), canaries, tenants)
     long_ones = [("umbrella", _background(rng, 1, small + page, context - max_tokens - 8, {}, ["x"])[0][1])
                  for _ in range(victims)]
@@ -160,7 +182,8 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
     free = {n.cfg.node_id: (n.allocator.num_free, n.allocator.total) for n in nodes}
     balanced = all(f == t for f, t in free.values())
     exposures = {r.incarnation: oracle.exposures(r) for r in reqs if r.error is None}
-    res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced, free_pages=free)
+    res = ReplayResult(policy, mode, context, pools, reqs, over, exposures, canaries, balanced, free_pages=free,
+                       blocked=judge_blocked(oracle, reqs))
     if tel is not None:
         res.telemetry = tel.close()
     for r in reqs:

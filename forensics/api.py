@@ -26,7 +26,7 @@ SQL_DIR = Path(__file__).with_name("sql")
 # them are created then
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposures_in", "scores_in"]
-QUERIES = ["exposures", "scores", "tenant_scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
+QUERIES = ["runs", "exposures", "scores", "tenant_scores", "tenants", "ttft", "transfers", "preflight", "impact", "exploitation", "guards",
            "releases"]
 EPOCH = dt.datetime(1970, 1, 1)
 FAR = dt.datetime(2262, 1, 1)       # TIMESTAMP_NS ends in April 2262
@@ -47,9 +47,9 @@ def query_hashes() -> dict[str, str]:
 
 
 class Forensics:
-    def __init__(self, store: str | Path):
-        self.store = Path(store)
-        self.con = open_store(self.store)
+    def __init__(self, store: str | Path, run: str | None = None):
+        self.store, self.run = Path(store), run
+        self.con = open_store(self.store, run)
         self._made: set[str] = set()
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None) -> None:

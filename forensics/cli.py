@@ -232,7 +232,7 @@ def cmd_forensics(args) -> int:
 
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
-    fx = Forensics(args.store)
+    fx = Forensics(args.store, run=args.run)
     df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
     return emit(df, args.format, title=f"kvledger forensics {args.query} ({args.store})")
 
@@ -242,9 +242,10 @@ def cmd_report(args) -> int:
 
     try:
         events = [parse_event(e) for e in args.event]
+        report = build(args.store, args.start, args.end, events, args.include_excerpts, run=args.run,
+                       allow_early_awareness=args.allow_early_awareness)
     except ValueError as e:
         return _die(str(e))
-    report = build(args.store, args.start, args.end, events, args.include_excerpts)
     for p in write(report, args.out):
         print(p)
     c = report["counts"]
@@ -311,14 +312,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
+    f.add_argument("--run", metavar="BOOT", default=None,
+                   help="answer for one run only: a boot id from `kvledger forensics runs`, or a unique prefix of one "
+                        "(default: every run the store holds)")
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
     rp.add_argument("--store", default="./kvledger-store")
     rp.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     rp.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     rp.add_argument("--out", required=True, help="output directory")
+    rp.add_argument("--run", metavar="BOOT", default=None,
+                    help="report on one run only (a boot id or a unique prefix; default: every run in the store)")
     rp.add_argument("--event", action="append", default=[], metavar="'TIME WHAT'",
-                    help="an operator event for the timeline, e.g. '2026-09-01T10:00 report received' (repeatable)")
+                    help="an operator event for the timeline, e.g. '2026-09-01T10:00 report received' (repeatable; "
+                         "a time without a zone is UTC); an event naming a report, declaration or awareness starts "
+                         "the 72-hour clock")
+    rp.add_argument("--allow-early-awareness", action="store_true",
+                    help="accept an awareness event earlier than the first foreign read (refused by default: "
+                         "usually a wrong time or zone)")
     rp.add_argument("--include-excerpts", action="store_true",
                     help="add the keyed n-gram evidence per exposure (the store holds no plaintext)")
     rp.set_defaults(func=cmd_report)
@@ -326,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 FORENSIC_QUERIES = {
+    "runs": "the runs the store holds: boot id, policy, nodes, requests, exposed responses, first/last time",
     "exposures": "responses that read KV slots not written by their own chain, per donor",
     "scores": "exposure score per response (README: Exposure score)",
     "tenant_scores": "exposure score per recipient tenant and --bucket window",

@@ -62,10 +62,18 @@ def _rows(df: pl.DataFrame) -> list[dict]:
     return json.loads(json_rows(df))
 
 
+class ReportError(ValueError):
+    pass
+
+
 def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime | None = None,
-          events: list[Event] = (), include_excerpts: bool = False) -> dict:
-    fx = Forensics(store)
+          events: list[Event] = (), include_excerpts: bool = False, run: str | None = None,
+          allow_early_awareness: bool = False) -> dict:
+    if start is not None and end is not None and start > end:
+        raise ReportError(f"--from {_iso(start)} is after --to {_iso(end)}: the window would be empty")
+    fx = Forensics(store, run=run)
     v = verify(store)
+    runs = fx.query("runs")
     ex = fx.query("exposures", start, end)
     scores = fx.query("scores", start, end)
     tenants = fx.query("tenants", start, end)
@@ -75,25 +83,37 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
     ttft = fx.query("ttft", start, end)
     transfers = fx.query("transfers", start, end)
     releases = fx.query("releases", start, end)
-    real = ex.filter(pl.col("donor") != -1)
-    recipients = sorted(set(real["response_tenant"].drop_nulls()))
-    donors = sorted(set(real["donor_tenant"].drop_nulls()))
-    first = ex["first_read"].min() if ex.height else None
-    last = ex["last_read"].max() if ex.height else None
+    exposed = ex.filter(pl.col("severity") != "blocked")          # blocked reads returned nothing: no exposure
+    blocked = ex.filter(pl.col("severity") == "blocked")
+    real = exposed.filter(pl.col("donor") != -1)
+    cross = real.filter(~pl.col("same_tenant"))                    # another customer's KV
+    own = real.filter(pl.col("same_tenant"))                       # the tenant's own other requests' KV
+    recipients = sorted(set(cross["response_tenant"].drop_nulls()))
+    donors = sorted(set(cross["donor_tenant"].drop_nulls()))
+    first = exposed["first_read"].min() if exposed.height else None
+    last = exposed["last_read"].max() if exposed.height else None
     notify = []
     for t in donors:
-        rows = real.filter(pl.col("donor_tenant") == t)
+        rows = cross.filter(pl.col("donor_tenant") == t)
         notify.append({"tenant": t, "role": "donor", "responses": rows["response"].n_unique(),
                        "statement": f"Your data was exposed to {rows['response'].n_unique()} response(s) of other "
                                     f"customers ({int(rows['foreign_tokens'].sum())} tokens of KV cache)."})
     for t in recipients:
-        rows = real.filter(pl.col("response_tenant") == t)
+        rows = cross.filter(pl.col("response_tenant") == t)
         notify.append({"tenant": t, "role": "recipient", "responses": rows["response"].n_unique(),
                        "statement": f"{rows['response'].n_unique()} of your responses were computed over other "
                                     f"customers' data ({int(rows['foreign_tokens'].sum())} tokens); their content "
                                     f"may not reflect your prompt."})
-    timeline = [{"time": _iso(r["snapshot_at"]), "source": "store", "event": f"node {r['node']} started: pool "
-                 f"{r['pool_tokens']} tokens vs context {r['advertised_context']} ({r['preflight_action']}), policy {r['policy']}"}
+    for t in sorted(set(own["response_tenant"].drop_nulls())):
+        rows = own.filter(pl.col("response_tenant") == t)
+        notify.append({"tenant": t, "role": "same-tenant", "responses": rows["response"].n_unique(),
+                       "statement": f"{rows['response'].n_unique()} of your responses were computed over KV cache of "
+                                    f"{rows['donor'].n_unique()} other request(s) of your own "
+                                    f"({int(rows['foreign_tokens'].sum())} tokens): no other customer's data was "
+                                    f"involved, but those responses may mix content of your different requests."})
+    timeline = [{"time": _iso(r["snapshot_at"]), "source": "store", "event": f"node {r['node']} (run {r['boot']}) "
+                 f"started: pool {r['pool_tokens']} tokens vs context {r['advertised_context']} "
+                 f"({r['preflight_action']}), policy {r['policy']}"}
                 for r in pre.iter_rows(named=True)]
     if first is not None:
         timeline.append({"time": _iso(first), "source": "store", "event": "first foreign KV read"})
@@ -102,18 +122,28 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
     timeline.sort(key=lambda e: e["time"])
     aware = min((e.time for e in events if any(k in e.what.lower() for k in ("report", "declared", "aware"))),
                 default=None)
-    clock = {"became_aware": aware.isoformat() if aware else None,
-             "deadline": (aware + dt.timedelta(hours=72)).isoformat() if aware else None,
+    if aware is not None and first is not None and aware < first and not allow_early_awareness:
+        raise ReportError(f"awareness event at {_iso(aware)} is before the first foreign read ({_iso(first)}): "
+                          "nobody can become aware of a breach before it happens; check the event's time and zone "
+                          "(times without a zone are UTC), or pass --allow-early-awareness if it is right")
+    clock = {"became_aware": _iso(aware),
+             "deadline": _iso(aware + dt.timedelta(hours=72)) if aware else None,
              "note": "GDPR Art. 33(1): notify the supervisory authority within 72 hours of becoming aware"}
     small_pools = [r for r in pre.iter_rows(named=True) if not r["pool_fits_context"]]
     report = {
         "title": "KV cache cross-request exposure - disclosure report",
-        "generated_at": dt.datetime.now(dt.timezone.utc).replace(tzinfo=None).isoformat(timespec="seconds"),
+        "generated_at": _iso(dt.datetime.now(dt.timezone.utc).replace(tzinfo=None, microsecond=0)),
+        "runs": _rows(runs),
         "window": {"from": _iso(start), "to": _iso(end), "first_exposure": _iso(first), "last_exposure": _iso(last)},
         "what_happened": {
             "summary": (f"{scores.height} response(s) read KV cache slots written by other requests "
                         f"({int(real['foreign_tokens'].sum()) if real.height else 0} tokens from "
-                        f"{real['donor'].n_unique() if real.height else 0} donor request(s)). "
+                        f"{real['donor'].n_unique() if real.height else 0} donor request(s); "
+                        f"{cross['response'].n_unique()} of them read another customer's KV, "
+                        f"{own.filter(~pl.col('response').is_in(cross['response'].implode()))['response'].n_unique()} "
+                        f"only their own tenant's). "
+                        + (f"The read check stopped {blocked['response'].n_unique()} more before they returned "
+                           "anything (blocked: not an exposure). " if blocked.height else "")
                         + (f"{len(small_pools)} node(s) had a KV pool smaller than the context length "
                            f"({', '.join(r['node'] for r in small_pools)}): prompts longer than the pool took a "
                            "reject path that let decode attend over pages it had reserved but never received."
@@ -125,6 +155,10 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
         "counts": {"affected_responses": scores.height,
                    "surfaced_responses": int(scores["surfaced"].sum()) if scores.height else 0,
                    "recipient_tenants": len(recipients), "donor_tenants": len(donors),
+                   "cross_tenant_responses": cross["response"].n_unique(),
+                   "same_tenant_only_responses": own.filter(
+                       ~pl.col("response").is_in(cross["response"].implode()))["response"].n_unique(),
+                   "blocked_responses": blocked["response"].n_unique(),
                    "donor_requests": real["donor"].n_unique() if real.height else 0,
                    "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
                    "usage_dishonest_responses": int(ttft["usage_dishonest"].sum()) if ttft.height else 0,
@@ -141,7 +175,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
         "clock_72h": clock,
         "remediation": {"guards": _rows(guards), "releases": _rows(releases), "upstream_fixes": UPSTREAM},
         "recommendations": RECOMMENDATIONS,
-        "provenance": {"store": str(store), "chain_ok": v.ok, "chain_head": v.head, "segments": v.segments,
+        "provenance": {"store": str(store), "run": run, "chain_ok": v.ok, "chain_head": v.head, "segments": v.segments,
                        "rows": v.rows, "first_broken_link": v.broken, "kvledger_version": _version(),
                        "query_sha256": query_hashes()},
     }
@@ -154,7 +188,14 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
 
 
 def _iso(t) -> str | None:
-    return None if t is None else t.isoformat() if hasattr(t, "isoformat") else str(t)
+    """Times are UTC everywhere in the store and the report; written with the zone (Z)."""
+    if t is None:
+        return None
+    if isinstance(t, dt.datetime):
+        if t.tzinfo is not None:
+            t = t.astimezone(dt.timezone.utc).replace(tzinfo=None)
+        return t.isoformat() + "Z"
+    return t.isoformat() if hasattr(t, "isoformat") else str(t)
 
 
 def _version() -> str:
@@ -177,8 +218,10 @@ def markdown(r: dict) -> str:
     c, w, p = r["counts"], r["window"], r["provenance"]
     return f"""# {r['title']}
 
-Generated {r['generated_at']} UTC by kvledger {p['kvledger_version']}.
+Generated {r['generated_at']} by kvledger {p['kvledger_version']}. All times are UTC.
 
+## Runs covered
+{_md_table(r['runs'], ['boot', 'policy', 'nodes', 'requests', 'exposed_responses', 'started_at', 'last_seen'])}
 ## What happened and why
 {r['what_happened']['summary']}
 
@@ -196,8 +239,11 @@ First foreign read: {w['first_exposure'] or '-'}; last: {w['last_exposure'] or '
 | --- | --- |
 | affected responses | {c['affected_responses']} |
 | responses where donor content surfaced | {c['surfaced_responses']} |
-| recipient tenants | {c['recipient_tenants']} |
-| donor tenants | {c['donor_tenants']} |
+| ... of another customer's KV | {c['cross_tenant_responses']} |
+| ... of their own tenant's other requests only | {c['same_tenant_only_responses']} |
+| stopped by the read check (blocked, not exposed) | {c['blocked_responses']} |
+| recipient tenants (cross-tenant) | {c['recipient_tenants']} |
+| donor tenants (cross-tenant) | {c['donor_tenants']} |
 | donor requests | {c['donor_requests']} |
 | foreign KV tokens read | {c['foreign_tokens']} |
 | responses billed for more prompt than was prefilled | {c['usage_dishonest_responses']} |

@@ -176,8 +176,8 @@ def _otlp_processor() -> SpanProcessor | None:
 class _Node:
     def __init__(self, tel: "Telemetry", engine):
         node = engine.cfg.node_id
-        res = Resource.create({"service.name": tel.service, "service.instance.id": node, "kvledger.node": node,
-                               "kvledger.role": engine.cfg.role})
+        res = Resource.create({"service.name": tel.service, "service.instance.id": f"{node}@{tel.boot}",
+                               "kvledger.node": node, "kvledger.boot": tel.boot, "kvledger.role": engine.cfg.role})
         self.metric_reader = PeriodicExportingMetricReader(StoreMetricExporter(tel.writer, node),
                                                            export_interval_millis=tel.metric_interval * 1e3)
         self.meters = MeterProvider(resource=res, metric_readers=[self.metric_reader])
@@ -224,13 +224,16 @@ class Telemetry(Recorder):
     def __init__(self, store: str | Path, *, policy: str = "", guards: dict[str, bool] | None = None,
                  isolation_level: str = "tenant", model_name: str = "", service: str = "kvledger",
                  flush_interval: float | None = None, span_queue_size: int = 8192, metric_interval: float = 5.0,
-                 record_ledger: bool = True, coalesce: bool = True):
+                 record_ledger: bool = True, coalesce: bool = True, boot: str | None = None):
         from importlib.metadata import PackageNotFoundError, version
         try:
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
-        self.writer = SegmentWriter(store, flush_interval=FLUSH_INTERVAL if flush_interval is None else flush_interval)
+        self.writer = SegmentWriter(store, flush_interval=FLUSH_INTERVAL if flush_interval is None else flush_interval,
+                                    boot=boot)
+        # this start of the deployment: every row it writes carries it (store.py fills the column)
+        self.boot = self.writer.boot
         self.keys: Keys = self.writer.keys
         self.policy, self.guards, self.isolation_level = policy, guards, isolation_level
         self.model_name, self.service = model_name, service
@@ -405,7 +408,7 @@ class Telemetry(Recorder):
             n.meters.force_flush()
             n.meters.shutdown()
         self.writer.close()
-        return {"spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
+        return {"boot": self.boot, "spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
                 "spans_dropped": self.spans_ended - self.spans_exported, "segments": self.writer.segments_written,
                 "rows": dict(self.writer.rows_written)}
 

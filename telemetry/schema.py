@@ -31,10 +31,15 @@ def empty(table: str) -> pa.Table:
     return arrow_schemas()[table].empty_table()
 
 
-def conform(table: str, data: pa.Table) -> pa.Table:
-    """Cast to the schema's types and column order (dictionary -> string etc., done in C++)."""
+def conform(table: str, data: pa.Table, fill: dict | None = None) -> pa.Table:
+    """Cast to the schema's types and column order (dictionary -> string etc., done in C++).
+    ``fill``: constants for columns the producer left out (the writer's ``boot``)."""
     schema = arrow_schemas()[table]
     have = set(data.column_names)
+    for name, value in (fill or {}).items():
+        if name in schema.names and name not in have:
+            data = data.append_column(name, pa.array([value] * data.num_rows, schema.field(name).type))
+            have.add(name)
     missing = [f.name for f in schema if f.name not in have]
     if missing:
         raise ValueError(f"{table}: missing columns {missing}")

@@ -4,6 +4,10 @@
 -- Logical order: `lclock` is a per-node counter bumped by every engine step and every transfer
 -- landing on that node; joins and ordering use it (and `step`, transfer `seq`), never wall
 -- clocks, which are for people (`ts`, unix nanoseconds as TIMESTAMP_NS).
+-- Runs: `boot` names one start of a deployment (16 hex chars, new at every start, unique across
+-- restarts and machines; '' in stores written before it). Node names, page numbers and logical
+-- counters restart with every boot, so every join and ordering keys on (node, boot); a store
+-- holding many runs answers the union of each run's answer. Incarnation ids are unique across boots.
 -- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
 -- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
 
@@ -14,6 +18,7 @@
 -- slots per row instead of one.)
 CREATE TABLE page_writes (
     node        VARCHAR NOT NULL,
+    boot        VARCHAR NOT NULL,     -- the run (see the top of this file)
     lclock      BIGINT NOT NULL,
     ts          TIMESTAMP_NS NOT NULL,
     page        INTEGER NOT NULL,     -- page index in that node's pool (host tier: host page)
@@ -37,6 +42,7 @@ CREATE TABLE page_writes (
 -- slots_read > slots_first, else slots_read; found_writers holds what every read found there.
 CREATE TABLE page_reads (
     node            VARCHAR NOT NULL,
+    boot            VARCHAR NOT NULL,
     reader          BIGINT NOT NULL,  -- reader request incarnation
     scope_h         VARCHAR,          -- the reader's cache scope (keyed)
     page            INTEGER NOT NULL,
@@ -67,6 +73,7 @@ CREATE TABLE transfers (
     seq             BIGINT NOT NULL,  -- transfer sequence number on the source node
     incarnation     BIGINT NOT NULL,
     src_node        VARCHAR NOT NULL,
+    boot            VARCHAR NOT NULL,  -- the run of both nodes (a deployment starts its nodes together)
     dst_node        VARCHAR NOT NULL,
     reserved_slots  INTEGER[] NOT NULL,  -- logical positions decode reserved
     sent_slots      INTEGER[] NOT NULL,  -- logical positions prefill sent
@@ -89,6 +96,7 @@ CREATE TABLE transfers (
 -- One row per page-set release.
 CREATE TABLE releases (
     node        VARCHAR NOT NULL,
+    boot        VARCHAR NOT NULL,
     incarnation BIGINT NOT NULL,
     pages       INTEGER[] NOT NULL,
     kind        VARCHAR NOT NULL,     -- immediate | deferred
@@ -101,6 +109,7 @@ CREATE TABLE releases (
 -- One row per node at start (and whenever its configuration changes).
 CREATE TABLE config_snapshots (
     node            VARCHAR NOT NULL,
+    boot            VARCHAR NOT NULL,
     role            VARCHAR NOT NULL,
     ts              TIMESTAMP_NS NOT NULL,
     pool_tokens     BIGINT NOT NULL,
@@ -141,6 +150,7 @@ CREATE TABLE spans (
     "Links.SpanId"     VARCHAR[] NOT NULL,
     incarnation        BIGINT,
     node               VARCHAR,
+    boot               VARCHAR,           -- the run (kvledger.boot resource attribute)
     operation          VARCHAR,           -- request | admission | prefill | kv_transfer | decode
     tenant_h           VARCHAR,
     scope_h            VARCHAR,
@@ -158,6 +168,7 @@ CREATE TABLE spans (
 CREATE TABLE metrics (
     ts              TIMESTAMP_NS NOT NULL,
     node            VARCHAR NOT NULL,
+    boot            VARCHAR NOT NULL,
     name            VARCHAR NOT NULL,
     kind            VARCHAR NOT NULL,     -- sum | gauge | histogram
     attributes      MAP(VARCHAR, VARCHAR) NOT NULL,

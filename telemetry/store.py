@@ -195,8 +195,12 @@ class SegmentWriter:
     """
 
     def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
-                 queue_size: int = 256):
+                 queue_size: int = 256, boot: str | None = None):
+        from engine.request import new_boot_id
         self.root = Path(root)
+        # the run this writer records: every row of a table with a ``boot`` column that its producer
+        # did not label gets it (node names and logical clocks restart with every boot)
+        self.boot = boot or new_boot_id()
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"store path {self.root} exists and is not a directory")
         (self.root / "chain").mkdir(parents=True, exist_ok=True)
@@ -360,9 +364,10 @@ class SegmentWriter:
         """Write the table's buffered rows as one segment (encoded in memory and hashed there, then
         temp file, fsync, rename); the caller links it."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
-        tables = [conform(table, b) for b in self._buf[table] if isinstance(b, pa.Table)]
+        fill = {"boot": self.boot}
+        tables = [conform(table, b, fill) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
-            tables.append(conform(table, columns_to_arrow(raw)))
+            tables.append(conform(table, columns_to_arrow(raw), fill))
         data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
         seq = self._seq
         rel = f"segments/{table}/{seq:09d}.parquet"
@@ -381,8 +386,10 @@ class SegmentWriter:
 
 
 # ---- readers ---------------------------------------------------------------------------------
-def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with one view per table over the chained segments (read-only use)."""
+def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with one view per table over the chained segments (read-only use).
+    ``run``: a boot id, or a unique prefix of one: every table with a ``boot`` column shows that
+    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole)."""
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
@@ -394,9 +401,10 @@ def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
         if link.table in by_table and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
     schemas = arrow_schemas()
+    rels = {}
     for table, files in by_table.items():
         if not files:
-            con.from_arrow(empty(table)).create_view(table)
+            rels[table] = con.from_arrow(empty(table))
             continue
         # Segments written by an older schema lack the columns added since: read by name, and
         # give every column of today's schema (NULL where a segment did not have it), so an old
@@ -406,8 +414,33 @@ def open_store(root: str | Path) -> duckdb.DuckDBPyConnection:
         cols = [duckdb.ColumnExpression(f.name) if f.name in have else
                 duckdb.ConstantExpression(None).cast(_duck_type(con, table, f.name)).alias(f.name)
                 for f in schemas[table]]
-        rel.select(*cols).create_view(table)
+        if "boot" in schemas[table].names:      # rows written before runs had ids: one run, ''
+            cols[schemas[table].names.index("boot")] = duckdb.CoalesceOperator(
+                duckdb.ColumnExpression("boot") if "boot" in have else duckdb.ConstantExpression(None).cast("VARCHAR"),
+                duckdb.ConstantExpression("")).alias("boot")
+        rels[table] = rel.select(*cols)
+    if run is not None:
+        boot = resolve_run(rels["config_snapshots"], run)
+        for table, rel in rels.items():
+            if "boot" in schemas[table].names:
+                rels[table] = rel.filter(duckdb.ColumnExpression("boot") == duckdb.ConstantExpression(boot))
+    for table, rel in rels.items():
+        rel.create_view(table)
     return con
+
+
+def resolve_run(config_snapshots: duckdb.DuckDBPyRelation, run: str) -> str:
+    """The boot id a user named by a unique prefix (as git names commits)."""
+    boots = sorted({r[0] for r in config_snapshots.select(duckdb.ColumnExpression("boot")).fetchall()})
+    hits = [b for b in boots if b.startswith(run)] if run else [b for b in boots if b == ""]
+    if len(hits) == 1:
+        return hits[0]
+    listed = ", ".join(b or "''" for b in boots[:8]) + (" ..." if len(boots) > 8 else "")
+    if not hits:
+        raise StoreError(f"--run {run!r}: no run with that boot id in this store (it holds {len(boots)}: {listed}; "
+                         "see `kvledger forensics runs`)")
+    raise StoreError(f"--run {run!r} is ambiguous: it starts {len(hits)} boot ids ({', '.join(hits[:8])}); "
+                     "give more characters")
 
 
 def _duck_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> duckdb.typing.DuckDBPyType:

@@ -2,6 +2,7 @@
 (response, donor incarnation, node, page, position) sets equal - precision and recall 1.0."""
 from __future__ import annotations
 
+import datetime as dt
 import json
 import shutil
 
@@ -127,8 +128,9 @@ def test_a_store_copy_is_enough(glm53_vulnerable, tmp_path):
 def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulnerable, tmp_path, capsys):
     res, store = glm53_vulnerable
     out = tmp_path / "report"
+    aware = (dt.datetime.now(dt.timezone.utc) + dt.timedelta(hours=1)).replace(tzinfo=None, microsecond=0)
     assert main(["report", "--store", str(store), "--out", str(out),
-                 "--event", "2026-09-01T10:00 report received from a customer"]) == 0
+                 "--event", f"{aware.isoformat()} report received from a customer"]) == 0
     rep = json.loads((out / "report.json").read_text())                 # validated against the schema on write
     truth = oracle_set(res)
     assert rep["counts"]["affected_responses"] == len({t[0] for t in truth})
@@ -136,7 +138,9 @@ def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulner
     assert rep["counts"]["foreign_tokens"] == len({(t[0], t[1], t[2], t[4]) for t in truth if t[1] != -1})
     assert rep["counts"]["usage_dishonest_responses"] == len(res.over_pool)
     assert rep["provenance"]["chain_ok"] and len(rep["provenance"]["query_sha256"]) >= 10
-    assert rep["clock_72h"]["deadline"].startswith("2026-09-04T10:00")
+    assert rep["clock_72h"]["deadline"] == (aware + dt.timedelta(hours=72)).isoformat() + "Z"
+    assert rep["generated_at"].endswith("Z") and all(e["time"].endswith("Z") for e in rep["timeline"])
+    assert [r["policy"] for r in rep["runs"]] == ["vulnerable"] and "## Runs covered" in (out / "report.md").read_text()
     assert {r["incarnation"] for r in rep["what_happened"]["over_pool_requests"]} == {r.incarnation for r in res.over_pool}
     surfaced = {r["response"] for r in rep["responses"] if r["surfaced"]}
     assert {inc for inc, _, _ in res.surfaced} <= surfaced      # every canary that surfaced is flagged
@@ -146,6 +150,27 @@ def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulner
     assert "<table>" in (out / "report.html").read_text()
     assert main(["report", "--store", str(store), "--out", str(out), "--event", "yesterday lunch"]) == 2
     assert "expected 'ISO-TIME what happened'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,error", [
+    (["--event", "2026-09-01T10:00 report received"], "is before the first foreign read"),
+    (["--event", "2026-09-01T10:00+02:00 declared an incident"], "is before the first foreign read"),
+    (["--from", "2026-09-02T00:00", "--to", "2026-09-01T00:00"], "is after --to"),
+    (["--run", "ffffffffffffffff"], "no run with that boot id"),
+])
+def test_report_refuses_a_clock_or_window_that_cannot_be_true(glm53_vulnerable, tmp_path, capsys, args, error):
+    _, store = glm53_vulnerable
+    assert main(["report", "--store", str(store), "--out", str(tmp_path / "r"), *args]) == 2
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "r").exists(), "nothing is written on a refused report"
+
+
+def test_an_early_awareness_time_is_accepted_when_forced(glm53_vulnerable, tmp_path):
+    _, store = glm53_vulnerable
+    assert main(["report", "--store", str(store), "--out", str(tmp_path / "r"), "--allow-early-awareness",
+                 "--event", "2026-09-01T10:00+02:00 report received"]) == 0
+    rep = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert rep["clock_72h"]["became_aware"] == "2026-09-01T08:00:00Z"      # written in UTC, zone named
 
 
 def test_scores_add_up_per_tenant_and_window(glm53_vulnerable, capsys):

@@ -75,7 +75,31 @@ def test_scope_is_derived_server_side_and_bad_settings_are_refused():
         eng.new_request("hello", SP, "acme")
     assert eng.allocator.num_free == eng.allocator.total
     r = eng.new_request("hello", SP, "acme", user="tenant:globex")    # a hostile user id stays inside acme
-    assert r.scope == "user:acme/tenant:globex"
+    assert r.scope == '["user","acme","tenant:globex"]'
+
+
+# Names a tenant chooses can never forge another scope (issue 16): each case is two requests whose
+# names once built the same scope string; they must get different scopes and never share a page.
+@pytest.mark.parametrize("level,a,b", [
+    ("org", ("acme-corp", ""), ("acme", "")),                  # unmapped tenant named like org acme-corp
+    ("user", ("acme", "bob/carol"), ("acme/bob", "carol")),    # the separator inside a name
+    ("user", ("acme", 'x","y'), ('acme","x', "y")),            # quotes inside a name
+    ("tenant", ("a", ""), ("a\u0000", "")),
+])
+def test_no_choice_of_names_forges_another_scope(level, a, b):
+    eng = engine(prefix_cache=True, isolation_level=level, orgs={"acme": "acme-corp"})
+    reqs = run(eng, [(a[0], a[1], SYSTEM + QUESTIONS[0]), (b[0], b[1], SYSTEM + QUESTIONS[0])])
+    assert reqs[0].scope != reqs[1].scope
+    assert reqs[1].cached_tokens == 0, "identical tokens, different scopes: nothing may be shared"
+
+
+def test_a_client_salt_narrows_a_scope_and_never_crosses_one():
+    eng = engine(prefix_cache=True)
+    plain = eng.new_request("hello", SP, "acme")
+    salted = eng.new_request("hello", SP, "acme", cache_salt="s1")
+    forged = eng.new_request("hello", SP, "globex", cache_salt='"]["tenant","acme')
+    assert len({plain.scope, salted.scope, forged.scope}) == 3
+    assert salted.scope.startswith(plain.scope[:-1]) and forged.scope.startswith('["tenant","globex"')
 
 
 def test_a_cached_page_handed_to_someone_else_is_never_a_hit():

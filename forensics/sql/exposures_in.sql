@@ -1,25 +1,34 @@
 -- Table macro exposures_in(t0, t1): one row per (response incarnation, donor incarnation): what
 -- the response read of the donor's KV - pages, foreign tokens (slots), attention mass on those
--- pages (summed over read steps), decode steps, first/last time, both sides' tenants (pseudonyms)
--- and severity: 'surfaced' when the response's output shares a keyed n-gram with the donor's
--- prompt (exposure_ngrams), else 'read'. Window: failing reads whose first time is in [t0, t1].
+-- pages (summed over read steps), decode steps, first/last time, both sides' tenants (pseudonyms),
+-- whether the two are one tenant (same_tenant: a cross-request, not a cross-tenant, exposure) and
+-- the evidence level (README "Evidence levels"):
+--   blocked   the read check stopped the response (ReadCheckViolation): it returned nothing, so
+--             it is never an exposure (scores and tenant counts leave it out)
+--   surfaced  the response's output holds an n-gram of the donor's prompt that is neither in its own
+--             prompt nor common across the store (exposure_ngrams.sql)
+--   read      it attended over the donor's slots
+-- Window: failing reads whose first time is in [t0, t1].
 CREATE OR REPLACE MACRO exposures_in(t0, t1) AS TABLE
 WITH e AS (
     SELECT * FROM exposure_slots WHERE ts_first BETWEEN t0 AND t1
 ),
 runs AS (   -- mass is per read run and page, not per slot: count each run once
-    SELECT DISTINCT response, donor, node, page, block_index, lclock_first, attention_mass FROM e
+    SELECT DISTINCT response, donor, node, boot, page, block_index, lclock_first, attention_mass FROM e
 ),
 mass AS (
-    SELECT response, donor, sum(attention_mass) AS attention_mass FROM runs GROUP BY ALL
+    SELECT response, donor, fsum(attention_mass) AS attention_mass FROM runs GROUP BY ALL
 )
 SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_tenant,
+       coalesce(r.tenant_h = d.tenant_h, false) AS same_tenant,
+       any_value(e.boot) AS boot,
        list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
-       count(DISTINCT (e.node, e.page)) AS pages,
+       count(DISTINCT (e.node, e.boot, e.page)) AS pages,
        list(DISTINCT e.node || ':' || e.page::VARCHAR ORDER BY e.node || ':' || e.page::VARCHAR) AS node_pages,
-       count(DISTINCT (e.node, e.position)) AS foreign_tokens,
+       count(DISTINCT (e.node, e.boot, e.position)) AS foreign_tokens,
        any_value(m.attention_mass) AS attention_mass,
-       CASE WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,
+       CASE WHEN any_value(r.error_type) = 'ReadCheckViolation' THEN 'blocked'
+            WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,
        coalesce(any_value(s.shared_ngrams), 0) AS shared_ngrams,
        min(e.step_first) AS first_step, max(e.step_last) AS last_step,
        min(e.ts_first) AS first_read, max(e.ts_last) AS last_read

@@ -2,12 +2,12 @@
 -- node) and the checks it ran (latest cumulative metric point per node, summed).
 -- idle_but_on: a guard that is on and ran zero checks - protection that is not happening.
 WITH cfg AS (
-    SELECT node, unnest(map_keys(guards)) AS guard, unnest(map_values(guards)) AS enabled
+    SELECT node, boot, unnest(map_keys(guards)) AS guard, unnest(map_values(guards)) AS enabled
     FROM config_snapshots
-    QUALIFY row_number() OVER (PARTITION BY node ORDER BY ts DESC) = 1
+    QUALIFY row_number() OVER (PARTITION BY node, boot ORDER BY ts DESC) = 1
 ),
 pts AS (
-    SELECT node, attributes['kvledger.guard'] AS guard, attributes['result'] AS result, arg_max(value, ts) AS checks
+    SELECT node, boot, attributes['kvledger.guard'] AS guard, attributes['result'] AS result, arg_max(value, ts) AS checks
     FROM metrics WHERE name = 'kvledger.guard.checks' GROUP BY ALL
 ),
 g AS (

@@ -1,16 +1,16 @@
 -- The predicate that found the 155 when nothing else was recorded: every response in
 -- [$from, $to] whose billed prompt tokens exceed the KV pool of the node that prefilled it.
 WITH prefill_node AS (   -- disaggregated: the transfer's source; unified: the node itself
-    SELECT r.incarnation, coalesce(t.src_node, r.node) AS prefill_node
+    SELECT r.incarnation, r.boot, coalesce(t.src_node, r.node) AS prefill_node
     FROM requests r LEFT JOIN transfers t USING (incarnation)
 ),
 pool AS (
-    SELECT node, arg_max(pool_tokens, ts) AS pool_tokens FROM config_snapshots GROUP BY node
+    SELECT node, boot, arg_max(pool_tokens, ts) AS pool_tokens FROM config_snapshots GROUP BY node, boot
 )
 SELECT r.incarnation, r.tenant_h, r.arrived_at, p.prefill_node, r.prompt_tokens_billed, pool.pool_tokens,
        r.prompt_tokens_prefilled, r.finish_reason, r.error_type, r.error IS NOT NULL AND r.error <> '' AS errored
 FROM requests r
 JOIN prefill_node p USING (incarnation)
-JOIN pool ON pool.node = p.prefill_node
+JOIN pool ON pool.node = p.prefill_node AND pool.boot = p.boot
 WHERE r.prompt_tokens_billed > pool.pool_tokens AND r.arrived_at BETWEEN $from AND $to
-ORDER BY r.arrived_at
+ORDER BY r.arrived_at, r.incarnation

@@ -1,9 +1,9 @@
 -- Per node, its latest configuration snapshot: KV pool capacity in tokens against the advertised
 -- context length (pool_fits_context false = a prompt can be longer than the pool: the incident's
 -- precondition), policy, guards and isolation level; plus every earlier snapshot count.
-SELECT node, role, pool_tokens, advertised_context, context_length AS served_context,
+SELECT node, boot, role, pool_tokens, advertised_context, context_length AS served_context,
        round(pool_tokens / advertised_context, 4) AS pool_over_context, pool_fits_context, preflight_action, policy, guards, isolation_level, model, kvledger_version, ts AS snapshot_at,
-       count(*) OVER (PARTITION BY node) AS snapshots
+       count(*) OVER (PARTITION BY node, boot) AS snapshots
 FROM config_snapshots
-QUALIFY row_number() OVER (PARTITION BY node ORDER BY ts DESC) = 1
-ORDER BY pool_fits_context, node
+QUALIFY row_number() OVER (PARTITION BY node, boot ORDER BY ts DESC) = 1
+ORDER BY pool_fits_context, node, snapshot_at, boot

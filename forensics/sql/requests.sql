@@ -1,5 +1,5 @@
 -- One row per request incarnation, from its root span (hot fields are typed columns).
-SELECT incarnation, any_value(node) AS node, any_value(tenant_h) AS tenant_h, any_value(scope_h) AS scope_h,
+SELECT incarnation, any_value(node) AS node, any_value(boot) AS boot, any_value(tenant_h) AS tenant_h, any_value(scope_h) AS scope_h,
        any_value("Timestamp") AS arrived_at, any_value("Timestamp" + to_microseconds(("Duration" // 1000)::BIGINT)) AS finished_at,
        any_value(input_tokens) AS prompt_tokens_billed, any_value(prefilled_tokens) AS prompt_tokens_prefilled,
        any_value(cached_tokens) AS prompt_tokens_cached, any_value(output_tokens) AS output_tokens,

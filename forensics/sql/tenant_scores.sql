@@ -5,4 +5,4 @@ SELECT time_bucket(to_seconds($bucket_s::BIGINT), first_read) AS window_start, t
        sum(foreign_tokens)::BIGINT AS foreign_tokens, sum(score)::BIGINT AS score
 FROM scores_in($from, $to)
 GROUP BY ALL
-ORDER BY window_start, score DESC
+ORDER BY window_start, score DESC, tenant

@@ -20,4 +20,4 @@ SELECT transfer_id, seq, incarnation, src_node, dst_node,
        landed_is_reserved AND coalesce(checksum_ok, true) AS integrity_ok,
        ts_submit, ts_landed, (epoch_ns(ts_landed) - epoch_ns(ts_submit)) / 1e6 AS transfer_ms
 FROM t
-ORDER BY ts_submit
+ORDER BY ts_submit, transfer_id, incarnation

@@ -30,4 +30,4 @@ SELECT r.incarnation, r.node, r.tenant_h, r.prompt_tokens_billed, r.prompt_token
        r.prompt_tokens_billed > r.prompt_tokens_prefilled + coalesce(r.prompt_tokens_cached, 0) AS usage_dishonest,
        r.finish_reason, r.arrived_at
 FROM r, rate
-ORDER BY usage_dishonest DESC, below_floor DESC, r.arrived_at
+ORDER BY usage_dishonest DESC, below_floor DESC, r.arrived_at, r.incarnation

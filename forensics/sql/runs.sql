@@ -1,0 +1,26 @@
+-- The runs a store holds: one row per boot (a start of a deployment), oldest first: its nodes
+-- and their roles, the policy and isolation level they ran under, the requests it served, how
+-- many responses read foreign KV (blocked reads aside), and its first and last recorded times.
+-- `--run BOOT` on any query (or a unique prefix of it) answers for that run alone.
+WITH cfg AS (
+    SELECT boot, list(DISTINCT node || ' (' || role || ')' ORDER BY node || ' (' || role || ')') AS nodes,
+           string_agg(DISTINCT policy, ',' ORDER BY policy) AS policy,
+           string_agg(DISTINCT isolation_level, ',' ORDER BY isolation_level) AS isolation_level,
+           any_value(model ORDER BY ts) AS model, min(ts) AS started_at
+    FROM config_snapshots GROUP BY boot
+),
+req AS (
+    SELECT boot, count(*) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
+    FROM requests GROUP BY boot
+),
+exposed AS (
+    SELECT boot, count(DISTINCT response) AS responses_reading_foreign_kv
+    FROM exposure_slots
+    WHERE response NOT IN (SELECT incarnation FROM requests WHERE error_type = 'ReadCheckViolation')
+    GROUP BY boot
+)
+SELECT cfg.boot, cfg.policy, cfg.nodes, cfg.isolation_level, cfg.model,
+       coalesce(req.requests, 0) AS requests, coalesce(exposed.responses_reading_foreign_kv, 0) AS exposed_responses,
+       cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen
+FROM cfg LEFT JOIN req USING (boot) LEFT JOIN exposed USING (boot)
+ORDER BY cfg.started_at, cfg.boot
