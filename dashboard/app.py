@@ -100,6 +100,8 @@ def live() -> None:
         _T0 = time.perf_counter()
     p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap)
     p.prefetch()
+    if p.fx.unverified_note:
+        st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon="🚨")
     t = p.totals()
     cols = st.columns(6)
     for c, (label, key) in zip(cols, [("Affected responses", "affected_responses"), ("Surfaced", "surfaced_responses"),

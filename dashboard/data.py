@@ -21,6 +21,9 @@ class Filters:
     policy: str | None = None
 
 
+# segment hashes this dashboard process has computed: (path, size, mtime, inode) -> sha256
+_HASHES: dict = {}
+
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight")
 
@@ -33,7 +36,9 @@ class Panels:
         the store once; filters other than the window apply afterwards, in polars)."""
         self.f = f
         if same_snapshot_as is None:
-            self.fx, self._memo = Forensics(store), {}
+            # verified on every snapshot, incrementally (segments already hashed are not hashed again);
+            # a store that does not verify is still shown, under the banner unverified_note names
+            self.fx, self._memo = Forensics(store, allow_unverified=True, hashes=_HASHES), {}
         else:
             self.fx, self._memo = same_snapshot_as.fx, same_snapshot_as._memo
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from telemetry.store import open_store
+from telemetry.store import StoreError, open_store, verify
 
 SQL_DIR = Path(__file__).with_name("sql")
 # tables the queries build on, materialised once per connection (a snapshot of the store) on first
@@ -47,8 +47,17 @@ def query_hashes() -> dict[str, str]:
 
 
 class Forensics:
-    def __init__(self, store: str | Path, run: str | None = None):
+    def __init__(self, store: str | Path, run: str | None = None, *, allow_unverified: bool = False,
+                 anchor: str | Path | None = None, hashes: dict | None = None):
+        """Verify the store first (its signed chain, and its anchor when one is found) and refuse a
+        store that does not verify, unless ``allow_unverified`` - then ``self.verdict`` says so and
+        every output must (``unverified_note``). ``hashes``: a long-lived reader's segment hash
+        cache, so a growing store is verified incrementally."""
         self.store, self.run = Path(store), run
+        self.verdict = verify(self.store, anchor, hashes=hashes)
+        if not self.verdict.ok and not allow_unverified:
+            raise StoreError(f"store {self.store} does not verify: {self.verdict.broken}; refusing to answer "
+                             "(--allow-unverified answers anyway, and says so in every output)")
         self.con = open_store(self.store, run)
         self._made: set[str] = set()
 
@@ -94,6 +103,13 @@ class Forensics:
         with ThreadPoolExecutor(workers) as pool:
             futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params) for n, t in texts.items()}
             return {n: f.result() for n, f in futs.items()}
+
+    @property
+    def unverified_note(self) -> str | None:
+        """What every output must say when it was computed on a store that did not verify."""
+        if self.verdict.ok:
+            return None
+        return f"UNVERIFIED STORE - {self.verdict.broken}; these answers may be wrong or incomplete"
 
     def exposure_slots(self) -> pl.DataFrame:
         self.materialise()

@@ -215,14 +215,17 @@ def cmd_dashboard(args) -> int:
 def cmd_verify(args) -> int:
     from telemetry.store import verify
 
-    v = verify(args.store)
+    v = verify(args.store, args.anchor)
     for w in v.warnings:
         print(f"warning: {w}", file=sys.stderr)
     if not v.ok:
-        print(f"kvledger: store {args.store} is BROKEN at {v.broken} (after {v.segments} good segments, "
+        print(f"kvledger: store {args.store} is BROKEN: {v.broken} (after {v.segments} good segments, "
               f"{v.rows} rows)", file=sys.stderr)
         return 1
-    print(f"store {args.store}: chain intact, {v.segments} segments, {v.rows} rows, head {v.head}")
+    anchored = (f"anchored at seq {v.anchor_seq} in {v.anchor}" if v.anchor_seq is not None
+                else "NOT anchored (truncation undetectable)")
+    print(f"store {args.store}: chain intact and signed (key {v.fingerprint}), {v.segments} segments, {v.rows} rows, "
+          f"head {v.head[:16]} at seq {v.seq}; {anchored}; {'sealed by a clean close' if v.sealed else 'not sealed'}")
     return 0
 
 
@@ -232,9 +235,13 @@ def cmd_forensics(args) -> int:
 
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
-    fx = Forensics(args.store, run=args.run)
+    fx = Forensics(args.store, run=args.run, allow_unverified=args.allow_unverified, anchor=args.anchor)
     df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
-    return emit(df, args.format, title=f"kvledger forensics {args.query} ({args.store})")
+    note = fx.unverified_note
+    if note:
+        print(f"kvledger: warning: {note}", file=sys.stderr)
+    title = f"kvledger forensics {args.query} ({args.store})"
+    return emit(df, args.format, title=f"{note} - {title}" if note else title)
 
 
 def cmd_report(args) -> int:
@@ -243,7 +250,8 @@ def cmd_report(args) -> int:
     try:
         events = [parse_event(e) for e in args.event]
         report = build(args.store, args.start, args.end, events, args.include_excerpts, run=args.run,
-                       allow_early_awareness=args.allow_early_awareness)
+                       allow_early_awareness=args.allow_early_awareness, allow_unverified=args.allow_unverified,
+                       anchor=args.anchor)
     except ValueError as e:
         return _die(str(e))
     for p in write(report, args.out):
@@ -252,7 +260,7 @@ def cmd_report(args) -> int:
     print(f"{c['affected_responses']} affected response(s), {c['recipient_tenants']} recipient and "
           f"{c['donor_tenants']} donor tenant(s); chain {'intact' if report['provenance']['chain_ok'] else 'BROKEN'}",
           file=sys.stderr)
-    return 0
+    return 0 if report["provenance"]["chain_ok"] else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,8 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--port", type=int, default=8501)
     d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
     d.set_defaults(func=cmd_dashboard)
-    v = sub.add_parser("verify", help="verify the store's segment chain; non-zero exit naming the first broken link")
-    v.add_argument("--store", default="./kvledger-store")
+    v = sub.add_parser("verify", help="verify the store's signed chain against its anchor; non-zero exit naming "
+                                      "the first broken link or the truncation; needs no secret, writes nothing")
+    v.add_argument("--store", default="./kvledger-store", help="the store (default ./kvledger-store)")
+    v.add_argument("--anchor", default=None, metavar="PATH",
+                   help="the anchor log to check against (default: $KVLEDGER_ANCHOR, else "
+                        "$KVLEDGER_STATE_DIR/anchors/<store id>.jsonl, used when it exists)")
     v.set_defaults(func=cmd_verify)
     f = sub.add_parser("forensics", help="forensic queries over the store")
     f.add_argument("query", choices=FORENSIC_QUERIES, help="; ".join(f"{k}: {v}" for k, v in FORENSIC_QUERIES.items()))
@@ -315,6 +327,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--run", metavar="BOOT", default=None,
                    help="answer for one run only: a boot id from `kvledger forensics runs`, or a unique prefix of one "
                         "(default: every run the store holds)")
+    f.add_argument("--allow-unverified", action="store_true",
+                   help="answer even when the store does not verify (every output then says so)")
+    f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
     rp.add_argument("--store", default="./kvledger-store")
@@ -327,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="an operator event for the timeline, e.g. '2026-09-01T10:00 report received' (repeatable; "
                          "a time without a zone is UTC); an event naming a report, declaration or awareness starts "
                          "the 72-hour clock")
+    rp.add_argument("--allow-unverified", action="store_true",
+                    help="report on a store that does not verify (the report says so on every page; exit 1)")
+    rp.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
     rp.add_argument("--allow-early-awareness", action="store_true",
                     help="accept an awareness event earlier than the first foreign read (refused by default: "
                          "usually a wrong time or zone)")

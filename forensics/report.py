@@ -20,7 +20,6 @@ from markdown_it import MarkdownIt
 
 from forensics.api import Forensics, query_hashes
 from forensics.output import json_rows
-from telemetry.store import verify
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 CWE = [{"id": "CWE-226", "name": "Sensitive Information in Resource Not Removed Before Reuse"},
@@ -68,11 +67,12 @@ class ReportError(ValueError):
 
 def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime | None = None,
           events: list[Event] = (), include_excerpts: bool = False, run: str | None = None,
-          allow_early_awareness: bool = False) -> dict:
+          allow_early_awareness: bool = False, allow_unverified: bool = False,
+          anchor: str | Path | None = None) -> dict:
     if start is not None and end is not None and start > end:
         raise ReportError(f"--from {_iso(start)} is after --to {_iso(end)}: the window would be empty")
-    fx = Forensics(store, run=run)
-    v = verify(store)
+    fx = Forensics(store, run=run, allow_unverified=allow_unverified, anchor=anchor)
+    v = fx.verdict
     runs = fx.query("runs")
     ex = fx.query("exposures", start, end)
     scores = fx.query("scores", start, end)
@@ -175,8 +175,10 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
         "clock_72h": clock,
         "remediation": {"guards": _rows(guards), "releases": _rows(releases), "upstream_fixes": UPSTREAM},
         "recommendations": RECOMMENDATIONS,
-        "provenance": {"store": str(store), "run": run, "chain_ok": v.ok, "chain_head": v.head, "segments": v.segments,
-                       "rows": v.rows, "first_broken_link": v.broken, "kvledger_version": _version(),
+        "provenance": {"store": str(store), "run": run, "chain_ok": v.ok, "chain_head": v.head, "chain_seq": v.seq,
+                       "signing_key": v.fingerprint, "anchor": v.anchor, "anchored_seq": v.anchor_seq,
+                       "sealed": v.sealed, "segments": v.segments,
+                       "rows": v.rows, "first_broken_link": v.broken, "unverified": fx.unverified_note, "kvledger_version": _version(),
                        "query_sha256": query_hashes()},
     }
     if include_excerpts:
@@ -216,8 +218,10 @@ def _md_table(rows: list[dict], cols: list[str]) -> str:
 
 def markdown(r: dict) -> str:
     c, w, p = r["counts"], r["window"], r["provenance"]
+    warn = f"> **{p['unverified']}**\n\n" if p.get("unverified") else ""
     return f"""# {r['title']}
 
+{warn}
 Generated {r['generated_at']} by kvledger {p['kvledger_version']}. All times are UTC.
 
 ## Runs covered
@@ -271,7 +275,7 @@ Upstream fixes: {'; '.join(r['remediation']['upstream_fixes'])}.
 {chr(10).join('- ' + x for x in r['recommendations'])}
 
 ## Provenance
-Store `{p['store']}`: chain {'intact' if p['chain_ok'] else 'BROKEN at ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows, head `{p['chain_head']}`.
+Store `{p['store']}`: chain {'intact and signed by key ' + p['signing_key'] if p['chain_ok'] else 'BROKEN: ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows; computed on head `{p['chain_head']}` (seq {p['chain_seq']}), {'anchored at seq ' + str(p['anchored_seq']) + ' in ' + str(p['anchor']) if p['anchored_seq'] is not None else 'not checked against an anchor'}.
 Queries (SHA-256): {', '.join(f'{k} `{v[:12]}`' for k, v in p['query_sha256'].items())}.
 """
 

@@ -519,7 +519,7 @@ def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM) -> tu
     win = np.lib.stride_tricks.sliding_window_view(toks, n)[start]
     powers = np.uint64(0x100000001B3) ** np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        h = keys.tag_pseudonyms((win * powers).sum(axis=1, dtype=np.uint64).view(np.int64))
+        h = keys.ngram_pseudonyms((win * powers).sum(axis=1, dtype=np.uint64).view(np.int64))
     g = group[start]
     order = np.lexsort((h, g))
     g, h = g[order], h[order]

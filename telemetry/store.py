@@ -1,33 +1,31 @@
-"""The store: immutable Parquet segments, chained by a keyed hash, read through DuckDB.
+"""The store: immutable Parquet segments in a signed hash chain, read through DuckDB.
 
 DuckDB allows one writing process and no concurrent reader on one database file, yet the
 dashboard reads while the engine writes. So the engine never holds a database file: its
 ``SegmentWriter`` writes each batch of rows as an immutable Parquet segment (temp file, fsync,
-rename), then appends a chain link for it (temp file, rename). Readers open an in-memory DuckDB
-over exactly the chained segments, so a reader never sees a half-written file.
+rename), then appends a signed chain file for the flush (temp file, fsync, rename) and the signed
+head to the anchor outside the store. Readers open an in-memory DuckDB over exactly the chained
+segments, so a reader never sees a half-written file.
 
     ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
-    ROOT/chain/<seq>.json                   {seq, table, file, rows, sha256, prev, link}, or a list
-                                            of them: the links of one flush, named by the first seq
-    ROOT/secret.key                         store secret (or $KVLEDGER_STORE_SECRET)
+    ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/chain.py
     ROOT/writer.lock                        one writer at a time (flock)
-
-link = HMAC(chain key, prev link | seq | table | file | rows | sha256(file)): a segment edited,
-removed, reordered or inserted breaks the chain at that point (`verify` names it).
+    (no secret: the writer's keys live outside the store, telemetry/keys.py)
 
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
 seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` are buffered, and on close. After
 ``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
-are lost; a segment written but not yet linked is reported by ``verify`` as an unlinked tail,
-ignored by readers, and linked by the next writer that opens the store (``adopted``). A write
-that fails mid-flush leaves what the flush wrote before it linked and its own rows buffered (the
-next flush or the close retries them); the producer gets the StoreError.
+are lost; a segment written but not yet linked is named by the writer's signed intent, reported by
+``verify`` as an unlinked tail, ignored by readers, and linked by the next writer (``adopted``). A
+write that fails mid-flush leaves what the flush wrote before it linked and its own rows buffered
+(the next flush or the close retries them); the producer gets the StoreError.
 """
 from __future__ import annotations
 
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import queue
 import threading
@@ -41,27 +39,21 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from engine.errors import KvledgerError
-from telemetry.keys import Keys, load_secret
+from telemetry.chain import (GENESIS, Link, Verdict, anchor_entry, anchor_path, append_anchor,  # noqa: F401
+                             chain_body, intent_body, read_chain, verify)
+from telemetry.keys import KeyError_, WriterKeys
 from telemetry.schema import arrow_schemas, conform, empty
 
-GENESIS = "0" * 64
 # Seconds between flushes: the durability window after kill -9 and how far behind a live reader
 # is. Each flush writes a segment and a chain link per table, a cost that does not shrink with
 # fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py measures 1 s and
 # 2 s side by side; at 1 s the ledger's threads used about a quarter more CPU).
 FLUSH_INTERVAL = 2.0
+log = logging.getLogger("kvledger.store")
 
 
 class StoreError(KvledgerError):
     pass
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _atomic_write(path: Path, data: "bytes | pa.Buffer") -> None:
@@ -161,31 +153,6 @@ def _leaf_path(f: pa.Field) -> str:
     return f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name
 
 
-class Link(NamedTuple):
-    seq: int
-    table: str
-    file: str
-    rows: int
-    sha256: str
-    prev: str
-    link: str
-
-    def payload(self) -> str:
-        return f"{self.seq}|{self.table}|{self.file}|{self.rows}|{self.sha256}"
-
-
-def read_chain(root: Path) -> list[Link]:
-    """Every link in seq order; a chain file holds one link, or the links of one flush (a list)."""
-    out = []
-    for p in sorted((root / "chain").glob("[0-9]*.json")):
-        try:
-            body = json.loads(p.read_text())
-            out += [Link(**e) for e in (body if isinstance(body, list) else [body])]
-        except (ValueError, TypeError) as e:
-            raise StoreError(f"chain entry {p.name} is unreadable: {e}") from None
-    return out
-
-
 class SegmentWriter:
     """Buffers columnar batches per table and writes chained Parquet segments from one thread.
 
@@ -195,7 +162,7 @@ class SegmentWriter:
     """
 
     def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
-                 queue_size: int = 256, boot: str | None = None):
+                 queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None):
         from engine.request import new_boot_id
         self.root = Path(root)
         # the run this writer records: every row of a table with a ``boot`` column that its producer
@@ -210,12 +177,12 @@ class SegmentWriter:
         except BlockingIOError:
             os.close(self._lock_fd)
             raise StoreError(f"store {self.root} already has a writer (another engine process holds writer.lock)") from None
-        self.keys = Keys(load_secret(self.root))
-        chain = read_chain(self.root)
-        self._seq = chain[-1].seq + 1 if chain else 0
-        self._prev = chain[-1].link if chain else GENESIS
-        self._unlinked: list[tuple[int, str, str, int, str | None]] = []   # segments in place, not yet chained
-        self.adopted = self._adopt_unlinked_tail()
+        try:
+            self._open_chain(anchor)
+        except BaseException:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            raise
         self.flush_interval, self.max_rows = flush_interval, max_rows
         self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
         self.schemas = arrow_schemas()
@@ -276,6 +243,7 @@ class SegmentWriter:
             return
         try:
             self.flush()
+            self._anchor(self._seq - 1, self._prev, seal=True)   # a clean close: the head it closed on, signed
         finally:
             self._closed = True
             self._q.put(None)
@@ -307,8 +275,7 @@ class SegmentWriter:
                         self._buf[t].append(d)
                         self._rows[t] += _num_rows(d)
                         if self._rows[t] >= self.max_rows:
-                            self._unlinked.append(self._write(t))
-                            self._link_unlinked()
+                            self._write([t])
                 if time.monotonic() - last >= self.flush_interval:
                     self._write_all()
                     last = time.monotonic()
@@ -317,18 +284,29 @@ class SegmentWriter:
                 if table == "__flush__":
                     data.set()
 
-    def _adopt_unlinked_tail(self) -> list[str]:
-        """Link segments a killed writer renamed into place but did not link (they are complete:
-        rename follows fsync), so a crash loses only rows that never reached a segment."""
-        adopted = []
-        for p in sorted(self.root.glob("segments/*/[0-9]*.parquet"), key=lambda p: int(p.stem)):
-            if int(p.stem) >= self._seq:
-                rel = str(p.relative_to(self.root))
-                self._unlinked.append((int(p.stem), p.parent.name, rel, pq.ParquetFile(p).metadata.num_rows, None))
-                self._seq = int(p.stem) + 1
-                adopted.append(rel)
-        self._link_unlinked()
-        return adopted
+    def _open_chain(self, anchor) -> None:
+        """Load the writer's keys (outside the store), verify what is there before signing anything
+        after it, and link the segments a killed writer renamed into place but did not link - only
+        those its signed intent names (complete: rename follows fsync), never a file someone dropped
+        in. A store that does not verify is refused: appending would sign over the damage."""
+        try:
+            self.wkeys = WriterKeys.open_or_create(self.root)
+        except KeyError_ as e:
+            raise StoreError(str(e)) from None
+        self.keys = self.wkeys.keys
+        self.anchor = anchor_path(self.wkeys.identity.store_id, anchor)
+        self.anchor_error: BaseException | None = None
+        v = verify(self.root, self.anchor if self.anchor.exists() else None)
+        if not v.ok:
+            raise StoreError(f"store {self.root} does not verify ({v.broken}); refusing to append to it "
+                             "(`kvledger verify` names the damage; start a new store)")
+        self._seq, self._prev = v.seq + 1, v.head
+        (self.root / "seal.json").unlink(missing_ok=True)      # open again: no longer closed on that head
+        self._unlinked: list[tuple[int, str, str, int, str]] = sorted(v.unlinked)   # in place, not yet chained
+        self.adopted = [u[2] for u in self._unlinked]
+        if self._unlinked:
+            self._seq = self._unlinked[-1][0] + 1
+            self._link_unlinked()
 
     def _link_unlinked(self) -> None:
         """Chain the segments written and not yet linked (seq order), one link each, as one chain
@@ -340,49 +318,67 @@ class SegmentWriter:
             return
         links, prev = [], self._prev
         for seq, table, rel, rows, sha in self._unlinked:
-            link = Link(seq, table, rel, rows, sha or _sha256(self.root / rel), prev, "")
-            link = link._replace(link=self.keys.link(prev, link.payload()))
-            links.append(link._asdict())
+            link = Link(seq, table, rel, rows, sha, prev, "")
+            links.append(link := link._replace(link=link.computed()))
             prev = link.link
-        body = json.dumps(links[0] if len(links) == 1 else links)
-        _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", body.encode())
+        _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", chain_body(self.wkeys, links))
         self._prev, self._unlinked = prev, []
+        self._anchor(links[-1].seq, prev, seal=False)
+
+    def _anchor(self, seq: int, head: str, seal: bool) -> None:
+        """The signed head, out of the store. A failing anchor (its disk gone) loses no row: the
+        store stays whole and verifiable, the next flush anchors a newer head, and the failure is
+        kept for close() and logged (verify reports the unanchored tail meanwhile)."""
+        entry = anchor_entry(self.wkeys, seq, head, seal)
+        try:
+            append_anchor(self.anchor, entry)
+        except OSError as e:
+            self.anchor_error = e
+            log.warning("anchor %s not written: %s", self.anchor, e)
+        if seal:
+            _atomic_write(self.root / "seal.json", json.dumps(entry).encode())
 
     def _write_all(self) -> None:
         for drain in self._drains:
             for t, d in drain():
                 self._buf[t].append(d)
                 self._rows[t] += _num_rows(d)
+        self._write([t for t in self.schemas if self._rows[t]])
+
+    def _write(self, tables: list[str]) -> None:
+        """Write each table's buffered rows as one segment and link them: all are encoded and
+        hashed in memory first, the signed intent naming them goes down, then each segment (temp
+        file, fsync, rename). What was written is linked even if a later table fails; a failed
+        table's rows stay buffered and its seq is not taken."""
+        if not tables:
+            return
+        encoded = [self._encode(t, self._seq + i) for i, t in enumerate(tables)]
         try:
-            for t in self.schemas:
-                if self._rows[t]:
-                    self._unlinked.append(self._write(t))
-        finally:                                # what was written is linked, even if a later table failed
+            _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [e[:5] for e in encoded]))
+            for seq, table, rel, rows, sha, body in encoded:
+                _atomic_write(self.root / rel, body)
+                self._seq = seq + 1              # taken only once the segment is in place: no gap on a failed write
+                self.rows_written[table] += rows
+                self.segments_written += 1
+                self._buf[table], self._rows[table] = [], 0
+                self._unlinked.append((seq, table, rel, rows, sha))
+        finally:
             self._link_unlinked()
 
-    def _write(self, table: str) -> tuple[int, str, str, int, str]:
-        """Write the table's buffered rows as one segment (encoded in memory and hashed there, then
-        temp file, fsync, rename); the caller links it."""
+    def _encode(self, table: str, seq: int) -> tuple[int, str, str, int, str, "pa.Buffer"]:
+        """The table's buffered rows as one Parquet segment, in memory, with its sha256."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         fill = {"boot": self.boot}
         tables = [conform(table, b, fill) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
             tables.append(conform(table, columns_to_arrow(raw), fill))
         data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
-        seq = self._seq
         rel = f"segments/{table}/{seq:09d}.parquet"
-        path = self.root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
+        (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
         pq.write_table(data, sink, compression="lz4", **self._parquet[table])
         body = sink.getvalue()
-        sha = hashlib.sha256(body).hexdigest()
-        _atomic_write(path, body)
-        self._seq = seq + 1                     # taken only once the segment is in place: no gap on a failed write
-        self.rows_written[table] += data.num_rows
-        self.segments_written += 1
-        self._buf[table], self._rows[table] = [], 0
-        return seq, table, rel, data.num_rows, sha
+        return seq, table, rel, data.num_rows, hashlib.sha256(body).hexdigest(), body
 
 
 # ---- readers ---------------------------------------------------------------------------------
@@ -397,7 +393,11 @@ def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConne
     import tempfile
     con = duckdb.connect(config={"temp_directory": str(Path(tempfile.gettempdir()) / "kvledger-duckdb-spill")})
     by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
-    for link in read_chain(root):
+    try:
+        chain = read_chain(root)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    for link in chain:
         if link.table in by_table and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
     schemas = arrow_schemas()
@@ -446,49 +446,3 @@ def resolve_run(config_snapshots: duckdb.DuckDBPyRelation, run: str) -> str:
 def _duck_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> duckdb.typing.DuckDBPyType:
     """The DuckDB type of a schema column (from the empty Arrow table of that schema)."""
     return con.from_arrow(empty(table)).select(duckdb.ColumnExpression(column)).types[0]
-
-
-class Verdict(NamedTuple):
-    ok: bool
-    segments: int
-    rows: int
-    head: str                 # the last good link: the store's digest
-    broken: str | None        # the first broken link, named
-    warnings: list[str]
-
-
-def verify(root: str | Path) -> Verdict:
-    root = Path(root)
-    if not (root / "chain").is_dir():
-        raise StoreError(f"no kvledger store at {root}")
-    keys = Keys(load_secret(root))
-    prev, rows, warnings = GENESIS, 0, []
-    chain = read_chain(root)
-    for i, link in enumerate(chain):
-        where = f"segment {link.seq} ({link.file})"
-        problem = None
-        if link.seq != (chain[i - 1].seq + 1 if i else 0):
-            problem = f"sequence gap: expected {chain[i - 1].seq + 1 if i else 0}, found {link.seq} (a segment was removed)"
-        elif link.prev != prev:
-            problem = "does not link to the previous segment (reordered or inserted)"
-        elif keys.link(prev, link.payload()) != link.link:
-            problem = "link hash does not match its entry (the entry was edited)"
-        elif not (root / link.file).exists():
-            problem = "segment file is missing"
-        elif _sha256(root / link.file) != link.sha256:
-            problem = "segment content does not match its hash (the file was modified)"
-        if problem:
-            return Verdict(False, i, rows, prev, f"{where}: {problem}", warnings)
-        prev, rows = link.link, rows + link.rows
-    linked = {c.file for c in chain}
-    last = chain[-1].seq if chain else -1
-    for p in sorted(root.glob("segments/*/[0-9]*.parquet")):
-        rel = str(p.relative_to(root))
-        if rel in linked:
-            continue
-        if int(p.stem) > last:
-            warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
-                            "readers ignore it until the next writer links it")
-        else:
-            return Verdict(False, len(chain), rows, prev, f"{rel}: segment not in the chain (inserted)", warnings)
-    return Verdict(True, len(chain), rows, prev, None, warnings)

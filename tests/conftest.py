@@ -11,7 +11,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import tempfile
+
 import pytest
+
+# keys and anchors live outside every store, in a per-user state directory: the tests get their own
+# (subprocesses inherit it), never the user's ~/.local/state/kvledger
+os.environ.setdefault("KVLEDGER_STATE_DIR", tempfile.mkdtemp(prefix="kvledger-test-state-"))
 
 from engine.config import EngineConfig
 from engine.pool import KVPool

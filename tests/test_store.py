@@ -46,11 +46,13 @@ def test_a_clean_store_verifies_and_reads_back(store, capsys):
     assert con.sql("SELECT count(*) FROM releases").fetchall() == [(12,)]
     assert con.sql("SELECT count(*) FROM page_reads").fetchall() == [(0,)]      # empty tables still exist
     assert main(["verify", "--store", str(store)]) == 0
-    assert "chain intact, 4 segments" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "chain intact and signed" in out and "4 segments" in out and "anchored at seq 3" in out
+    assert "sealed by a clean close" in out
 
 
 def _seg(store: Path, k: int) -> Path:
-    return store / json.loads(sorted((store / "chain").glob("*.json"))[k].read_text())["file"]
+    return store / json.loads(sorted((store / "chain").glob("*.json"))[k].read_text())["links"][0]["file"]
 
 
 @pytest.mark.parametrize("tamper, expect", [
@@ -82,13 +84,13 @@ def test_a_flush_links_its_segments_in_one_chain_file(tmp_path):
     w.submit("releases", _releases(2))
     w.close()
     files = sorted((root / "chain").glob("*.json"))
-    assert len(files) == 2 and len(json.loads(files[0].read_text())) == 2
+    assert len(files) == 2 and len(json.loads(files[0].read_text())["links"]) == 2
     v = verify(root)
     assert v.ok and v.segments == 3 and v.rows == 9
     con = open_store(root)
     assert con.sql("SELECT count(*) FROM releases").fetchall() == [(5,)] and con.sql("SELECT count(*) FROM ngrams").fetchall() == [(4,)]
     body = json.loads(files[0].read_text())
-    body[1]["rows"] += 1
+    body["links"][1]["rows"] += 1
     files[0].write_text(json.dumps(body))
     v = verify(root)
     assert not v.ok and "segment 1 " in v.broken and "edited" in v.broken, v.broken
@@ -107,9 +109,9 @@ def test_a_failed_segment_write_leaves_the_store_verifiable(tmp_path, monkeypatc
     w.flush()
     real, calls = os.fsync, []
 
-    def fsync(fd):                          # the flush's second segment (ngrams, then releases) fails
+    def fsync(fd):                # the flush's second segment fails (fsyncs: intent, ngrams, releases, ...)
         calls.append(fd)
-        if len(calls) == 2:
+        if len(calls) == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd)
     monkeypatch.setattr(os, "fsync", fsync)
@@ -238,3 +240,122 @@ def test_readme_schema_is_schema_sql():
     readme = (root / "README.md").read_text()
     block = readme.split("<!-- schema -->")[1].split("<!-- /schema -->")[0]
     assert (root / "telemetry" / "schema.sql").read_text().strip() in block
+
+
+# ---- custody, signatures and the anchor (issue 17) ---------------------------------------------------
+def _links(store: Path) -> list[Path]:
+    return sorted((store / "chain").glob("*.json"))
+
+
+def _rewrite_with_recomputed_links(store: Path, new_key: bool) -> None:
+    """Someone holding every file of the store (not the writer's key) edits a segment and recomputes
+    every hash after it; with ``new_key`` they also put a key of their own in store.json and sign."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from telemetry.chain import GENESIS, Link, _msg
+    seg = _seg(store, 1)
+    t = pa.Table.from_pylist([r for r in __import__("pyarrow.parquet").parquet.read_table(seg).to_pylist()][:1],
+                             schema=__import__("pyarrow.parquet").parquet.read_table(seg).schema)
+    import pyarrow.parquet as pq
+    pq.write_table(t, seg)
+    ident = json.loads((store / "store.json").read_text())
+    key = Ed25519PrivateKey.generate()
+    if new_key:
+        ident["public_key"] = key.public_key().public_bytes_raw().hex()
+        ident.pop("fingerprint")
+        (store / "store.json").write_text(json.dumps(ident))
+    prev = GENESIS
+    for f in _links(store):
+        body = json.loads(f.read_text())
+        links = []
+        for e in body["links"]:
+            ln = Link(**{**e, "prev": prev})
+            if (store / ln.file) == seg:
+                ln = ln._replace(rows=t.num_rows, sha256=__import__("hashlib").sha256(seg.read_bytes()).hexdigest())
+            ln = ln._replace(link=ln.computed())
+            links.append(ln._asdict())
+            prev = ln.link
+        body["links"] = links
+        if new_key:
+            body["signature"] = key.sign(_msg("chain", ident["store_id"], links[-1]["seq"], links[-1]["link"])).hex()
+        f.write_text(json.dumps(body))
+
+
+def _drop_in_valid_segment(store: Path) -> None:
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table(_releases(2)), store / "segments" / "releases" / "000000099.parquet")
+
+
+TAMPERINGS = {
+    "delete the newest links and their segments": (
+        lambda s: [(_seg(s, k).unlink(), _links(s)[k].unlink()) for k in (3, 2)], "truncated: store ends at seq 1, anchor says 3"),
+    "delete the last link": (lambda s: _links(s)[-1].unlink(), "truncated: store ends at seq 2, anchor says 3"),
+    "rewrite a segment, links recomputed": (lambda s: _rewrite_with_recomputed_links(s, False), "not signed by this store's key"),
+    "rewrite it and re-sign with a new key": (lambda s: _rewrite_with_recomputed_links(s, True), "not signed by this store's public key"),
+    "drop in a valid segment": (_drop_in_valid_segment, "000000099.parquet: not written by this store's writer"),
+    "drop in garbage": (lambda s: (s / "segments" / "releases" / "zz.bin").write_bytes(b"\x00garbage"), "zz.bin: not written"),
+    "drop garbage into the chain": (lambda s: (s / "chain" / "000000007.json").write_text("{nope"), "chain/000000007.json is unreadable"),
+    "flip a byte": (lambda s: _seg(s, 2).write_bytes(_seg(s, 2).read_bytes()[:40] + bytes([_seg(s, 2).read_bytes()[40] ^ 1])
+                                                    + _seg(s, 2).read_bytes()[41:]), "segment 2 .*content does not match"),
+    "truncate a segment": (lambda s: _seg(s, 1).write_bytes(_seg(s, 1).read_bytes()[:100]), "segment 1 .*content does not match"),
+    "reorder two links": (lambda s: [p.write_text(t) for p, t in zip(_links(s)[1:3], [p.read_text() for p in _links(s)[2:0:-1]])],
+                          "segment 2 .*sequence gap"),
+    "delete the public key": (lambda s: (s / "store.json").unlink(), "store.json is missing"),
+}
+
+
+@pytest.mark.parametrize("how", list(TAMPERINGS))
+def test_every_tampering_is_named_and_no_reader_answers(store, how, capsys, tmp_path):
+    import re
+    tamper, expect = TAMPERINGS[how]
+    tamper(store)
+    v = verify(store)
+    assert not v.ok and re.search(expect, v.broken), v.broken
+    assert main(["verify", "--store", str(store)]) == 1
+    assert re.search(expect, capsys.readouterr().err)
+    assert main(["forensics", "transfers", "--store", str(store)]) == 2
+    assert "does not verify" in capsys.readouterr().err
+    assert main(["report", "--store", str(store), "--out", str(tmp_path / "r")]) == 2
+    assert not (tmp_path / "r").exists()
+    with pytest.raises(StoreError, match="does not verify|missing|is not the one"):
+        SegmentWriter(store)                   # no writer signs over damage, and none crashes on it
+
+
+def test_allow_unverified_answers_and_every_output_says_so(store, capsys, tmp_path):
+    _drop_in_valid_segment(store)
+    assert main(["forensics", "releases", "--store", str(store), "--allow-unverified", "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out) and "UNVERIFIED STORE" in out.err
+    assert main(["report", "--store", str(store), "--out", str(tmp_path / "r"), "--allow-unverified"]) == 1
+    assert "UNVERIFIED STORE" in (tmp_path / "r" / "report.md").read_text()
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["provenance"]["chain_ok"] is False
+
+
+def test_no_secret_in_the_store_and_verify_needs_none_and_writes_nothing(store, tmp_path, monkeypatch):
+    names = {p.name for p in store.rglob("*")}
+    assert not names & {"secret.key", "signing.key", "pseudonym.key", "ngram.key"}
+    ident = json.loads((store / "store.json").read_text())
+    assert set(ident) >= {"store_id", "public_key", "fingerprint"}
+    copy = tmp_path / "auditor"
+    shutil.copytree(store, copy)
+    before = {p: p.stat().st_mtime_ns for p in copy.rglob("*")}
+    monkeypatch.setenv("KVLEDGER_KEY_DIR", str(tmp_path / "no-keys-here"))     # the auditor holds no key
+    v = verify(copy)
+    assert v.ok and v.sealed and v.anchor_seq == 3
+    assert {p: p.stat().st_mtime_ns for p in copy.rglob("*")} == before and not (tmp_path / "no-keys-here").exists()
+    with pytest.raises(StoreError, match="only the process holding that store's keys can append"):
+        SegmentWriter(copy)
+
+
+def test_verify_against_a_given_anchor_and_without_one(store, tmp_path, capsys):
+    v = verify(store)
+    anchor = Path(v.anchor)
+    moved = tmp_path / "second-disk" / "anchor.jsonl"
+    moved.parent.mkdir()
+    anchor.rename(moved)
+    v = verify(store)
+    assert v.ok and v.anchor is None and any("no anchor" in w for w in v.warnings)
+    (_links(store)[-1]).unlink()                      # without the anchor a truncation cannot be seen...
+    assert verify(store).ok
+    assert main(["verify", "--store", str(store), "--anchor", str(moved)]) == 1   # ...with it, it is named
+    assert "store ends at seq 2, anchor says 3" in capsys.readouterr().err

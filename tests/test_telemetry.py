@@ -19,7 +19,7 @@ from engine.models import load_model
 from engine.request import SamplingParams
 from forensics.api import Forensics
 from telemetry import Telemetry, open_store
-from telemetry.keys import Keys, load_secret
+from telemetry.keys import WriterKeys
 from telemetry.ledger import NGRAM
 from telemetry.otel import TTFT_BUCKETS, StoreMetricExporter, StoreSpanExporter
 
@@ -80,12 +80,12 @@ def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     decoded released its pages, and a release row names them."""
     res, store = glm53_vulnerable
     con = open_store(store)
-    keys = Keys(load_secret(Path(store)))
+    keys = WriterKeys.open_or_create(Path(store)).keys      # the writer's keys, held outside the store
 
     def reference(tokens: list[int]) -> set[int]:
         h = [sum(t * pow(0x100000001B3, i, 1 << 64) for i, t in enumerate(tokens[k:k + NGRAM])) % (1 << 64)
              for k in range(len(tokens) - NGRAM + 1)]
-        return set(keys.tag_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist())
+        return set(keys.ngram_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist())
     stored = {(i, role): set(h) for i, role, h in con.sql("SELECT incarnation, role, list(hash) FROM ngrams GROUP BY ALL").fetchall()}
     for req in res.requests:
         for role, toks in (("prompt", req.prompt_ids), ("output", req.output_ids)):
