@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import time
 from typing import Callable, Iterable
@@ -66,7 +67,7 @@ class LLMEngine:
         # pages held by requests outside the scheduler (disaggregated: KV still being sent); while
         # any are, an empty schedule means "wait", not "this request can never fit"
         self.pages_held_outside: Callable[[], bool] = lambda: False
-        self.requests: dict[int, Request] = {}
+        self.requests: dict[int, Request] = {}      # unfinished requests only (see _track)
         self.steps = 0
         self._clock = itertools.count(1)   # logical clock: every step and every landed transfer batch ticks it
         self.lclock = 0
@@ -107,10 +108,12 @@ class LLMEngine:
             raise InputError(f"prompt is {len(prompt_ids)} tokens, longer than the context length {limit}")
         if sp.max_tokens <= 0:
             raise InputError(f"max_tokens must be >= 1, got {sp.max_tokens}")
-        if sp.temperature < 0:
-            raise InputError(f"temperature must be >= 0, got {sp.temperature}")
+        if not (math.isfinite(sp.temperature) and sp.temperature >= 0):
+            raise InputError(f"temperature must be a finite number >= 0, got {sp.temperature}")
         if not 0.0 < sp.top_p <= 1.0:
             raise InputError(f"top_p must be in (0, 1], got {sp.top_p}")
+        if sp.seed is not None and not 0 <= sp.seed < 1 << 63:
+            raise InputError(f"seed must be in [0, 2**63), got {sp.seed}")
         vocab = getattr(self.model, "vocab_size", None) or self.model.cfg.vocab_size
         bad = [t for t in prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -128,6 +131,10 @@ class LLMEngine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InputError("a text prompt needs a tokenizer; pass token ids instead")
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise InputError(f"the prompt is not valid UTF-8 text (undecodable byte at character {e.start})") from None
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
@@ -149,13 +156,20 @@ class LLMEngine:
 
     def enqueue(self, req: Request) -> None:
         self.rec.request_arrived(self, req)
-        self.requests[req.incarnation] = req
+        self._track(req)
         self.scheduler.add(req)
 
     def enqueue_running(self, req: Request) -> None:
         """Disaggregated decode: a request whose KV already landed joins the running batch."""
-        self.requests[req.incarnation] = req
+        self._track(req)
         self.scheduler.running.append(req)
+
+    def _track(self, req: Request) -> None:
+        """``requests`` holds the requests this node has not finished, and only those: a finished one
+        is handed back to its caller and forgotten here (a long-running server stays bounded)."""
+        if req.incarnation not in self.requests:
+            self.requests[req.incarnation] = req
+            req.on_finish.append(lambda r: self.requests.pop(r.incarnation, None))
 
     def tick(self) -> int:
         """Advance this node's logical clock for a step (engine thread): self.lclock is that step's."""

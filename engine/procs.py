@@ -45,9 +45,48 @@ from engine.request import Request, SamplingParams, Status
 TICK_S = 0.05          # process mode's link clock: deferred-release timeouts count wall-clock ticks
 
 
+def _die_with_parent() -> None:
+    """Linux: this child gets SIGKILL when the process that started it dies (kill -9 included), so no
+    prefill node outlives its router and writes into a pool nobody reads."""
+    import ctypes
+    import signal
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)          # PR_SET_PDEATHSIG
+        if os.getppid() == 1:                  # the parent died before prctl: follow it now
+            os._exit(1)
+    except (OSError, AttributeError):          # not Linux: the router's close() still stops it
+        pass
+
+
+POOL_PREFIX = "kvledger-pool-"
+
+
+def reap_stale_pools(directory: str) -> list[str]:
+    """Remove pool files of dead writers (``kvledger-pool-<pid>-*`` whose pid is gone): a process-mode
+    run killed with -9 cannot unlink its own; the next start does. Returns what it removed."""
+    removed = []
+    for name in os.listdir(directory):
+        if not name.startswith(POOL_PREFIX):
+            continue
+        try:
+            pid = int(name[len(POOL_PREFIX):].split("-")[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            try:
+                os.unlink(os.path.join(directory, name))
+                removed.append(name)
+            except OSError:
+                pass
+        except (ValueError, PermissionError):     # not ours, or another user's live process
+            continue
+    return removed
+
+
 def _prefill_main(conn, model_spec: str, cfg: EngineConfig, geometry: dict, decode_path: str) -> None:
     """A prefill node's process: prefill what the router sends, write it into decode's pool."""
     from engine.models import load_model
+    _die_with_parent()
     torch.set_num_threads(1)
     try:
         model, tok = load_model(model_spec)
@@ -221,7 +260,8 @@ class ProcessCluster(DisaggCluster):
     def __init__(self, model, tokenizer, prefill_cfgs: list[EngineConfig], decode_cfg: EngineConfig, guards: Guards,
                  link: LinkConfig | None = None, recorder: Recorder | None = None, model_spec: str = "recall"):
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        self.shared_path = os.path.join(shm, f"kvledger-pool-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self.reaped = reap_stale_pools(shm)
+        self.shared_path = os.path.join(shm, f"{POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}")
         decode_cfg.shared_pool_path = self.shared_path
         self._model_spec = model_spec
         self._remotes: list[RemotePrefill] = []

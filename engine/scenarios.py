@@ -20,6 +20,7 @@ from engine.models import load_model
 from engine.oracle import Exposure, Oracle
 from engine.pool import KVPool
 from engine.request import Request, SamplingParams
+from engine.tags import TagChain
 
 def judge_blocked(oracle: Oracle, reqs: list[Request]) -> dict[int, list[Exposure]]:
     """The oracle's verdict on requests the read check stopped: what they read of others' KV first."""
@@ -145,8 +146,17 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
         pools = {"unified0": eng.pool.capacity_tokens}
         for wave in waves:
             for tenant, text in wave:
-                r = eng.new_request(text, SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8), tenant)
+                sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
                 try:
+                    r = eng.new_request(text, sp, tenant)
+                    error = None
+                except KvledgerError as e:          # e.g. hardened fitted the context to the pool: longer than it
+                    r = Request(tok.encode(text), sp, tenant, eng.scope_for(tenant), TagChain(b"rejected"),
+                                prompt_tokens_billed=len(tok.encode(text)))
+                    error = e
+                try:
+                    if error is not None:
+                        raise error
                     eng.check_fits_pool(len(r.prompt_ids))
                     eng.enqueue(r)
                 except KvledgerError as e:          # unified: the over-pool prompt gets its error

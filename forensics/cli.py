@@ -13,6 +13,29 @@ def _die(msg: str) -> int:
     return 2
 
 
+def _check_store_path(store: str) -> str | None:
+    """Why a store cannot be written at ``store`` (None: it can), found before anything is created."""
+    import os
+    from pathlib import Path
+
+    from telemetry.keys import KeyError_, check_secret_env
+    try:
+        check_secret_env()
+    except KeyError_ as e:
+        return str(e)
+    p = Path(store).absolute()
+    if p.exists() and not p.is_dir():
+        return f"--store {store} exists and is not a directory"
+    up = p
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        return f"--store {store}: {up} is a file, not a directory"
+    if not os.access(up, os.W_OK | os.X_OK):
+        return f"--store {store}: {up} is not writable"
+    return None
+
+
 def cmd_generate(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -23,6 +46,10 @@ def cmd_generate(args) -> int:
     from engine.request import SamplingParams
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    for flag, value in (("--max-tokens", args.max_tokens), ("--context-length", args.context_length),
+                        ("--page-size", args.page_size)):
+        if value < 1:
+            return _die(f"{flag} must be >= 1, got {value}")
     model, tok = load_model(args.model)
     cfg = EngineConfig(kv_memory_budget=parse_bytes(args.memory_budget), context_length=args.context_length,
                        page_size=args.page_size, check_reads=not args.no_check)
@@ -70,12 +97,35 @@ def cmd_replay(args) -> int:
         return _die("replay needs a SCENARIO (see kvledger replay --list)")
     if args.scenario not in known:
         return _die(f"unknown scenario {args.scenario!r}; known: {', '.join(known)}")
+    if not 0 <= args.seed < 1 << 63:
+        return _die(f"--seed must be in [0, 2**63), got {args.seed}")
+    if not args.no_store and (why := _check_store_path(args.store)):
+        return _die(why)
     if args.scenario in FAULTS:
+        given = [f for f, v in (("--context-length", args.context_length), ("--victims", args.victims),
+                                ("--max-tokens", args.max_tokens)) if v is not None]
+        if given:
+            return _die(f"{', '.join(given)} apply to glm53 only; fault scenario {args.scenario} replays a fixed "
+                        "workload (its triggering event is --no-trigger's switch)")
         mode = MODES[args.scenario]
         if args.mode not in (None, mode):
             return _die(f"scenario {args.scenario} runs in {mode} mode only (got --mode {args.mode})")
         return _replay_fault(args, con)
     args.mode = args.mode or "disaggregated"
+    args.context_length = 1024 if args.context_length is None else args.context_length
+    args.victims = 4 if args.victims is None else args.victims
+    args.max_tokens = 160 if args.max_tokens is None else args.max_tokens
+    if not 256 <= args.context_length <= MAX_REPLAY_CONTEXT:
+        return _die(f"--context-length must be in [256, {MAX_REPLAY_CONTEXT}] for a replay on this machine, "
+                    f"got {args.context_length}")
+    if args.victims < 0:
+        return _die(f"--victims must be >= 0, got {args.victims}")
+    if args.max_tokens < 1:
+        return _die(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    room = args.context_length - round(args.context_length * 681_280 / 1_048_576) - 24
+    if args.victims and args.max_tokens >= room:
+        return _die(f"--max-tokens {args.max_tokens} leaves no room for a prompt longer than the small prefill pool "
+                    f"within context {args.context_length}: it must be < {room}")
     if args.processes and args.mode != "disaggregated":
         return _die("--processes runs prefill nodes as their own processes: it needs --mode disaggregated")
     if args.no_trigger:
@@ -160,6 +210,9 @@ def _replay_fault(args, con) -> int:
     return 0
 
 
+MAX_REPLAY_CONTEXT = 131_072
+
+
 def cmd_preflight(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -170,6 +223,8 @@ def cmd_preflight(args) -> int:
 
     if args.context_length <= 0:
         return _die(f"--context-length must be >= 1, got {args.context_length}")
+    if args.page_size <= 0:
+        return _die(f"--page-size must be >= 1, got {args.page_size}")
     model, _ = load_model(args.model)
     budgets = args.memory_budget or ["64MiB"]
     t = Table(title=f"kvledger preflight: model {args.model}, context length {args.context_length}")
@@ -192,7 +247,6 @@ def cmd_preflight(args) -> int:
 
 def cmd_dashboard(args) -> int:
     import os
-    import subprocess
     from pathlib import Path
 
     import dashboard
@@ -207,9 +261,30 @@ def cmd_dashboard(args) -> int:
     app = Path(dashboard.__file__).with_name("app.py")
     env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh)}
     print(f"kvledger dashboard on http://{args.host}:{args.port} (store {args.store})", file=sys.stderr)
-    return subprocess.call([sys.executable, "-m", "dashboard.serve", str(app), "--server.address", args.host,
-                            "--server.port", str(args.port), "--server.headless", "true",
-                            "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env)
+    return run_child([sys.executable, "-m", "dashboard.serve", str(app), "--server.address", args.host,
+                      "--server.port", str(args.port), "--server.headless", "true",
+                      "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env)
+
+
+def run_child(argv: list[str], env: dict) -> int:
+    """Run a server child (Streamlit) as this command: SIGTERM and SIGINT sent to this process are
+    forwarded to it, and on Linux it is killed if this process dies (kill -9 included)."""
+    import signal
+    import subprocess
+
+    from engine.procs import _die_with_parent
+    child = subprocess.Popen(argv, env=env, preexec_fn=_die_with_parent)
+    forward = lambda signum, frame: child.send_signal(signum)      # noqa: E731
+    old = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:       # the child got the SIGINT too; wait for it to stop
+                continue
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
 
 
 def cmd_verify(args) -> int:
@@ -235,6 +310,8 @@ def cmd_forensics(args) -> int:
 
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
+    if args.start is not None and args.end is not None and args.start > args.end:
+        return _die(f"--from {args.start.isoformat()}Z is after --to {args.end.isoformat()}Z: the window would be empty")
     fx = Forensics(args.store, run=args.run, allow_unverified=args.allow_unverified, anchor=args.anchor)
     df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
     note = fx.unverified_note
@@ -245,8 +322,12 @@ def cmd_forensics(args) -> int:
 
 
 def cmd_report(args) -> int:
+    from pathlib import Path
+
     from forensics.report import build, parse_event, write
 
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        return _die(f"--out {args.out} exists and is not a directory (the report writes several files into one)")
     try:
         events = [parse_event(e) for e in args.event]
         report = build(args.store, args.start, args.end, events, args.include_excerpts, run=args.run,
@@ -291,10 +372,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fault scenarios: the same workload without the triggering event (expect zero exposures)")
     r.add_argument("--store", default="./kvledger-store", help="where spans, metrics and the page ledger land (default ./kvledger-store)")
     r.add_argument("--no-store", action="store_true", help="record nothing (the oracle still judges the run)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--context-length", type=int, default=1024, help="scaled context; pools keep the incident's ratio")
-    r.add_argument("--victims", type=int, default=4, help="prompts longer than the small prefill pool")
-    r.add_argument("--max-tokens", type=int, default=160)
+    r.add_argument("--seed", type=int, default=0,
+                   help="seeds the traffic, the canaries and the oracle: the same seed replays the same run (default 0)")
+    r.add_argument("--context-length", type=int, default=None,
+                   help="glm53: scaled context, 256..131072 (default 1024); pools keep the incident's ratio")
+    r.add_argument("--victims", type=int, default=None, help="glm53: prompts longer than the small prefill pool (default 4)")
+    r.add_argument("--max-tokens", type=int, default=None, help="glm53: tokens each over-pool request generates (default 160)")
     r.set_defaults(func=cmd_replay)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
@@ -385,6 +468,9 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except KvledgerError as e:
         return _die(str(e))
+    except OSError as e:          # read-only or full disk, a path that is a file: name it, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        return _die(f"{where}{e.strerror or e}")
     except KeyboardInterrupt:
         return _die("interrupted")
 

@@ -103,6 +103,11 @@ def _read_private(path: Path, store_id: str) -> bytes:
         raise KeyError_(f"cannot read {path}: permission denied") from None
 
 
+def check_secret_env() -> None:
+    """Raise (KeyError_) when $KVLEDGER_STORE_SECRET is set but unusable."""
+    WriterKeys._env_secrets()
+
+
 class WriterKeys:
     """The writer's side: the signing key and the two pseudonymisation secrets of one store."""
 
@@ -144,6 +149,13 @@ class WriterKeys:
 
     @staticmethod
     def _secrets(kd: Path, store_id: str) -> tuple[bytes, bytes]:
+        env = WriterKeys._env_secrets()
+        if env is not None:
+            return env
+        return _read_private(kd / "pseudonym.key", store_id), _read_private(kd / "ngram.key", store_id)
+
+    @staticmethod
+    def _env_secrets() -> tuple[bytes, bytes] | None:
         env = os.environ.get(ENV_SECRET)
         if env:
             try:
@@ -155,7 +167,7 @@ class WriterKeys:
                 raise KeyError_(f"${ENV_SECRET} must hold at least 16 bytes (32 hex characters), got {len(secret)}")
             return (hmac.new(secret, b"kvledger/pseudonym-key", hashlib.sha256).digest(),
                     hmac.new(secret, b"kvledger/ngram-key", hashlib.sha256).digest())
-        return _read_private(kd / "pseudonym.key", store_id), _read_private(kd / "ngram.key", store_id)
+        return None
 
     def sign(self, message: bytes) -> str:
         return self._signing.sign(message).hex()

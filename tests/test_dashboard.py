@@ -104,6 +104,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _alive(pid: str) -> bool:
+    """Running (a zombie waiting for its reaper is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -148,8 +156,17 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
         assert replay.wait(timeout=60) == 0
         assert seen and seen[-1] > 0, seen                  # the exposure count appears...
         assert seen == sorted(seen) and len(set(seen)) >= 2, seen   # ...and grows, live, while the replay writes
+        # SIGTERM to `kvledger dashboard` alone (not its group) stops the Streamlit child it started
+        kids = Path(f"/proc/{dash.pid}/task/{dash.pid}/children").read_text().split()
+        os.kill(dash.pid, 15)
+        dash.wait(timeout=30)
+        gone = time.time() + 20
+        while time.time() < gone and any(map(_alive, kids)):
+            time.sleep(0.2)
+        assert kids and not any(map(_alive, kids)), kids
     finally:
         if replay is not None and replay.poll() is None:
             replay.kill()
-        os.killpg(dash.pid, 15)
-        dash.wait(timeout=30)
+        if dash.poll() is None:
+            os.killpg(dash.pid, 15)
+            dash.wait(timeout=30)

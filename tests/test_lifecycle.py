@@ -114,3 +114,17 @@ def test_seeded_sampling_is_reproducible_and_differs_across_seeds():
             for s in (1, 1, 2, 3)]
     assert outs[0] == outs[1]
     assert len({tuple(o) for o in outs}) > 1
+
+
+def test_the_engine_forgets_finished_requests_so_a_long_run_stays_bounded():
+    """A server runs for months: the engine keeps only requests it has not finished (issue 17)."""
+    model, tok = load_model("recall")
+    eng = LLMEngine(model, tok, EngineConfig(kv_memory_budget=4 << 20, context_length=256, max_num_seqs=64))
+    most = 0
+    for wave in range(40):
+        for i in range(50):
+            eng.add_request([1 + (wave + i) % 200] * 4, SamplingParams(max_tokens=1), f"t{i % 3}")
+        most = max(most, len(eng.requests))
+        eng.run_until_done()
+        assert len(eng.requests) == 0
+    assert most == 50 and eng.allocator.num_free == eng.allocator.total       # 2000 requests, at most 50 held

@@ -109,3 +109,44 @@ def test_glm53_across_processes_forensics_equal_the_oracle(tmp_path):
     slots = fx.exposure_slots()
     assert set(zip(slots["response"], slots["donor"], slots["node"], slots["page"], slots["position"])) == truth
     assert set(fx.query("preflight")["node"]) == {"prefill0", "prefill1-canary", "decode0"}
+
+
+HOLDER = """
+import sys, time
+from engine.disagg import Guards
+from engine.models import load_model
+from engine.procs import ProcessCluster
+from tests.test_procs import cfgs
+model, tok = load_model("recall")
+pre, dec = cfgs(model)
+cl = ProcessCluster(model, tok, pre, dec, Guards.policy("hardened"))
+print(cl.shared_path, *[r.proc.pid for r in cl._remotes], flush=True)
+time.sleep(600)
+"""
+
+
+def test_kill_9_of_a_process_run_leaves_no_child_and_its_pool_file_is_reaped_next_start():
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[1])
+    path, *children = proc.stdout.readline().split()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    deadline = time.time() + 20
+    while time.time() < deadline and any(Path(f"/proc/{c}").exists() and "Z" not in
+                                         Path(f"/proc/{c}/stat").read_text().split()[2] for c in children):
+        time.sleep(0.1)
+    alive = [c for c in children if Path(f"/proc/{c}").exists() and "Z" not in Path(f"/proc/{c}/stat").read_text().split()[2]]
+    assert children and not alive, "prefill processes die with the router"
+    assert os.path.exists(path), "a killed run cannot unlink its own pool file"
+    model, tok = load_model("recall")
+    pre, dec = cfgs(model)
+    cl = ProcessCluster(model, tok, pre, dec, Guards.policy("hardened"))
+    try:
+        assert os.path.basename(path) in cl.reaped and not os.path.exists(path)
+    finally:
+        cl.close()

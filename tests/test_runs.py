@@ -132,3 +132,12 @@ def test_a_seed_reproduces_the_replay_and_its_verdict():
     shape = lambda res: sorted((res.requests.index(next(r for r in res.requests if r.incarnation == e.response)),  # noqa: E731
                                 e.node, e.page, e.position) for e in res.exposure_set)
     assert shape(a) == shape(b) and shape(a)
+
+
+def test_unified_hardened_replays_its_own_workload(capsys):
+    """Hardened fits the context to the small pool; the over-pool prompts are then longer than the
+    context itself, and are refused with that error - the replay still runs (it used to exit 2)."""
+    assert main(["replay", "glm53", "--mode", "unified", "--policy", "hardened", "--no-store", "--victims", "2",
+                 "--max-tokens", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "longer than the context length" in out and "responses that read foreign slots: 0" in out

@@ -17,4 +17,11 @@ def load_model(spec: str):
                              "*.safetensors and tokenizer.json")
     from engine.models.llama import LlamaModel
     from engine.models.tokenizer import HFTokenizer
-    return LlamaModel.from_pretrained(path), HFTokenizer.from_dir(path)
+    try:
+        return LlamaModel.from_pretrained(path), HFTokenizer.from_dir(path)
+    except ModelLoadError:
+        raise
+    except Exception as e:   # noqa: BLE001 - json, safetensors and tokenizers each raise their own kinds
+        what = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
+        raise ModelLoadError(f"cannot load the model in {path}: {type(e).__name__}: {what} (expected an HF-format "
+                             "directory: a valid config.json, complete *.safetensors and tokenizer.json)") from None

@@ -1,0 +1,76 @@
+"""Bad input, as a table: every case ends in one line `kvledger: error: <what, and the limit>` and
+a non-zero exit - never a Python traceback - and takes nothing first (no store is created)."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from forensics.cli import main
+
+CASES = {
+    "temperature nan": (["generate", "--model", "recall", "--prompt", "x", "--temperature", "nan"],
+                        "temperature must be a finite number >= 0, got nan"),
+    "temperature inf": (["generate", "--model", "recall", "--prompt", "x", "--temperature", "inf"],
+                        "temperature must be a finite number >= 0, got inf"),
+    "invalid UTF-8 prompt": (["generate", "--model", "recall", "--prompt", "ok \udcff"], "not valid UTF-8"),
+    "seed 2**70": (["generate", "--model", "recall", "--prompt", "x", "--seed", str(2 ** 70)], "seed must be in [0, 2**63)"),
+    "generate max-tokens 0": (["generate", "--model", "recall", "--prompt", "x", "--max-tokens", "0"], "--max-tokens must be >= 1"),
+    "replay context 0": (["replay", "glm53", "--context-length", "0"], "--context-length must be in [256, 131072]"),
+    "replay context -5": (["replay", "glm53", "--context-length", "-5"], "--context-length must be in [256, 131072]"),
+    "replay context 1e9": (["replay", "glm53", "--context-length", "1000000000"], "--context-length must be in [256"),
+    "replay victims -1": (["replay", "glm53", "--victims", "-1"], "--victims must be >= 0, got -1"),
+    "replay seed 2**70": (["replay", "glm53", "--seed", str(2 ** 70)], "--seed must be in [0, 2**63)"),
+    "replay max-tokens too long": (["replay", "glm53", "--max-tokens", "400"], "it must be < 335"),
+    "fault replay ignores a flag": (["replay", "late_write", "--max-tokens", "5"], "apply to glm53 only"),
+    "preflight page size -16": (["preflight", "--page-size", "-16", "--context-length", "1024"], "--page-size must be >= 1"),
+    "forensics from after to": (["forensics", "exposures", "--from", "2026-09-02", "--to", "2026-09-01"], "is after --to"),
+    "unknown run": (["forensics", "runs", "--run", "nope"], None),      # store-dependent: filled in below
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_is_one_clear_line_and_takes_nothing(case, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)                 # the default ./kvledger-store must not appear
+    argv, expect = CASES[case]
+    if expect is None:
+        argv, expect = ["forensics", "runs", "--store", str(tmp_path / "nowhere")], "no kvledger store at"
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("kvledger: error: ") and expect in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "kvledger-store").exists()
+
+
+def _model_dir(src, tmp_path, breaks: str):
+    d = tmp_path / "model"
+    shutil.copytree(src, d)
+    if breaks == "config":
+        (d / "config.json").write_text('{"hidden_size": ')
+    elif breaks == "safetensors":
+        f = next(d.glob("*.safetensors"))
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+    else:
+        (d / "tokenizer.json").write_text("garbage{")
+    return d
+
+
+@pytest.mark.parametrize("breaks", ["config", "safetensors", "tokenizer"])
+def test_a_broken_model_directory_is_named(tiny_llama, tmp_path, capsys, breaks):
+    d = _model_dir(tiny_llama, tmp_path, breaks)
+    assert main(["generate", "--model", str(d), "--prompt", "hello"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvledger: error: cannot load the model in {d}") and "Traceback" not in err, err
+
+
+def test_a_store_or_report_path_that_cannot_be_written_is_named(tmp_path, capsys, monkeypatch):
+    (tmp_path / "afile").write_text("x")
+    assert main(["report", "--store", str(tmp_path / "s"), "--out", str(tmp_path / "afile")]) == 2
+    assert "--out " in capsys.readouterr().err and (tmp_path / "afile").read_text() == "x"
+    # a store under a file (not writable by anyone, root included)
+    assert main(["replay", "late_write", "--store", str(tmp_path / "afile" / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: ") and "Traceback" not in err, err
+    monkeypatch.setenv("KVLEDGER_STORE_SECRET", "not-hex")
+    assert main(["replay", "late_write", "--store", str(tmp_path / "new")]) == 2
+    assert "KVLEDGER_STORE_SECRET must be hex" in capsys.readouterr().err
