@@ -90,12 +90,13 @@ class Panels:
 
     def totals(self) -> dict[str, int]:
         ex, sc = self.exposures(), self.scores()
-        real = ex.filter(pl.col("donor") != -1)
+        real = ex.filter((pl.col("donor") != -1) & (pl.col("severity") != "blocked"))
+        cross = real.filter(~pl.col("same_tenant"))      # tenant counts are cross-tenant, as in the report
         return {"affected_responses": sc.height,
                 "surfaced_responses": int(sc["surfaced"].sum()) if sc.height else 0,
                 "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
-                "recipient_tenants": real["response_tenant"].n_unique() if real.height else 0,
-                "donor_tenants": real["donor_tenant"].drop_nulls().n_unique() if real.height else 0,
+                "recipient_tenants": cross["response_tenant"].n_unique() if cross.height else 0,
+                "donor_tenants": cross["donor_tenant"].drop_nulls().n_unique() if cross.height else 0,
                 "exposure_score": int(sc["score"].sum()) if sc.height else 0}
 
     def score_over_time(self, every: str = "1s") -> pl.DataFrame:

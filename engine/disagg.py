@@ -341,14 +341,15 @@ class DisaggCluster:
         preq.chain.extend(preq.prompt_ids)
 
     def submit(self, prompt: str | list[int], sampling: SamplingParams | None = None, tenant: str = "default",
-               prefill_node: int = 0, rid: str = "") -> Request:
+               prefill_node: int = 0, rid: str = "", user: str = "", cache_salt: str = "") -> Request:
         """Route one request. Returns the client-visible (decode-side) request; a rejected one comes
         back finished with its original error. Bad input raises before anything is recorded.
         ``rid`` is the client's request id (SGLang's bootstrap room); clients may reuse it."""
         if not 0 <= prefill_node < len(self.prefills):
             raise InputError(f"prefill node {prefill_node} does not exist (0..{len(self.prefills) - 1})")
         node = self.prefills[prefill_node]
-        dreq = self.decode.new_request(prompt, sampling, tenant, rid=rid)   # validates before any page is taken
+        dreq = self.decode.new_request(prompt, sampling, tenant, rid=rid, user=user,   # validates before any
+                                       cache_salt=cache_salt)                     # page is taken
         self.rec.request_arrived(self.decode, dreq)
         self.responses.append(dreq)
         if self.guards.reject_before_bootstrap:
@@ -360,7 +361,7 @@ class DisaggCluster:
                 return self._reject(self.decode, dreq, "router", e)
         try:                                     # the prefill node's own limits (its context may be lower)
             preq = node.new_request(list(dreq.prompt_ids), SamplingParams(max_tokens=1, ignore_eos=True), tenant,
-                                    incarnation=dreq.incarnation)
+                                    incarnation=dreq.incarnation, user=user, cache_salt=cache_salt)
         except InputError as e:
             return self._reject(self.decode, dreq, f"prefill:{node.cfg.node_id}", e)
         if len(dreq.prompt_ids) > self.decode.pool.capacity_tokens:
@@ -639,6 +640,11 @@ class DisaggCluster:
     def run_until_done(self) -> None:
         while self.has_work():
             self.step()
+
+    def forget_finished(self) -> None:
+        """Drop finished requests from ``responses`` (a long-running server stays bounded; a finished
+        request needs no abort)."""
+        self.responses = [r for r in self.responses if not r.is_finished]
 
     def close(self) -> None:
         self.link.close()

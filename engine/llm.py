@@ -142,7 +142,8 @@ class LLMEngine:
         scope = self.scope_for(tenant, user, cache_salt)
         chain = TagChain(scope_key(self.cfg.scope_secret, scope, self.cfg.kv_format_version), self.cfg.kv_format_version)
         chain.extend(prompt_ids)
-        req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid, prompt_tokens_billed=len(prompt_ids))
+        req = Request(prompt_ids, sp, tenant, scope, chain, rid=rid, prompt_tokens_billed=len(prompt_ids),
+                      user=user, cache_salt=cache_salt)
         if incarnation is not None:
             req.incarnation = incarnation
         return req

@@ -122,9 +122,9 @@ def _prefill_main(conn, model_spec: str, cfg: EngineConfig, geometry: dict, deco
                 conn.send(("stopped", eng.allocator.num_free, eng.allocator.total))
                 return
             if msg[0] == "enqueue":
-                _, inc, prompt_ids, tenant, user, reservation, batch = msg
+                _, inc, prompt_ids, tenant, user, salt, reservation, batch = msg
                 preq = eng.new_request(prompt_ids, SamplingParams(max_tokens=1, ignore_eos=True), tenant,
-                                       incarnation=inc, user=user)
+                                       incarnation=inc, user=user, cache_salt=salt)
                 work[inc] = (reservation, batch)
                 eng.enqueue(preq)
             elif msg[0] == "abort":
@@ -176,13 +176,16 @@ class RemotePrefill:
 
     check_fits_pool = LLMEngine.check_fits_pool
 
-    def new_request(self, prompt, sampling=None, tenant="default", rid="", incarnation=None, user="") -> Request:
-        return self.cluster.decode.new_request(prompt, sampling, tenant, rid=rid, incarnation=incarnation, user=user)
+    def new_request(self, prompt, sampling=None, tenant="default", rid="", incarnation=None, user="",
+                    cache_salt="") -> Request:
+        return self.cluster.decode.new_request(prompt, sampling, tenant, rid=rid, incarnation=incarnation, user=user,
+                                               cache_salt=cache_salt)
 
     def enqueue(self, preq: Request) -> None:
         half = self.cluster.halves[preq.incarnation]
         g, lc = self.cluster.guards, self.cluster.link_cfg
-        self._send(("enqueue", preq.incarnation, list(preq.prompt_ids), preq.tenant, "", list(half.reservation),
+        self._send(("enqueue", preq.incarnation, list(preq.prompt_ids), preq.tenant, preq.user, preq.cache_salt,
+                    list(half.reservation),
                     lc.batch_slots if g.transfer_batch_bound else None))
         preq.transition(Status.PREFILLING)
         self.outstanding[preq.incarnation] = preq

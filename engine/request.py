@@ -130,6 +130,8 @@ class Request:
     finished_at: float | None = None
     preemptions: int = 0
     on_finish: list[Callable[["Request"], None]] = field(default_factory=list)   # called once, on the terminal transition
+    user: str = ""             # with tenant and cache_salt: what the scope was derived from (another node
+    cache_salt: str = ""       # of the cluster derives the same scope from them)
 
     @property
     def all_ids(self) -> list[int]:

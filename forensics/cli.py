@@ -344,6 +344,20 @@ def cmd_report(args) -> int:
     return 0 if report["provenance"]["chain_ok"] else 1
 
 
+def cmd_serve(args) -> int:
+    from engine.server.app import serve
+
+    if not 0 < args.port < 65536:
+        return _die(f"--port must be in 1..65535, got {args.port}")
+    if not 1 <= args.max_pending <= 1_000_000:
+        return _die(f"--max-pending must be in [1, 1000000], got {args.max_pending}")
+    if not 0 <= args.drain_timeout <= 3600:
+        return _die(f"--drain-timeout must be in [0, 3600] seconds, got {args.drain_timeout}")
+    if (why := _check_store_path(args.store)):
+        return _die(why)
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -379,6 +393,25 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--victims", type=int, default=None, help="glm53: prompts longer than the small prefill pool (default 4)")
     r.add_argument("--max-tokens", type=int, default=None, help="glm53: tokens each over-pool request generates (default 160)")
     r.set_defaults(func=cmd_replay)
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (tenants from API keys), recording into the store")
+    sv.add_argument("--model", default="recall", help="'recall' (default) or an HF-format directory")
+    sv.add_argument("--policy", choices=["vulnerable", "hardened"], default="hardened",
+                    help="hardened (default): every guard on; vulnerable: the incident's behaviour, with a warning")
+    sv.add_argument("--mode", choices=["unified", "disaggregated"], default="unified",
+                    help="unified (default): one node; disaggregated: router, prefill nodes, decode node, KV link")
+    sv.add_argument("--config", default=None, metavar="cluster.toml",
+                    help="node pools, context length, page size, isolation level (default: the glm53 cluster)")
+    sv.add_argument("--keys", default=None, metavar="FILE",
+                    help='JSON {"api-key": "tenant"} or {"api-key": {"tenant":..., "user":..., "org":...}}; '
+                         "unknown or missing key -> 401 (default: no keys, every caller is tenant 'default')")
+    sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    sv.add_argument("--store", default="./kvledger-store", help="where telemetry lands (default ./kvledger-store)")
+    sv.add_argument("--max-pending", type=int, default=256,
+                    help="requests in flight before new ones get 429 with Retry-After (default 256)")
+    sv.add_argument("--drain-timeout", type=float, default=30.0,
+                    help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them (default 30)")
+    sv.set_defaults(func=cmd_serve)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
     pf.add_argument("--context-length", type=int, default=1_048_576)

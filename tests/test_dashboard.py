@@ -170,3 +170,15 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
         if dash.poll() is None:
             os.killpg(dash.pid, 15)
             dash.wait(timeout=30)
+
+
+def test_a_store_that_does_not_verify_is_shown_under_a_red_banner(glm53_vulnerable, monkeypatch, tmp_path):
+    import shutil
+    _, store = glm53_vulnerable
+    copy = tmp_path / "tampered"
+    shutil.copytree(store, copy, ignore=shutil.ignore_patterns("writer.lock"))
+    (copy / "segments" / "spans" / "999999999.parquet").write_bytes(b"dropped in")
+    at = _app(copy, monkeypatch)
+    assert any("UNVERIFIED STORE" in e.value and "not written by this store's writer" in e.value for e in at.error)
+    clean = _app(store, monkeypatch)
+    assert not any("UNVERIFIED" in e.value for e in clean.error)

@@ -31,7 +31,7 @@ def split_blocked(fx: Forensics) -> tuple[set[tuple], set[tuple]]:
     return {s for s in slots if s[0] not in stopped}, {s for s in slots if s[0] in stopped}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def mixed(tmp_path_factory):
     """Four runs, one store: node names (prefill0, decode0), page numbers and logical clocks all
     restart with every run - exactly what once made reads of one run match writes of another."""
@@ -134,10 +134,32 @@ def test_a_seed_reproduces_the_replay_and_its_verdict():
     assert shape(a) == shape(b) and shape(a)
 
 
-def test_unified_hardened_replays_its_own_workload(capsys):
+def test_unified_hardened_replays_its_own_workload(capsys, monkeypatch):
     """Hardened fits the context to the small pool; the over-pool prompts are then longer than the
     context itself, and are refused with that error - the replay still runs (it used to exit 2)."""
+    monkeypatch.setenv("COLUMNS", "250")                     # one table row per line
     assert main(["replay", "glm53", "--mode", "unified", "--policy", "hardened", "--no-store", "--victims", "2",
                  "--max-tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "longer than the context length" in out and "responses that read foreign slots: 0" in out
+
+
+def test_the_oracle_names_the_donor_as_of_the_read_even_when_the_page_is_rewritten_after_it():
+    """B reads A's pages; then A lets go and E writes the very same bytes (the same text: K/V does not
+    depend on the tenant) into the very same slots. The donor of B's read is A - who had written
+    them when B read - not E, the last writer by the end of the run."""
+    from engine.oracle import Oracle
+    from engine.request import SamplingParams
+    from tests.test_recall import CONTEXT_A, _point_at_foreign_pages, recall_engine
+    eng = recall_engine(check_reads=False)
+    oracle = Oracle(eng.model)
+    eng.observers.append(oracle.observe_step)
+    a, b = _point_at_foreign_pages(eng)
+    eng.run_until_done()                                     # B reads A's pages and finishes
+    pages = list(a.block_table)
+    eng.abort(a)
+    e = eng.add_request(CONTEXT_A, SamplingParams(max_tokens=2), tenant="eve")
+    eng.run_until_done()
+    assert set(e.block_table[: len(pages) - 1]) <= set(pages), "precondition: E rewrote A's pages"
+    donors = {x.donor for x in oracle.exposures(b)} - {b.incarnation}
+    assert donors == {a.incarnation}, (donors, a.incarnation, e.incarnation)

@@ -1,0 +1,409 @@
+"""The FastAPI app: OpenAI-compatible routes over the engine loop, and ``serve`` (uvicorn).
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream with SSE),
+``GET /v1/models``, ``POST /tokenize``, ``GET /health``, ``GET /metrics``, ``GET /server_info``.
+Tenants come from API keys (``Authorization: Bearer``); errors come in the OpenAI error shape.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+
+from engine.errors import InputError, KvledgerError, OutOfPages, ReadCheckViolation
+from engine.request import SamplingParams
+from engine.server import protocol as P
+from engine.server.backend import Keys, Tenant
+from engine.server.loop import EngineLoop, QueueFull, Stream
+from engine.server.metrics import ServerMetrics
+
+log = logging.getLogger("kvledger.server")
+PLAIN_TEMPLATE = "{role}: {content}\n"       # per message, then "assistant:" (models without a chat template)
+
+
+@dataclass
+class State:
+    loop: EngineLoop
+    tokenizer: object
+    model_name: str
+    keys: Keys
+    metrics: ServerMetrics
+    info: dict
+    context_length: int
+    chat_template: str | None = None
+    drain_s: float = 30.0
+    on_shutdown: list = field(default_factory=list)
+
+
+def render_chat(state: State, messages: list[P.ChatMessage]) -> str:
+    """The model's chat template when it has one (tokenizer_config.json), else PLAIN_TEMPLATE."""
+    if state.chat_template:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(state.chat_template).render(
+            messages=[m.model_dump(exclude_none=True) for m in messages], add_generation_prompt=True,
+            bos_token="", eos_token="")
+    return "".join(PLAIN_TEMPLATE.format(role=m.role, content=m.content) for m in messages) + "assistant:"
+
+
+class Decoder:
+    """Detokenizes a growing list of ids into text deltas (holding back a partial UTF-8 character)."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.ids, self.text = tokenizer, [], ""
+
+    def add(self, ids: list[int], final: bool = False) -> str:
+        self.ids += ids
+        text = self.tok.decode(self.ids)
+        if not final and (text.endswith("\ufffd") or not text.startswith(self.text)):
+            return ""
+        delta, self.text = text[len(self.text):], text
+        return delta
+
+
+def _err(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+         param: str | None = None, headers: dict | None = None) -> JSONResponse:
+    s, body = P.error(status, message, kind, code, param)
+    return JSONResponse(body, status_code=s, headers=headers)
+
+
+def _admission_error(e: BaseException) -> JSONResponse:
+    text = str(e)
+    if isinstance(e, (InputError, OutOfPages)):
+        code = "context_length_exceeded" if ("context length" in text or "KV pool" in text or "pool of" in text) else None
+        return _err(400, text, code=code)
+    if isinstance(e, QueueFull):
+        return _err(429, f"server busy: {text}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
+    return _err(500, f"{type(e).__name__}: {text}", "internal_error")
+
+
+def _failed(req) -> JSONResponse | None:
+    """The error response of a request that finished with an error (None: it did not)."""
+    e = req.error
+    if e is None:
+        return None
+    if isinstance(e, ReadCheckViolation):
+        return _err(500, f"this request was stopped by the KV read check and returned nothing: {e}", "internal_error",
+                    code="read_check_violation")
+    if isinstance(e, (InputError, OutOfPages)) and req.first_token_at is None and not req.output_ids:
+        return _admission_error(e)
+    return _err(500, f"{type(e).__name__}: {e}", "internal_error")
+
+
+async def _body(request: Request) -> dict | JSONResponse:
+    """The JSON body, read up to MAX_BODY_BYTES (413 beyond), as UTF-8 JSON (400 otherwise)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > P.MAX_BODY_BYTES:
+        return _err(413, f"request body is {declared} bytes; the limit is {P.MAX_BODY_BYTES}")
+    chunks, size = [], 0
+    async for part in request.stream():
+        size += len(part)
+        if size > P.MAX_BODY_BYTES:
+            return _err(413, f"request body is over the limit of {P.MAX_BODY_BYTES} bytes")
+        chunks.append(part)
+    raw = b"".join(chunks)
+    try:
+        body = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return _err(400, f"request body is not valid UTF-8 (byte {e.start})")
+    except ValueError as e:
+        return _err(400, f"request body is not JSON: {e}")
+    if not isinstance(body, dict):
+        return _err(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
+
+
+def _validation(e: ValidationError) -> JSONResponse:
+    first = e.errors()[0]
+    where = ".".join(str(x) for x in first.get("loc", ()))
+    msg = first.get("msg", "invalid")
+    if first.get("type") == "extra_forbidden":
+        msg = "unsupported parameter (this server does not implement it)"
+    elif first.get("type") == "literal_error" and where in ("n", "logprobs", "echo", "best_of"):
+        msg = f"unsupported value: {msg}"
+    return _err(400, f"{where}: {msg}", param=where or None)
+
+
+def create_app(state: State) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.loop.start()
+        yield
+        # uvicorn stopped accepting and waited for in-flight handlers; drain the engine, then let the
+        # store flush and seal (on_shutdown), so a restart on the same store continues it
+        await asyncio.to_thread(state.loop.stop, state.drain_s)
+        for fn in state.on_shutdown:
+            await asyncio.to_thread(fn)
+
+    app = FastAPI(title="kvledger", lifespan=lifespan, docs_url=None, redoc_url=None)
+    m = state.metrics
+
+    @app.middleware("http")
+    async def count(request: Request, call_next):
+        response = await call_next(request)
+        m.http.labels(request.url.path if request.url.path in ROUTES else "other", str(response.status_code)).inc()
+        return response
+
+    def tenant_of(request: Request) -> Tenant | None:
+        return state.keys.lookup(request.headers.get("authorization"))
+
+    def unauthorized() -> JSONResponse:
+        return _err(401, "missing or unknown API key (Authorization: Bearer <key>)", "authentication_error",
+                    code="invalid_api_key")
+
+    async def generate(request: Request, chat: bool):
+        tenant = tenant_of(request)
+        if tenant is None:
+            return unauthorized()
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            cr = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
+        except ValidationError as e:
+            return _validation(e)
+        if cr.model not in (None, state.model_name):
+            return _err(404, f"model {cr.model!r} does not exist; this server serves {state.model_name!r}",
+                        code="model_not_found", param="model")
+        prompt = render_chat(state, cr.messages) if chat else cr.prompt
+        if isinstance(prompt, str):
+            try:
+                prompt_ids = state.tokenizer.encode(prompt)
+            except UnicodeEncodeError:
+                return _err(400, "the prompt is not valid Unicode text")
+        else:
+            prompt_ids = list(prompt)
+        limit = cr.limit if chat else cr.max_tokens
+        sp = SamplingParams(max_tokens=limit, temperature=cr.temperature, top_p=cr.top_p, seed=cr.seed)
+        # the client's user / cache_salt narrow the scope the key gives (one more component of it)
+        salt = json.dumps([cr.user or "", cr.cache_salt or ""]) if (cr.user or cr.cache_salt) else ""
+        try:
+            stream = await state.loop.submit(prompt_ids, sp, tenant.tenant, tenant.user, salt)
+        except (KvledgerError, QueueFull) as e:
+            m.rejections.labels(type(e).__name__, "admission").inc()
+            return _admission_error(e)
+        if stream.req.is_finished and stream.req.error is not None and not stream.req.output_ids:
+            m.rejections.labels(type(stream.req.error).__name__, "cluster").inc()
+        if cr.stream:
+            return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return await _whole(state, request, stream, chat)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        if tenant_of(request) is None:
+            return unauthorized()
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvledger", "max_model_len": state.context_length}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        if tenant_of(request) is None:
+            return unauthorized()
+        body = await _body(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            tr = P.TokenizeRequest.model_validate(body)
+        except ValidationError as e:
+            return _validation(e)
+        if (tr.prompt is None) == (tr.messages is None):
+            return _err(400, "give exactly one of prompt or messages")
+        text = tr.prompt if tr.prompt is not None else render_chat(state, tr.messages)
+        try:
+            ids = state.tokenizer.encode(text)
+        except UnicodeEncodeError:
+            return _err(400, "the prompt is not valid Unicode text")
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
+
+    @app.get("/health")
+    async def health():
+        alive = state.loop._thread.is_alive()
+        return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/server_info")
+    async def server_info():
+        return state.info
+
+    return app
+
+
+ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/health", "/metrics", "/server_info"}
+
+
+async def _next(state: State, request: Request, stream: Stream):
+    """The stream's next event; aborts the request when the client has gone away meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(stream.events.get(), timeout=0.5)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                state.loop.abort(stream)
+                return None
+
+
+async def _whole(state: State, request: Request, stream: Stream, chat: bool):
+    dec = Decoder(state.tokenizer)
+    while True:
+        ev = await _next(state, request, stream)
+        if ev is None:
+            return Response(status_code=499)
+        tokens, finished = ev
+        dec.add(tokens, final=finished)
+        if finished:
+            break
+    req = stream.req
+    if (bad := _failed(req)) is not None:
+        return bad
+    body = (P.chat_completion if chat else P.completion)(req, state.model_name, dec.text)
+    return JSONResponse(body)
+
+
+async def _sse(state: State, request: Request, stream: Stream, chat: bool, include_usage: bool):
+    """Server-sent events; a client that disconnects cancels this generator, which aborts its request
+    through the engine's abort path (the cluster's, in disaggregated mode)."""
+    req, dec = stream.req, Decoder(state.tokenizer)
+    try:
+        if chat:
+            first = P.chunk(req, state.model_name, True, None, None)
+            first["choices"][0]["delta"] = {"role": "assistant", "content": ""}
+            yield f"data: {json.dumps(first)}\n\n"
+        while True:
+            tokens, finished = await stream.events.get()
+            delta = dec.add(tokens, final=finished)
+            if finished:
+                if req.error is not None:
+                    status, body = P.error(500, f"{type(req.error).__name__}: {req.error}", "internal_error")
+                    yield f"data: {json.dumps(body)}\n\n"
+                    break
+                yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, delta, P.finish_reason(req)))}\n\n"
+                if include_usage:
+                    yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, None, None, with_usage=True))}\n\n"
+                break
+            if delta:
+                yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, delta, None))}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        if not req.is_finished:
+            state.loop.abort(stream)
+
+
+# ---- kvledger serve --------------------------------------------------------------------------------
+def serve(args) -> int:
+    """Build the model, the store's telemetry, the engine or cluster, and run the app under uvicorn
+    until SIGTERM/SIGINT: then stop accepting, drain (bounded), flush and seal the store, exit 0."""
+    import uvicorn
+
+    from engine.models import load_model
+    from engine.server.backend import ClusterSpec, build_backend
+    from telemetry import Telemetry
+
+    keys = Keys.load(args.keys)
+    spec = ClusterSpec.load(args.config)
+    model, tok = load_model(args.model)
+    model_name = "recall" if args.model == "recall" else Path(args.model).name
+    from dataclasses import asdict
+
+    from engine.disagg import Guards
+    guards = asdict(Guards.policy(args.policy)) if args.mode == "disaggregated" else {
+        "read_check": Guards.policy(args.policy).read_check}
+    tel = Telemetry(args.store, policy=args.policy, guards=guards, isolation_level=spec.isolation_level,
+                    model_name=model_name, service="kvledger-serve")
+    try:
+        backend = build_backend(model, tok, args.mode, args.policy, spec, keys, tel)
+    except BaseException:
+        tel.close()
+        raise
+    metrics = ServerMetrics(tel.keys.pseudonym, args.policy, guards, tel)
+    nodes = backend.nodes if hasattr(backend, "prefills") else [backend]
+    for n in nodes:
+        metrics.observe_node(n)
+    loop = EngineLoop(backend, max_pending=args.max_pending,
+                      on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else type(r.error).__name__))
+    loop.drain_s = args.drain_timeout
+    metrics.queue.set_function(lambda: loop.pending)
+    info = server_info(args, spec, nodes, guards, model_name, tel.boot)
+    state = State(loop, tok, model_name, keys, metrics, info, max(n.preflight.advertised_context for n in nodes),
+                  _chat_template(args.model), args.drain_timeout,
+                  on_shutdown=[tel.close] + ([backend.close] if hasattr(backend, "prefills") else []))
+    if args.policy == "vulnerable":
+        print("kvledger: WARNING: serving under the VULNERABLE policy: every guard is off; prompts longer than a "
+              "prefill pool may read other tenants' KV (the GLM-5.3 incident). Use it to reproduce, never for real "
+              "tenants.", file=sys.stderr)
+    if keys.table is None:
+        print("kvledger: warning: no --keys file: every request is tenant 'default' (no tenant isolation to "
+              "observe)", file=sys.stderr)
+    print(f"kvledger serve: {args.mode}, {args.policy}, model {model_name}, store {args.store} (run {tel.boot}) "
+          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
+    _Server(config).run()
+    return 0
+
+
+class _Server:
+    """uvicorn's server, except that SIGTERM/SIGINT end in exit 0 once the store is sealed: uvicorn
+    re-raises the signal after its graceful shutdown, which would kill the process with it."""
+
+    def __new__(cls, config):
+        import contextlib
+        import signal
+
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self):
+                old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)}
+                try:
+                    yield
+                finally:
+                    for s, h in old.items():
+                        signal.signal(s, h)
+        return Server(config)
+
+
+def server_info(args, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
+    """Each node's pool against its context: what a probe or an operator checks (SGLang's
+    ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
+    rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
+             "context_length": n.cfg.context_length, "advertised_context": n.preflight.advertised_context,
+             "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
+            for n in nodes]
+    admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
+    return {"model": model_name, "mode": args.mode, "policy": args.policy, "guards": guards, "boot": boot,
+            "isolation_level": spec.isolation_level, "nodes": rows,
+            "max_total_num_tokens": min(r["pool_tokens"] for r in admitting),
+            "context_length": max(r["advertised_context"] for r in rows)}
+
+
+def _chat_template(model: str) -> str | None:
+    if model == "recall":
+        return None
+    cfg = Path(model) / "tokenizer_config.json"
+    try:
+        t = json.loads(cfg.read_text()).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    return t if isinstance(t, str) else None

@@ -1,0 +1,154 @@
+"""What ``kvledger serve`` serves with: tenants from API keys, the cluster file, and the backend.
+
+Keys file (``--keys``): JSON ``{"api-key": "tenant"}`` or ``{"api-key": {"tenant": ..., "user": ...,
+"org": ...}}``. The cache scope is derived server-side from those (engine.llm.LLMEngine.scope_for);
+a client's ``user`` or ``cache_salt`` field may only narrow it.
+
+Cluster file (``--config cluster.toml``), every key optional (defaults: the glm53 replay's cluster,
+the incident's pool/context ratio on the small prefill node)::
+
+    context_length = 1024
+    page_size = 16
+    isolation_level = "tenant"        # user | tenant | org
+    prefix_cache = true               # unified: reuse full prompt pages within a cache scope
+    [[prefill]]                       # disaggregated: one table per prefill node
+    node_id = "prefill0"
+    pool_tokens = 665
+    [decode]
+    pool_tokens = 2048
+    [unified]
+    pool_tokens = 2048
+"""
+from __future__ import annotations
+
+import hmac
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from engine.config import EngineConfig
+from engine.errors import InputError, KvledgerError
+from engine.pool import KVPool
+
+INCIDENT_RATIO = 681_280 / 1_048_576
+MAX_CONTEXT = 1 << 20
+
+
+class Tenant(NamedTuple):
+    tenant: str
+    user: str = ""
+    org: str = ""
+
+
+class Keys:
+    """API key -> tenant. Compared in constant time; with no keys file every caller is 'default'."""
+
+    def __init__(self, table: dict[str, Tenant] | None):
+        self.table = table
+
+    @classmethod
+    def load(cls, path: str | None) -> "Keys":
+        if path is None:
+            return cls(None)
+        try:
+            raw = json.loads(Path(path).read_text())
+        except OSError as e:
+            raise InputError(f"--keys {path}: {e.strerror}") from None
+        except ValueError as e:
+            raise InputError(f"--keys {path} is not JSON: {e}") from None
+        if not isinstance(raw, dict) or not raw:
+            raise InputError(f"--keys {path}: expected a JSON object of api-key -> tenant, got {type(raw).__name__}")
+        table = {}
+        for key, v in raw.items():
+            if isinstance(v, str) and v:
+                table[key] = Tenant(v)
+            elif isinstance(v, dict) and isinstance(v.get("tenant"), str) and v["tenant"]:
+                table[key] = Tenant(v["tenant"], str(v.get("user", "")), str(v.get("org", "")))
+            else:
+                raise InputError(f"--keys {path}: the value for a key must be a tenant name or "
+                                 '{"tenant": ..., "user": ..., "org": ...}, got ' + repr(v)[:60])
+        return cls(table)
+
+    def orgs(self) -> dict[str, str]:
+        return {t.tenant: t.org for t in (self.table or {}).values() if t.org}
+
+    def lookup(self, authorization: str | None) -> Tenant | None:
+        if self.table is None:
+            return Tenant("default")
+        if not authorization or not authorization.startswith("Bearer "):
+            return None
+        given = authorization[len("Bearer "):].encode()
+        found = None
+        for key, tenant in self.table.items():          # every key compared: no timing tells which matched
+            if hmac.compare_digest(key.encode(), given):
+                found = tenant
+        return found
+
+
+@dataclass
+class ClusterSpec:
+    context_length: int = 1024
+    page_size: int = 16
+    isolation_level: str = "tenant"
+    prefix_cache: bool = True
+    prefill: list[tuple[str, int]] = field(default_factory=list)   # (node id, pool tokens)
+    decode_tokens: int = 0
+    unified_tokens: int = 0
+
+    @classmethod
+    def load(cls, path: str | None) -> "ClusterSpec":
+        raw = {}
+        if path is not None:
+            try:
+                raw = tomllib.loads(Path(path).read_text())
+            except OSError as e:
+                raise InputError(f"--config {path}: {e.strerror}") from None
+            except tomllib.TOMLDecodeError as e:
+                raise InputError(f"--config {path} is not TOML: {e}") from None
+        spec = cls(context_length=_int(raw, "context_length", 1024, 16, MAX_CONTEXT),
+                   page_size=_int(raw, "page_size", 16, 1, 4096), isolation_level=str(raw.get("isolation_level", "tenant")),
+                   prefix_cache=bool(raw.get("prefix_cache", True)))
+        if spec.isolation_level not in ("user", "tenant", "org"):
+            raise InputError(f"cluster config: isolation_level must be user, tenant or org, got {spec.isolation_level!r}")
+        C = spec.context_length
+        pre = raw.get("prefill", [{"node_id": "prefill0", "pool_tokens": round(C * INCIDENT_RATIO)},
+                                  {"node_id": "prefill1-canary", "pool_tokens": 2 * C}])
+        if not isinstance(pre, list) or not pre:
+            raise InputError(f"--config {path}: [[prefill]] must list at least one prefill node")
+        spec.prefill = [(str(p.get("node_id", f"prefill{i}")), _int(p, "pool_tokens", 2 * C, spec.page_size, 1 << 26))
+                        for i, p in enumerate(pre)]
+        spec.decode_tokens = _int(raw.get("decode", {}), "pool_tokens", 2 * C, spec.page_size, 1 << 26)
+        spec.unified_tokens = _int(raw.get("unified", {}), "pool_tokens", 2 * C, spec.page_size, 1 << 26)
+        return spec
+
+
+def _int(table: dict, key: str, default: int, lo: int, hi: int) -> int:
+    v = table.get(key, default)
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise InputError(f"cluster config: {key} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: Keys, recorder):
+    """The engine (unified) or the cluster (router, prefill nodes, decode node, KV link) to serve with."""
+    from engine.disagg import DisaggCluster, Guards
+    from engine.llm import LLMEngine
+    guards = Guards.policy(policy)
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size)
+
+    def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
+        return EngineConfig(prefix_cache=prefix_cache, kv_memory_budget=(tokens // spec.page_size) * pb, page_size=spec.page_size,
+                            context_length=spec.context_length, node_id=node, max_num_seqs=16, check_reads=True,
+                            fail_on_violation=guards.read_check, isolation_level=spec.isolation_level,
+                            orgs=keys.orgs(), preflight="fit" if policy == "hardened" else "record")
+    try:
+        if mode == "unified":
+            return LLMEngine(model, tokenizer, cfg(spec.unified_tokens, "unified0", spec.prefix_cache), recorder=recorder)
+        return DisaggCluster(model, tokenizer, [cfg(t, n) for n, t in spec.prefill], cfg(spec.decode_tokens, "decode0"),
+                             guards, recorder=recorder)
+    except KvledgerError:
+        raise
+    except (ValueError, RuntimeError) as e:
+        raise InputError(f"cannot build the {mode} cluster: {e}") from None

@@ -1,0 +1,187 @@
+"""The engine on its own thread, reached from asyncio through one command queue.
+
+HTTP handlers never touch engine state: ``submit`` and ``abort`` put a command on the queue; the
+engine thread runs them between steps, steps whatever is running (continuous batching across HTTP
+requests: every request admitted joins the next step), and after each step hands each live request
+its new tokens on that request's own asyncio queue (``loop.call_soon_threadsafe``).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.errors import InputError, KvledgerError
+from engine.request import Request, SamplingParams
+
+log = logging.getLogger("kvledger.server")
+
+
+class QueueFull(KvledgerError):
+    pass
+
+
+@dataclass(eq=False)
+class Stream:
+    """One live request as the HTTP side sees it."""
+    req: Request
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    sent: int = 0
+    done: bool = False
+
+    def push(self, tokens: list[int], finished: bool) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
+
+
+class EngineLoop:
+    """Runs ``backend`` (an ``LLMEngine`` or a ``DisaggCluster``) on a thread of its own."""
+
+    def __init__(self, backend, max_pending: int = 256, on_finish: Callable[[Request], None] | None = None):
+        from engine.disagg import DisaggCluster
+        self.backend = backend
+        self.cluster = backend if isinstance(backend, DisaggCluster) else None
+        self.nodes = backend.nodes if self.cluster else [backend]
+        self.max_pending, self.on_finish = max_pending, on_finish
+        self._cmds: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, Stream] = {}
+        self._rr = 0
+        self.pending = 0                      # admitted, not finished (read by /metrics and the 429 check)
+        self.steps = 0
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    # ---- asyncio side ----------------------------------------------------------------------------
+    async def submit(self, prompt_ids: list[int], sp: SamplingParams, tenant: str, user: str = "",
+                     cache_salt: str = "") -> Stream:
+        """Admit a request; raises InputError (bad input, over context or pool: nothing taken) or
+        QueueFull. A request the cluster rejects comes back as a finished stream with its error."""
+        if self._stop.is_set():
+            raise QueueFull("the server is shutting down")
+        if self.pending >= self.max_pending:
+            raise QueueFull(f"{self.pending} requests in flight, the limit is {self.max_pending}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._cmds.put(("submit", (prompt_ids, sp, tenant, user, cache_salt), loop, fut))
+        return await fut
+
+    def abort(self, stream: Stream, reason: str = "client disconnected") -> None:
+        self._cmds.put(("abort", stream, reason))
+
+    def stop(self, drain_s: float) -> None:
+        """Stop admitting, let running requests finish for up to ``drain_s``, abort the rest."""
+        self._stop.set()
+        self._thread.join(timeout=drain_s + 5)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        drain_deadline = None
+        while True:
+            try:                              # idle: wait a little for work; busy: only what is there
+                cmd = self._cmds.get(timeout=0.02) if not self._has_work() else self._cmds.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                self._command(cmd)
+                try:
+                    cmd = self._cmds.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if self._stop.is_set():
+                drain_deadline = drain_deadline or time.monotonic() + self.drain_s
+                if not self._has_work():
+                    return
+                if time.monotonic() > drain_deadline:
+                    for s in list(self._live.values()):
+                        self._abort(s, "server shutting down")
+            if self._has_work():
+                try:
+                    self.backend.step()
+                    self.steps += 1
+                except Exception as e:       # noqa: BLE001 - an engine bug: fail what is live, keep serving
+                    log.exception("engine step failed")
+                    self.error = e
+                    for s in list(self._live.values()):
+                        if not s.req.is_finished:
+                            self._abort(s, f"engine failure: {type(e).__name__}: {e}")
+            self._deliver()
+
+    drain_s = 30.0
+
+    def _has_work(self) -> bool:
+        return self.backend.has_work() if self.cluster else self.backend.has_unfinished()
+
+    def _command(self, cmd) -> None:
+        if cmd[0] == "submit":
+            _, args, loop, fut = cmd
+            try:
+                stream = Stream(self._admit(*args), loop)
+            except BaseException as e:       # noqa: BLE001 - handed to the handler that awaits it
+                loop.call_soon_threadsafe(_set, fut, None, e, None)
+                return
+            self._live[stream.req.incarnation] = stream
+            self.pending += 1
+            loop.call_soon_threadsafe(_set, fut, stream, None, self.abort)
+        elif cmd[0] == "abort":
+            _, stream, reason = cmd
+            self._abort(stream, reason)
+
+    def _admit(self, prompt_ids, sp, tenant, user, salt) -> Request:
+        if self._stop.is_set():
+            raise QueueFull("the server is shutting down")
+        if self.cluster is not None:
+            node = self._rr % len(self.cluster.prefills)       # round robin over the prefill nodes
+            self._rr += 1
+            return self.cluster.submit(prompt_ids, sp, tenant, prefill_node=node, user=user, cache_salt=salt)
+        eng = self.backend
+        req = eng.new_request(prompt_ids, sp, tenant, user=user, cache_salt=salt)
+        eng.check_fits_pool(len(req.prompt_ids))               # over the pool: 400 before any page is taken
+        eng.enqueue(req)
+        return req
+
+    def _abort(self, stream: Stream, reason: str) -> None:
+        req = stream.req
+        if req.is_finished:
+            return
+        if self.cluster is not None:
+            self.cluster.abort(req, reason)
+        else:
+            self.backend.abort(req, reason)
+        if not req.is_finished:              # e.g. not admitted by the engine yet
+            req.error = InputError(reason)
+            req.fail(req.error)
+
+    def _deliver(self) -> None:
+        for inc, s in list(self._live.items()):
+            req = s.req
+            n = len(req.output_ids)
+            if n > s.sent or req.is_finished:
+                tokens = req.output_ids[s.sent:n]
+                s.sent = n
+                s.push(tokens, req.is_finished)
+            if req.is_finished:
+                del self._live[inc]
+                self.pending -= 1
+                if self.on_finish is not None:
+                    self.on_finish(req)
+        if self.cluster is not None and self.steps % 256 == 0:
+            self.cluster.forget_finished()
+
+
+def _set(fut: asyncio.Future, value, error, abort) -> None:
+    if fut.cancelled():                       # the client left while it was being admitted
+        if value is not None:
+            abort(value, "client disconnected before admission")
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)

@@ -1,0 +1,288 @@
+"""`kvledger serve` as clients, attackers and operators meet it: the official `openai` client
+against a real server on a loopback port, bad bodies as a table, scopes only narrowed by clients,
+a disconnect storm, the incident live under `vulnerable` and refused under `hardened`, SIGTERM,
+kill -9 and a restart on the same store, and a real Prometheus firing the shipped alert."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from forensics.api import Forensics
+from telemetry.store import verify
+
+ROOT = Path(__file__).resolve().parents[1]
+KEYS = {"key-a": "acme", "key-b": "globex", "key-u": {"tenant": "initech", "user": "ann"}}
+pytestmark = pytest.mark.xdist_group("serve")
+SECRET_TEXT = "The board approved the merger with Globex at 41 dollars a share; announce on Friday. " * 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, tmp: Path, *args: str, store: Path | None = None, config: str | None = None):
+        self.port, self.store = _port(), store or tmp / "store"
+        keys = tmp / "keys.json"
+        keys.write_text(json.dumps(KEYS))
+        argv = [sys.executable, "-m", "forensics.cli", "serve", "--keys", str(keys), "--store", str(self.store),
+                "--port", str(self.port), "--drain-timeout", "5", *args]
+        if config:
+            (tmp / "cluster.toml").write_text(config)
+            argv += ["--config", str(tmp / "cluster.toml")]
+        self.log = open(tmp / f"server-{self.port}.log", "w")
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=self.log, stderr=subprocess.STDOUT)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+            assert self.proc.poll() is None, (tmp / f"server-{self.port}.log").read_text()
+        raise AssertionError("server did not come up")
+
+    def client(self, key: str = "key-a") -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url + "/v1", api_key=key, max_retries=0, timeout=60)
+
+    def metric(self, name: str, **labels) -> float:
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                series, value = line.rsplit(" ", 1)
+                got = series[len(name):].strip("{}")
+                if all(part in got.split(",") for part in want.split(",") if part):
+                    total += float(value)
+        return total
+
+    def stop(self, sig=signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        code = self.proc.wait(timeout=60)
+        self.log.close()
+        return code
+
+
+@pytest.fixture(scope="session")
+def unified(tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("unified"), "--mode", "unified", "--policy", "hardened")
+    yield s
+    assert s.stop() == 0
+
+
+def test_completion_chat_and_stream_in_the_openai_shape(unified):
+    c = unified.client()
+    r = c.completions.create(model="recall", prompt="Remember: the secret is CANARY-x9Fq2; keep it. Later: the secret is",
+                             max_tokens=14, temperature=0)
+    assert r.choices[0].text == " CANARY-x9Fq2;" and r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens == 67 and r.usage.completion_tokens == 14 and r.id.startswith("cmpl-")
+    chat = c.chat.completions.create(model="recall", messages=[{"role": "user", "content": "ping ping ping"}], max_tokens=5)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens == 5
+    parts = list(c.completions.create(model="recall", prompt="abc abc abc", max_tokens=8, stream=True,
+                                      stream_options={"include_usage": True}))
+    assert "".join(p.choices[0].text for p in parts if p.choices) == " abc abc"
+    assert parts[-1].usage.completion_tokens == 8
+    chunks = list(c.chat.completions.create(model="recall", messages=[{"role": "user", "content": "xy xy xy"}],
+                                            max_tokens=4, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == "length"
+    assert [m.id for m in c.models.list().data] == ["recall"]
+    tok = httpx.post(unified.url + "/tokenize", json={"prompt": "héllo"}, headers={"Authorization": "Bearer key-a"}).json()
+    assert tok["count"] == 6 and tok["max_model_len"] == 1024
+    info = httpx.get(unified.url + "/server_info").json()
+    assert info["policy"] == "hardened" and info["nodes"][0]["pool_tokens"] == info["max_total_num_tokens"] == 2048
+
+
+LONG = "z" * 1500
+BAD = {   # body (dict: JSON; bytes: raw), headers, status, what the error says
+    "no key": ({"prompt": "x"}, {}, 401, "missing or unknown API key"),
+    "unknown key": ({"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "missing or unknown API key"),
+    "malformed JSON": (b'{"prompt": ', None, 400, "not JSON"),
+    "not an object": (b"[1, 2]", None, 400, "must be a JSON object"),
+    "invalid UTF-8": (b'{"prompt": "\xff\xfe"}', None, 400, "not valid UTF-8"),
+    "missing prompt": ({"max_tokens": 3}, None, 400, "prompt: Field required"),
+    "wrong type": ({"prompt": "x", "max_tokens": "three"}, None, 400, "max_tokens"),
+    "max_tokens 0": ({"prompt": "x", "max_tokens": 0}, None, 400, "max_tokens: Input should be greater than or equal to 1"),
+    "max_tokens absurd": ({"prompt": "x", "max_tokens": 10 ** 9}, None, 400, "less than or equal to 4096"),
+    "temperature nan": (b'{"prompt": "x", "temperature": NaN}', None, 400, "temperature"),
+    "n 2": ({"prompt": "x", "n": 2}, None, 400, "n: unsupported value"),
+    "logprobs": ({"prompt": "x", "logprobs": 2}, None, 400, "logprobs"),
+    "stop": ({"prompt": "x", "stop": ["\n"]}, None, 400, "stop"),
+    "unknown field": ({"prompt": "x", "frobnicate": 1}, None, 400, "frobnicate: unsupported parameter"),
+    "empty token prompt": ({"prompt": []}, None, 400, "prompt is empty"),
+    "token out of vocabulary": ({"prompt": [1, 999999]}, None, 400, "outside the vocabulary"),
+    "over context": ({"prompt": LONG}, None, 400, "longer than the context length 1024"),
+    "wrong model": ({"prompt": "x", "model": "gpt-5"}, None, 404, "does not exist"),
+    "oversized body": ({"prompt": "x" * (1 << 20)}, None, 413, "limit"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_request_gets_a_clear_4xx_in_the_openai_error_shape(unified, case):
+    body, headers, status, says = BAD[case]
+    headers = {"Authorization": "Bearer key-a"} if headers is None else headers
+    kw = {"content": body, "headers": {**headers, "Content-Type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": headers}
+    r = httpx.post(unified.url + "/v1/completions", timeout=30, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert says in err["message"], err
+    if case == "over context":
+        assert err["code"] == "context_length_exceeded"
+
+
+def test_the_official_client_sees_the_same_errors(unified):
+    with pytest.raises(openai.AuthenticationError):
+        unified.client("nope").completions.create(model="recall", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="context_length_exceeded|longer than the context"):
+        unified.client().completions.create(model="recall", prompt=LONG)
+
+
+def test_a_client_salt_or_user_only_narrows_the_cache_scope(unified):
+    def cached(key: str, **extra) -> int:
+        r = unified.client(key).completions.create(model="recall", prompt=SECRET_TEXT + " And", max_tokens=1,
+                                                   extra_body=extra)
+        return r.usage.prompt_tokens_details.cached_tokens
+    assert cached("key-a") == 0
+    assert cached("key-a") > 0                              # acme's own prefix, reused
+    assert cached("key-b") == 0                             # globex: identical tokens, another scope
+    assert cached("key-a", cache_salt="s1") == 0            # narrowed: acme + salt is a scope of its own
+    assert cached("key-a", user="bob") == 0
+    assert cached("key-b", cache_salt='"]["tenant","acme') == 0 and cached("key-b", user="acme") == 0
+    assert cached("key-a") > 0
+
+
+def test_a_disconnect_storm_loses_no_page(unified):
+    for _ in range(12):
+        with httpx.stream("POST", unified.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
+                          json={"prompt": SECRET_TEXT, "max_tokens": 400, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break                                   # one token seen, then the client goes away
+    deadline = time.time() + 60
+    while time.time() < deadline and unified.metric("kvledger_queue_depth") > 0:
+        time.sleep(0.2)
+    assert unified.metric("kvledger_queue_depth") == 0
+    assert unified.metric("kvledger_pool_pages", node="unified0", state="used") == 0
+    assert unified.metric("kvledger_requests_total", outcome="InputError") >= 12     # aborted, by the abort path
+
+
+ONE_SMALL_PREFILL = "context_length = 1024\n[[prefill]]\nnode_id = \"prefill0\"\npool_tokens = 656\n"
+
+
+def _incident_traffic(server: Server) -> list:
+    """Background from two tenants into decode's pages, then over-pool prompts from a third."""
+    out = []
+    for i in range(6):
+        key = "key-a" if i % 2 else "key-b"
+        out.append(server.client(key).completions.create(model="recall", prompt=SECRET_TEXT[: 300 + 40 * i] + " so",
+                                                         max_tokens=8))
+    for _ in range(2):
+        try:
+            out.append(server.client("key-u").completions.create(model="recall", prompt="Q" * 900, max_tokens=16))
+        except openai.BadRequestError as e:
+            out.append(e)
+    return out
+
+
+@pytest.mark.parametrize("policy", ["vulnerable", "hardened"])
+def test_the_incident_live_and_prevented(tmp_path, policy):
+    s = Server(tmp_path, "--mode", "disaggregated", "--policy", policy, config=ONE_SMALL_PREFILL)
+    try:
+        long = _incident_traffic(s)[-2:]
+        if policy == "vulnerable":      # HTTP 200, billed for the whole prompt, computed over others' KV
+            assert all(r.usage.prompt_tokens == 900 for r in long)
+            assert s.metric("kvledger_foreign_reads_total", outcome="served") > 0
+            assert s.metric("kvledger_prompt_tokens_billed_total") > s.metric("kvledger_prompt_tokens_prefilled_total")
+        else:
+            assert all(isinstance(e, openai.BadRequestError) and e.code == "context_length_exceeded" for e in long)
+            assert s.metric("kvledger_foreign_reads_total") == 0
+    finally:
+        assert s.stop() == 0
+    ex = Forensics(s.store).exposures()
+    assert (ex.height > 0) is (policy == "vulnerable")
+
+
+def test_kill_9_then_restart_on_the_same_store_continues_it(tmp_path):
+    store = tmp_path / "store"
+    first = Server(tmp_path, store=store)
+    first.client().completions.create(model="recall", prompt="before the crash, before", max_tokens=4)
+    deadline = time.time() + 30                              # durable: a reader sees it while the server runs
+    while time.time() < deadline and Forensics(store).requests().height < 1:
+        time.sleep(0.3)
+    assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    second = Server(tmp_path, store=store)
+    second.client("key-b").completions.create(model="recall", prompt="after the restart, after", max_tokens=4)
+    assert second.stop() == 0                                # SIGTERM: drain, flush, seal, exit 0
+    v = verify(store)
+    assert v.ok and v.sealed, v.broken
+    runs = Forensics(store).query("runs")
+    assert runs.height == 2 and runs["requests"].to_list() == [1, 1]
+
+
+def test_promtool_passes_the_shipped_alert_rules():
+    promtool = shutil.which("promtool")
+    assert promtool, "Debian's prometheus package provides promtool (.ci/run installs it)"
+    r = subprocess.run([promtool, "test", "rules", "tests/prometheus/alerts_test.yml"], cwd=ROOT, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "SUCCESS" in r.stdout, r.stdout + r.stderr
+
+
+def _alerts(prom: str) -> set[str]:
+    body = httpx.get(prom + "/api/v1/alerts", timeout=5).json()
+    return {a["labels"]["alertname"] for a in body["data"]["alerts"] if a["state"] == "firing"}
+
+
+@pytest.mark.parametrize("policy", ["vulnerable", "hardened"])
+def test_a_real_prometheus_scraping_the_server_fires_the_alert_only_when_exposed(tmp_path, policy):
+    binary = shutil.which("prometheus")
+    assert binary, "Debian's prometheus package is needed (.ci/run installs it)"
+    s = Server(tmp_path, "--mode", "disaggregated", "--policy", policy, config=ONE_SMALL_PREFILL)
+    pport = _port()
+    cfg = tmp_path / "prometheus.yml"
+    cfg.write_text(json.dumps({"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                               "rule_files": [str(ROOT / "telemetry" / "prometheus" / "kvledger-alerts.yml")],
+                               "scrape_configs": [{"job_name": "kvledger",
+                                                   "static_configs": [{"targets": [f"127.0.0.1:{s.port}"]}]}]}))
+    prom = subprocess.Popen([binary, f"--config.file={cfg}", f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+                             f"--web.listen-address=127.0.0.1:{pport}"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{pport}"
+    try:
+        _incident_traffic(s)
+        deadline, firing, scraped = time.time() + 90, set(), False
+        while time.time() < deadline:
+            try:
+                q = httpx.get(url + "/api/v1/query", params={"query": "kvledger_requests_total"}, timeout=5).json()
+                scraped = scraped or bool(q["data"]["result"])
+                firing = _alerts(url)
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            if "KvledgerForeignKVRead" in firing or (policy == "hardened" and scraped and time.time() > deadline - 80):
+                break
+            time.sleep(1)
+        assert scraped, "Prometheus scraped the server's /metrics"
+        if policy == "vulnerable":
+            assert {"KvledgerForeignKVRead", "KvledgerPoolSmallerThanContext"} <= firing, firing
+        else:
+            time.sleep(3)                                    # a few more evaluations on the scraped series
+            firing = _alerts(url)
+            assert not firing & {"KvledgerForeignKVRead", "KvledgerUsageDishonest", "KvledgerPoolSmallerThanContext"}
+    finally:
+        prom.terminate()
+        prom.wait(timeout=30)
+        assert s.stop() == 0
