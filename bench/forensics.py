@@ -17,13 +17,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._bigstore import build  # noqa: E402
 from bench._common import write  # noqa: E402
 from forensics.api import Forensics, sql  # noqa: E402
-from telemetry.store import read_chain  # noqa: E402
+from telemetry.store import open_store, read_chain  # noqa: E402
 
 
 def duckdb_join(store: Path) -> tuple[int, int]:
-    fx = Forensics(store)
-    fx.con.sql(sql("exposure_slots")).to_table("exposure_slots")     # the shipped as-of join, alone
-    rows = fx.con.sql("SELECT count(*), count(DISTINCT (response, donor, node, page)) FROM exposure_slots").fetchall()
+    con = open_store(store)          # the join alone: Forensics would verify (hash) every segment first
+    con.sql(sql("exposure_slots")).to_table("exposure_slots")     # the shipped as-of join, alone
+    rows = con.sql("SELECT count(*), count(DISTINCT (response, donor, node, page)) FROM exposure_slots").fetchall()
     return rows[0]
 
 

@@ -125,12 +125,33 @@ def dashboard_table(r: dict) -> str:
     ])
 
 
+def serve_table(r: dict) -> str:
+    c, k, a = r["config"], r["soak"], r["after"]
+    return "\n".join([
+        f"`kvledger serve` ({c['mode']}, {c['policy']}) on loopback, {c['model']}: {c['tenants']} tenants send "
+        f"{c['requests']} requests at once with the official `openai` async client (half streamed), up to "
+        f"{c['new_tokens']} new tokens, greedy; vs `LLMEngine.generate` on the same prompts and engine "
+        f"configuration, median of {c['rounds']} interleaved rounds. Then a soak of {k['requests']} requests of "
+        f"which {k['dropped']} streams are dropped by their client after the first token:",
+        "",
+        "| measurement | value | goal |",
+        "| --- | --- | --- |",
+        f"| served vs engine tokens/s | {r['served_tokens_per_s']:.0f} vs {r['engine_tokens_per_s']:.0f} "
+        f"({r['ratio_served_vs_engine']:.2f}x) | >= 0.9x |",
+        f"| soak TTFT p50 / p99 (client side) | {1e3 * k['ttft_p50_s']:.0f} / {1e3 * k['ttft_p99_s']:.0f} ms | |",
+        f"| soak time per output token p50 / p99 | {1e3 * k['tpot_p50_s']:.1f} / {1e3 * k['tpot_p99_s']:.1f} ms | |",
+        f"| after: foreign reads in forensics, pool pages used, store verifies, exit code | "
+        f"{a['foreign_reads_in_forensics']}, {a['pool_used_pages']:.0f}, {a['store_verifies']}, {a['server_exit_code']} "
+        f"| 0, 0, True, 0 |",
+    ])
+
+
 def schema_block(_: dict) -> str:
     return "```sql\n" + (ROOT / "telemetry" / "schema.sql").read_text().rstrip() + "\n```"
 
 
 SECTIONS = {"engine": engine_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
-            "dashboard": dashboard_table}
+            "dashboard": dashboard_table, "serve": serve_table}
 
 
 def main() -> None:

@@ -6,6 +6,13 @@ from pathlib import Path
 
 import torch
 
+# `pytest -n 2` runs two workers on this 2-core machine: each gets one torch thread (and so do the
+# servers and replays they start), else 2 x 2 OpenMP threads fight over 2 cores and spin - the suite
+# then burns more CPU for less work
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+
 # No GPU: the Triton kernel runs in Triton's CPU interpreter, which must be chosen before Triton
 # is imported (nothing above imports it).
 if not torch.cuda.is_available():

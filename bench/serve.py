@@ -1,0 +1,156 @@
+"""`kvledger serve` under load, on loopback only, measured side by side in one run.
+
+1. Throughput: the same requests (tiny Llama, prompts of 16-199 tokens, up to 64 new tokens,
+   greedy) sent by N tenants at once through the official `openai` async client, half streamed,
+   vs `LLMEngine.generate` on the same prompts with the same engine configuration - rounds
+   interleaved. The ratio is what the HTTP layer costs (goal >= 0.9).
+2. Soak: the same traffic with about 10 % of the streams dropped by their client after the first
+   token; p50/p99 TTFT (client side, first token) and time per output token; afterwards, under
+   `hardened`: zero foreign reads in forensics, every pool page free again, and the engine holding
+   no finished request.
+Writes bench/results/serve.json; README figures come from it (bench/readme_figures.py).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+from bench._common import write  # noqa: E402
+
+CONFIG = "context_length = 1024\n[unified]\npool_tokens = 8192\n"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _one(client, prompt, max_tokens: int, stream: bool, drop: bool) -> dict:
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0)
+        return {"tokens": r.usage.completion_tokens, "ttft": None, "total": time.perf_counter() - t0}
+    first, n = None, 0
+    s = await client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                        stream=True, stream_options={"include_usage": True})
+    async for chunk in s:
+        if chunk.choices and chunk.choices[0].text and first is None:
+            first = time.perf_counter() - t0
+            if drop:
+                await s.close()                 # the client goes away mid-stream
+                return {"tokens": 0, "ttft": first, "total": None, "dropped": True}
+        if chunk.usage is not None:
+            n = chunk.usage.completion_tokens
+    total = time.perf_counter() - t0
+    return {"tokens": n, "ttft": first, "total": total, "tpot": (total - first) / max(n - 1, 1) if first else None}
+
+
+async def _traffic(base: str, keys: list[str], prompts, max_tokens: int, drop_every: int = 0) -> tuple[float, list]:
+    import openai
+    clients = [openai.AsyncOpenAI(base_url=base, api_key=k, max_retries=0, timeout=600) for k in keys]
+    t0 = time.perf_counter()
+    jobs = [_one(clients[i % len(clients)], p, max_tokens, stream=i % 2 == 0,
+                 drop=bool(drop_every) and i % 2 == 0 and (i // 2) % drop_every == 1) for i, p in enumerate(prompts)]
+    out = await asyncio.gather(*jobs)
+    wall = time.perf_counter() - t0
+    for c in clients:
+        await c.close()
+    return wall, out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    import httpx
+    import torch
+
+    from engine.models import load_model
+    from engine.server.backend import ClusterSpec, Keys, build_backend
+    from engine.request import SamplingParams
+    from forensics.api import Forensics
+    from tests.tiny_models import build_tiny
+    torch.set_num_threads(2)
+    tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-serve-"))
+    build_tiny("llama", tmp / "tiny", hidden=256, layers=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 512, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 200, (args.requests,), generator=g)]
+    keys = {f"key-{i}": f"tenant-{i}" for i in range(args.tenants)}
+    (tmp / "keys.json").write_text(json.dumps(keys))
+    (tmp / "cluster.toml").write_text(CONFIG)
+    port = _port()
+    server = subprocess.Popen([sys.executable, "-m", "forensics.cli", "serve", "--model", str(tmp / "tiny"),
+                               "--keys", str(tmp / "keys.json"), "--config", str(tmp / "cluster.toml"),
+                               "--store", str(tmp / "store"), "--port", str(port)], cwd=ROOT,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    model, tok = load_model(str(tmp / "tiny"))
+    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), Keys(None), None)
+    sp = SamplingParams(max_tokens=args.new_tokens)
+    served, direct = [], []
+    try:
+        asyncio.run(_traffic(base + "/v1", list(keys), prompts[:4], 4))        # warm-up
+        for r in range(args.rounds):
+            order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
+            for which in order:
+                if which == "http":
+                    wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
+                    served.append(sum(o["tokens"] for o in out) / wall)
+                else:
+                    t0 = time.perf_counter()
+                    reqs = engine.generate(prompts, sp)
+                    direct.append(sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0))
+            print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s",
+                  flush=True)
+        wall, soak = asyncio.run(_traffic(base + "/v1", list(keys), prompts * 2, args.new_tokens, drop_every=5))
+        deadline = time.time() + 60
+        while time.time() < deadline and "kvledger_queue_depth 0.0" not in httpx.get(base + "/metrics").text:
+            time.sleep(0.2)
+        metrics = httpx.get(base + "/metrics").text
+    finally:
+        server.terminate()
+        code = server.wait(timeout=120)
+    used = [ln for ln in metrics.splitlines() if ln.startswith('kvledger_pool_pages{node="unified0",state="used"}')]
+    ttft = sorted(o["ttft"] for o in soak if o.get("ttft") is not None)
+    tpot = sorted(o["tpot"] for o in soak if o.get("tpot") is not None)
+    fx = Forensics(tmp / "store")
+    res = {"config": {"model": "tiny llama (hidden 256, 4 layers)", "tenants": args.tenants, "requests": args.requests,
+                      "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified"},
+           "served_tokens_per_s": statistics.median(served), "engine_tokens_per_s": statistics.median(direct),
+           "ratio_served_vs_engine": statistics.median(served) / statistics.median(direct),
+           "soak": {"requests": len(soak), "dropped": sum(1 for o in soak if o.get("dropped")),
+                    "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
+                    "tpot_p50_s": tpot[len(tpot) // 2], "tpot_p99_s": tpot[min(len(tpot) - 1, int(len(tpot) * 0.99))]},
+           "after": {"foreign_reads_in_forensics": fx.exposures().height, "pool_used_pages": float(used[0].split()[-1]),
+                     "server_exit_code": code, "store_verifies": fx.verdict.ok}}
+    out = write("serve", res)
+    print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
+          f"{res['ratio_served_vs_engine']:.2f}x; soak TTFT p50 {res['soak']['ttft_p50_s'] * 1e3:.0f} ms, "
+          f"p99 {res['soak']['ttft_p99_s'] * 1e3:.0f} ms; after: {res['after']}")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
