@@ -138,6 +138,8 @@ def serve_table(r: dict) -> str:
         "| --- | --- | --- |",
         f"| served vs engine tokens/s | {r['served_tokens_per_s']:.0f} vs {r['engine_tokens_per_s']:.0f} "
         f"({r['ratio_served_vs_engine']:.2f}x) | >= 0.9x |",
+        f"| the `openai` client's own CPU on the same 2 cores, per second of serving | "
+        f"{r.get('client_cpu_share', float('nan')):.2f} s | |",
         f"| soak TTFT p50 / p99 (client side) | {1e3 * k['ttft_p50_s']:.0f} / {1e3 * k['ttft_p99_s']:.0f} ms | |",
         f"| soak time per output token p50 / p99 | {1e3 * k['tpot_p50_s']:.1f} / {1e3 * k['tpot_p99_s']:.1f} ms | |",
         f"| after: foreign reads in forensics, pool pages used, store verifies, exit code | "

@@ -2,8 +2,9 @@
 
 1. Throughput: the same requests (tiny Llama, prompts of 16-199 tokens, up to 64 new tokens,
    greedy) sent by N tenants at once through the official `openai` async client, half streamed,
-   vs `LLMEngine.generate` on the same prompts with the same engine configuration - rounds
-   interleaved. The ratio is what the HTTP layer costs (goal >= 0.9).
+   vs `LLMEngine.generate` on the same prompts with the same engine configuration, recording the
+   same telemetry - rounds interleaved. The ratio is what the HTTP layer costs (goal >= 0.9). The
+   client runs on the same 2 cores as the server: its CPU counts against the served side.
 2. Soak: the same traffic with about 10 % of the streams dropped by their client after the first
    token; p50/p99 TTFT (client side, first token) and time per output token; afterwards, under
    `hardened`: zero foreign reads in forensics, every pool page free again, and the engine holding
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -27,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 from bench._common import write  # noqa: E402
 
+SERVER_ENV: dict = {}
 CONFIG = "context_length = 1024\n[unified]\npool_tokens = 8192\n"
 
 
@@ -74,7 +77,7 @@ def main() -> None:
     ap.add_argument("--tenants", type=int, default=4)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
 
     import httpx
@@ -98,7 +101,7 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "forensics.cli", "serve", "--model", str(tmp / "tiny"),
                                "--keys", str(tmp / "keys.json"), "--config", str(tmp / "cluster.toml"),
                                "--store", str(tmp / "store"), "--port", str(port)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     base = f"http://127.0.0.1:{port}"
     while True:
         try:
@@ -107,17 +110,24 @@ def main() -> None:
         except httpx.HTTPError:
             time.sleep(0.3)
     model, tok = load_model(str(tmp / "tiny"))
-    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), Keys(None), None)
+    # the reference records everything the server records (same Telemetry into a store of its own):
+    # the ratio is what the HTTP layer costs, not what recording costs (bench/telemetry.py measures that)
+    from telemetry import Telemetry
+    tel = Telemetry(tmp / "engine-store", policy="hardened", model_name="tiny")
+    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), Keys(None), tel)
     sp = SamplingParams(max_tokens=args.new_tokens)
-    served, direct = [], []
+    served, direct, client_cpu = [], [], []
     try:
-        asyncio.run(_traffic(base + "/v1", list(keys), prompts[:4], 4))        # warm-up
+        asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))     # warm-up, both sides
+        engine.generate(prompts, sp)
         for r in range(args.rounds):
             order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
             for which in order:
                 if which == "http":
+                    cpu0 = time.process_time()
                     wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
                     served.append(sum(o["tokens"] for o in out) / wall)
+                    client_cpu.append((time.process_time() - cpu0) / wall)
                 else:
                     t0 = time.perf_counter()
                     reqs = engine.generate(prompts, sp)
@@ -132,6 +142,7 @@ def main() -> None:
     finally:
         server.terminate()
         code = server.wait(timeout=120)
+        tel.close()
     used = [ln for ln in metrics.splitlines() if ln.startswith('kvledger_pool_pages{node="unified0",state="used"}')]
     ttft = sorted(o["ttft"] for o in soak if o.get("ttft") is not None)
     tpot = sorted(o["tpot"] for o in soak if o.get("tpot") is not None)
@@ -140,6 +151,7 @@ def main() -> None:
                       "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified"},
            "served_tokens_per_s": statistics.median(served), "engine_tokens_per_s": statistics.median(direct),
            "ratio_served_vs_engine": statistics.median(served) / statistics.median(direct),
+           "client_cpu_share": statistics.median(client_cpu),      # client CPU seconds per wall second
            "soak": {"requests": len(soak), "dropped": sum(1 for o in soak if o.get("dropped")),
                     "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
                     "tpot_p50_s": tpot[len(tpot) // 2], "tpot_p99_s": tpot[min(len(tpot) - 1, int(len(tpot) * 0.99))]},

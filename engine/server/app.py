@@ -42,6 +42,7 @@ class State:
     chat_template: str | None = None
     drain_s: float = 30.0
     on_shutdown: list = field(default_factory=list)
+    start_engine: bool = True         # False: the caller runs the engine loop (serve: on the main thread)
 
 
 def render_chat(state: State, messages: list[P.ChatMessage]) -> str:
@@ -136,7 +137,8 @@ def _validation(e: ValidationError) -> JSONResponse:
 def create_app(state: State) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.loop.start()
+        if state.start_engine:
+            state.loop.start()
         yield
         # uvicorn stopped accepting and waited for in-flight handlers; drain the engine, then let the
         # store flush and seal (on_shutdown), so a restart on the same store continues it
@@ -235,7 +237,7 @@ def create_app(state: State) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        alive = state.loop._thread.is_alive()
+        alive = state.loop.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
     @app.get("/metrics")
@@ -356,32 +358,40 @@ def serve(args) -> int:
               "observe)", file=sys.stderr)
     print(f"kvledger serve: {args.mode}, {args.policy}, model {model_name}, store {args.store} (run {tel.boot}) "
           f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
+    state.start_engine = False
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
-    _Server(config).run()
-    return 0
+    code = run_beside(uvicorn.Server(config), loop)
+    if code:
+        for fn in state.on_shutdown:          # the lifespan that would have closed the store never ran
+            fn()
+        print(f"kvledger: error: the HTTP server could not start on {args.host}:{args.port} (see above)",
+              file=sys.stderr)
+    return code
 
 
-class _Server:
-    """uvicorn's server, except that SIGTERM/SIGINT end in exit 0 once the store is sealed: uvicorn
-    re-raises the signal after its graceful shutdown, which would kill the process with it."""
+def run_beside(server, loop: EngineLoop) -> int:
+    """The engine on this (main) thread, uvicorn on another. SIGTERM/SIGINT tell uvicorn to stop
+    accepting and finish in-flight requests; its shutdown then stops the engine loop (drain) and
+    seals the store (``State.on_shutdown``); exit 0. (uvicorn's own handlers would re-raise the
+    signal after its shutdown and kill the process with it; a second signal forces the exit.)"""
+    import signal
+    import threading
 
-    def __new__(cls, config):
-        import contextlib
-        import signal
-
-        import uvicorn
-
-        class Server(uvicorn.Server):
-            @contextlib.contextmanager
-            def capture_signals(self):
-                old = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGTERM, signal.SIGINT)}
-                try:
-                    yield
-                finally:
-                    for s, h in old.items():
-                        signal.signal(s, h)
-        return Server(config)
+    def on_signal(signum, frame) -> None:
+        server.force_exit = server.should_exit
+        server.should_exit = True
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    http = threading.Thread(target=server.run, name="kvledger-http")
+    http.start()
+    loop.watch = lambda: not http.is_alive()          # the HTTP server failed to start, or is gone
+    try:
+        loop.run()
+        http.join()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    return 0 if server.started else 1
 
 
 def server_info(args, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:

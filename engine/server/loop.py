@@ -1,9 +1,12 @@
-"""The engine on its own thread, reached from asyncio through one command queue.
+"""The engine on a thread of its own, reached from asyncio through one command queue.
 
 HTTP handlers never touch engine state: ``submit`` and ``abort`` put a command on the queue; the
 engine thread runs them between steps, steps whatever is running (continuous batching across HTTP
 requests: every request admitted joins the next step), and after each step hands each live request
-its new tokens on that request's own asyncio queue (``loop.call_soon_threadsafe``).
+its new tokens on that request's own asyncio queue (``loop.call_soon_threadsafe``, one wake-up per
+step). ``kvledger serve`` runs the engine on the process's *main* thread (``run``) and the HTTP
+server beside it: torch's small matrix products (a decode step's) cost about 2.7x more from a
+thread that is not the main one on this machine (OpenMP), which halved the served tokens/s.
 """
 from __future__ import annotations
 
@@ -38,6 +41,12 @@ class Stream:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
 
 
+def _put_all(batch: list) -> None:
+    """On the event loop: one step's events for every stream, from one wake-up."""
+    for stream, event in batch:
+        stream.events.put_nowait(event)
+
+
 class EngineLoop:
     """Runs ``backend`` (an ``LLMEngine`` or a ``DisaggCluster``) on a thread of its own."""
 
@@ -53,11 +62,24 @@ class EngineLoop:
         self.pending = 0                      # admitted, not finished (read by /metrics and the 429 check)
         self.steps = 0
         self._stop = threading.Event()
+        self._done = threading.Event()
         self.error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="kvledger-engine", daemon=True)
+        self.watch: Callable[[], bool] = lambda: False    # True: stop (e.g. the HTTP server is gone)
 
     def start(self) -> None:
-        self._thread.start()
+        """Run the engine on a new thread (tests, or an embedding app)."""
+        threading.Thread(target=self.run, name="kvledger-engine", daemon=True).start()
+
+    def run(self) -> None:
+        """Step until ``stop`` (or ``watch``) says so, then drain; blocks the calling thread."""
+        try:
+            self._run()
+        finally:
+            self._done.set()
+
+    @property
+    def alive(self) -> bool:
+        return not self._done.is_set()
 
     # ---- asyncio side ----------------------------------------------------------------------------
     async def submit(self, prompt_ids: list[int], sp: SamplingParams, tenant: str, user: str = "",
@@ -79,7 +101,7 @@ class EngineLoop:
     def stop(self, drain_s: float) -> None:
         """Stop admitting, let running requests finish for up to ``drain_s``, abort the rest."""
         self._stop.set()
-        self._thread.join(timeout=drain_s + 5)
+        self._done.wait(timeout=drain_s + 5)
 
     # ---- the engine thread ---------------------------------------------------------------------
     def _run(self) -> None:
@@ -95,6 +117,8 @@ class EngineLoop:
                     cmd = self._cmds.get_nowait()
                 except queue.Empty:
                     cmd = None
+            if not self._stop.is_set() and self.watch():
+                self._stop.set()
             if self._stop.is_set():
                 drain_deadline = drain_deadline or time.monotonic() + self.drain_s
                 if not self._has_work():
@@ -160,18 +184,23 @@ class EngineLoop:
             req.fail(req.error)
 
     def _deliver(self) -> None:
+        """Hand each live request its new tokens: one wake-up of each event loop per step, not one
+        per request (the HTTP side runs on another thread, behind the GIL)."""
+        batches: dict = {}
         for inc, s in list(self._live.items()):
             req = s.req
             n = len(req.output_ids)
             if n > s.sent or req.is_finished:
                 tokens = req.output_ids[s.sent:n]
                 s.sent = n
-                s.push(tokens, req.is_finished)
+                batches.setdefault(s.loop, []).append((s, (tokens, req.is_finished)))
             if req.is_finished:
                 del self._live[inc]
                 self.pending -= 1
                 if self.on_finish is not None:
                     self.on_finish(req)
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_put_all, batch)
         if self.cluster is not None and self.steps % 256 == 0:
             self.cluster.forget_finished()
 
