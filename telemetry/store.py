@@ -296,6 +296,7 @@ class SegmentWriter:
         self.keys = self.wkeys.keys
         self.anchor = anchor_path(self.wkeys.identity.store_id, anchor)
         self.anchor_error: BaseException | None = None
+        self.on_anchor: list[Callable[[dict], None]] = []
         v = verify(self.root, self.anchor if self.anchor.exists() else None)
         if not v.ok:
             raise StoreError(f"store {self.root} does not verify ({v.broken}); refusing to append to it "
@@ -335,6 +336,8 @@ class SegmentWriter:
         except OSError as e:
             self.anchor_error = e
             log.warning("anchor %s not written: %s", self.anchor, e)
+        for fn in self.on_anchor:             # e.g. Telemetry: the signed head out as a span (OTLP)
+            fn(entry)
         if seal:
             _atomic_write(self.root / "seal.json", json.dumps(entry).encode())
 

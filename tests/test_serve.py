@@ -166,6 +166,25 @@ def test_a_client_salt_or_user_only_narrows_the_cache_scope(unified):
     assert cached("key-a") > 0
 
 
+def test_the_dashboard_on_the_serving_store_shows_requests_served_after_it_opened(unified, monkeypatch):
+    """The dashboard's data layer (the same Panels the page renders) on the store the server is
+    writing: requests served after the first look appear within the flush interval plus a refresh."""
+    from streamlit.testing.v1 import AppTest
+
+    from dashboard.data import Panels
+    before = Panels(unified.store).ttft().height
+    prompts = [f"live request {i} asks about the weather" for i in range(3)]
+    done = [unified.client("key-b").completions.create(model="recall", prompt=p, max_tokens=4) for p in prompts]
+    deadline = time.time() + 20                      # flush interval (2 s) + span export (0.5 s) + slack
+    while time.time() < deadline and Panels(unified.store).ttft().height < before + len(done):
+        time.sleep(0.5)
+    assert Panels(unified.store).ttft().height >= before + len(done)
+    monkeypatch.setenv("KVLEDGER_STORE", str(unified.store))
+    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+    at.run()
+    assert not at.exception and not any("UNVERIFIED" in e.value for e in at.error)
+
+
 def test_a_disconnect_storm_loses_no_page(unified):
     for _ in range(12):
         with httpx.stream("POST", unified.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
@@ -286,3 +305,18 @@ def test_a_real_prometheus_scraping_the_server_fires_the_alert_only_when_exposed
         prom.terminate()
         prom.wait(timeout=30)
         assert s.stop() == 0
+
+
+def test_chat_uses_the_models_template_when_it_has_one_and_the_plain_one_otherwise(tmp_path):
+    from engine.server import protocol as P
+    from engine.server.app import PLAIN_TEMPLATE, State, _chat_template, render_chat
+    msgs = [P.ChatMessage(role="system", content="be brief"), P.ChatMessage(role="user", content="hi")]
+    plain = State(None, None, "m", None, None, {}, 1024)
+    assert render_chat(plain, msgs) == PLAIN_TEMPLATE.format(role="system", content="be brief") + \
+        PLAIN_TEMPLATE.format(role="user", content="hi") + "assistant:"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}")}))
+    templated = State(None, None, "m", None, None, {}, 1024, chat_template=_chat_template(str(tmp_path)))
+    assert render_chat(templated, msgs) == "<|system|>be brief<|user|>hi<|assistant|>"
+    assert _chat_template("recall") is None

@@ -146,7 +146,8 @@ def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
     stats = tel.close()
     assert stats["spans_dropped"] > 0 and stats["spans_dropped"] == stats["spans_ended"] - stats["spans_exported"]
     con = open_store(tmp_path / "s")
-    assert con.sql("SELECT count(*) FROM spans").fetchall() == [(stats["spans_exported"],)]
+    assert con.sql("SELECT count(*) FROM spans WHERE operation IS DISTINCT FROM 'anchor'").fetchall() \
+        == [(stats["spans_exported"],)]
     sdk = con.sql("""SELECT sum(v) FROM (SELECT arg_max(value, ts) AS v FROM metrics
                      WHERE name = 'otel.sdk.processor.span.processed' AND attributes['error.type'] = 'queue_full'
                      GROUP BY node)""").fetchall()
@@ -344,3 +345,17 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
     assert rows([steps[:3], steps[3:4], steps[4:17], steps[17:]]) == one
     tel.ledger._pending.clear()
     tel.close()
+
+
+def test_every_signed_head_also_leaves_as_a_span(glm53_vulnerable):
+    """The anchor's entries go out as telemetry too (span kvledger.anchor: into the store and to an
+    OTLP collector when one is configured), each carrying the head, its seq and its signature."""
+    import json
+    from telemetry.store import verify
+    _, store = glm53_vulnerable
+    v = verify(store)
+    anchored = {(e["seq"], e["head"], e["signature"]) for e in map(json.loads, Path(v.anchor).read_text().splitlines())}
+    spans = open_store(store).sql("""SELECT SpanAttributes['kvledger.anchor.seq'], SpanAttributes['kvledger.anchor.head'],
+                                     SpanAttributes['kvledger.anchor.signature'] FROM spans
+                                     WHERE operation = 'anchor'""").fetchall()
+    assert spans and {(int(a), h, sig) for a, h, sig in spans} <= anchored
