@@ -21,8 +21,8 @@ class Filters:
     policy: str | None = None
 
 
-# segment hashes this dashboard process has computed: (path, size, mtime, inode) -> sha256
-_HASHES: dict = {}
+# what this dashboard process has verified (segment hashes, signatures, anchor lines): verify's cache
+VERIFIED: dict = {}
 
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight")
@@ -38,7 +38,7 @@ class Panels:
         if same_snapshot_as is None:
             # verified on every snapshot, incrementally (segments already hashed are not hashed again);
             # a store that does not verify is still shown, under the banner unverified_note names
-            self.fx, self._memo = Forensics(store, allow_unverified=True, hashes=_HASHES), {}
+            self.fx, self._memo = Forensics(store, allow_unverified=True, cache=VERIFIED), {}
         else:
             self.fx, self._memo = same_snapshot_as.fx, same_snapshot_as._memo
 

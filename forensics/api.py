@@ -48,13 +48,13 @@ def query_hashes() -> dict[str, str]:
 
 class Forensics:
     def __init__(self, store: str | Path, run: str | None = None, *, allow_unverified: bool = False,
-                 anchor: str | Path | None = None, hashes: dict | None = None):
+                 anchor: str | Path | None = None, cache: dict | None = None):
         """Verify the store first (its signed chain, and its anchor when one is found) and refuse a
         store that does not verify, unless ``allow_unverified`` - then ``self.verdict`` says so and
-        every output must (``unverified_note``). ``hashes``: a long-lived reader's segment hash
+        every output must (``unverified_note``). ``cache``: a long-lived reader's verification
         cache, so a growing store is verified incrementally."""
         self.store, self.run = Path(store), run
-        self.verdict = verify(self.store, anchor, hashes=hashes)
+        self.verdict = verify(self.store, anchor, cache=cache)
         if not self.verdict.ok and not allow_unverified:
             raise StoreError(f"store {self.store} does not verify: {self.verdict.broken}; refusing to answer "
                              "(--allow-unverified answers anyway, and says so in every output)")

@@ -147,10 +147,13 @@ def append_anchor(path: Path, entry: dict) -> None:
     anchor_log.info(line)
 
 
-def _anchor_entries(path: Path, ident: Identity) -> tuple[list[dict], str | None]:
+def _anchor_entries(path: Path, ident: Identity, cache: dict | None = None) -> tuple[list[dict], str | None]:
     """This store's entries in the anchor, and the first problem with them (None if none)."""
     out = []
     for n, line in enumerate(path.read_text().splitlines(), 1):
+        if cache is not None and ("anchor", line) in cache:
+            out.append(cache[("anchor", line)])
+            continue
         try:
             e = json.loads(line)
         except ValueError:
@@ -162,6 +165,8 @@ def _anchor_entries(path: Path, ident: Identity) -> tuple[list[dict], str | None
             return out, (f"anchor {path} line {n} is not signed by this store's public key "
                          f"(fingerprint {ident.fingerprint}): the store's key was replaced, or the anchor was edited")
         out.append(e)
+        if cache is not None:
+            cache[("anchor", line)] = e
     return out, None
 
 
@@ -182,10 +187,12 @@ class Verdict(NamedTuple):
     unlinked: tuple = ()       # (seq, table, file, rows, sha256) a killed writer put in place, signed intent
 
 
-def verify(root: str | Path, anchor: str | Path | None = None, *, hashes: dict | None = None) -> Verdict:
+def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | None = None) -> Verdict:
     """Check the store against its own signatures and (when one is found) its anchor. Reads only.
-    ``hashes``: a cache {(path, size, mtime_ns, inode): sha256} that a long-lived reader keeps so a
-    growing store is hashed incrementally (the dashboard)."""
+    ``cache``: a dict a long-lived reader keeps (the dashboard) so a growing store is verified
+    incrementally: segment hashes, verified chain-file signatures and verified anchor lines, each
+    keyed by its file's (path, size, mtime_ns, inode). A file edited in place with its size and
+    times restored would pass such a reader until it restarts; ``kvledger verify`` keeps no cache."""
     root = Path(root)
     if not (root / "chain").is_dir():
         from telemetry.store import StoreError
@@ -214,15 +221,16 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, hashes: dict |
                 problem = "link hash does not match its entry (the entry was edited)"
             elif not path.is_file():
                 problem = "segment file is missing"
-            elif _sha(path, hashes) != link.sha256:
+            elif _sha(path, cache) != link.sha256:
                 problem = "segment content does not match its hash (the file was modified)"
             if problem:
                 return Verdict(False, n, rows, prev, f"{where}: {problem}", warnings, seq, **base)
             prev, rows, n, seq = link.link, rows + link.rows, n + 1, link.seq
             linked.add(link.file)
         last = cf.links[-1] if cf.links else None
-        if cf.signature is None or last is None or not ident.check(_msg("chain", ident.store_id, last.seq, last.link),
-                                                                   cf.signature):
+        if cf.signature is None or last is None or not _checked(
+                cache, ("sig", cf.name, last.link, cf.signature),
+                lambda: ident.check(_msg("chain", ident.store_id, last.seq, last.link), cf.signature)):
             return Verdict(False, n - len(cf.links), rows - sum(ln.rows for ln in cf.links), cf.links[0].prev
                            if cf.links else prev, f"chain/{cf.name}: not signed by this store's key "
                            f"(fingerprint {ident.fingerprint}): rewritten by someone without it", warnings,
@@ -237,7 +245,7 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, hashes: dict |
             warnings.append(f"{rel}: a temp file a writer left when it stopped mid-write; readers ignore it")
             continue
         e = intent.get(rel)
-        if e is not None and e["seq"] > seq and p.is_file() and _sha(p, hashes) == e["sha256"]:
+        if e is not None and e["seq"] > seq and p.is_file() and _sha(p, cache) == e["sha256"]:
             unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"]))
             warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
                             "readers ignore it until the next writer links it")
@@ -253,7 +261,7 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, hashes: dict |
         warnings.append(f"no anchor at {apath} (set ${ENV_STATE} or --anchor): without it, deleting the newest "
                         "history cannot be detected")
         return Verdict(True, n, rows, prev, None, warnings, seq, None, None, sealed, unlinked=tuple(unlinked), **base)
-    entries, problem = _anchor_entries(apath, ident)
+    entries, problem = _anchor_entries(apath, ident, cache)
     if problem:
         return Verdict(False, n, rows, prev, problem, warnings, seq, str(apath), None, sealed, **base)
     if not entries:
@@ -274,6 +282,16 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, hashes: dict |
                         "before anchoring them)")
     return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), top["seq"], sealed,
                    unlinked=tuple(unlinked), **base)
+
+
+def _checked(cache: dict | None, key: tuple, check) -> bool:
+    """A signature check, remembered (only when it passed) under a key naming exactly what was signed."""
+    if cache is not None and cache.get(key):
+        return True
+    ok = check()
+    if ok and cache is not None:
+        cache[key] = True
+    return ok
 
 
 def _sha(path: Path, cache: dict | None) -> str:

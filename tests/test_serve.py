@@ -320,3 +320,39 @@ def test_chat_uses_the_models_template_when_it_has_one_and_the_plain_one_otherwi
     templated = State(None, None, "m", None, None, {}, 1024, chat_template=_chat_template(str(tmp_path)))
     assert render_chat(templated, msgs) == "<|system|>be brief<|user|>hi<|assistant|>"
     assert _chat_template("recall") is None
+
+
+def test_an_engine_failure_of_one_request_is_a_500_for_that_request_only(tmp_path):
+    """In process (FastAPI's TestClient, the engine loop on its thread): the read check failing one
+    request mid-decode - stood in for here by failing it the way the engine does - answers that
+    request 500 in the OpenAI error shape; the request beside it is served."""
+    from fastapi.testclient import TestClient
+
+    from engine.config import EngineConfig
+    from engine.errors import ReadCheckViolation
+    from engine.llm import LLMEngine
+    from engine.models import load_model
+    from engine.server.app import State, create_app
+    from engine.server.backend import Keys
+    from engine.server.loop import EngineLoop
+    from engine.server.metrics import ServerMetrics
+    model, tok = load_model("recall")
+    eng = LLMEngine(model, tok, EngineConfig(kv_memory_budget=8 << 20, context_length=512))
+    real_step = eng.step
+
+    def step():
+        out = real_step()
+        for req in list(eng.scheduler.running):
+            if b"POISON" in bytes(req.prompt_ids) and len(req.output_ids) >= 2 and not req.is_finished:
+                eng._finish(req, error=ReadCheckViolation(req.incarnation, req.block_table[:1], 1))
+        return out
+    eng.step = step
+    metrics = ServerMetrics(lambda t: t, "hardened", {"read_check": True})
+    loop = EngineLoop(eng, on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else "error"))
+    state = State(loop, tok, "recall", Keys(None), metrics, {}, 512)
+    with TestClient(create_app(state)) as client:
+        bad = client.post("/v1/completions", json={"prompt": "POISON pill, pill", "max_tokens": 8})
+        good = client.post("/v1/completions", json={"prompt": "a healthy one, healthy", "max_tokens": 8})
+    assert bad.status_code == 500 and bad.json()["error"]["code"] == "read_check_violation"
+    assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
+    assert eng.allocator.num_free == eng.allocator.total

@@ -66,23 +66,12 @@ runs AS (
 bad AS (
     SELECT * FROM (SELECT *, unnest(range(slots_read::BIGINT)) AS slot FROM runs) WHERE (bad_mask >> slot) & 1 = 1
 ),
-holders AS (   -- (node, boot, page, generation) a request was granted, shown by its own reads there
-    SELECT DISTINCT node, boot, page, generation, reader AS holder
-    FROM page_reads SEMI JOIN touched USING (node, boot, page)
-),
 writes AS (
     SELECT node, boot, page, slot_first + unnest(range(n_slots::BIGINT)) AS slot, lclock, writer, write_generation,
            write_path, written_at
     FROM wr
-)
-SELECT x.node, x.boot, x.response, x.donor, x.page, x.generation, x.block_index, x.slot, x.position,
-       CASE WHEN x.donor = -1 THEN 'unwritten'
-            WHEN x.write_generation < x.generation THEN 'stale'
-            WHEN h.holder IS NOT NULL THEN 'co-holder'
-            ELSE 'foreign' END AS kind,
-       x.write_generation, x.write_path, x.written_at, x.attention_mass, x.n_reads, x.step_first, x.step_last,
-       x.lclock_first, x.ts_first, x.ts_last, x.trace_id, x.span_id
-FROM (
+),
+x AS MATERIALIZED (   -- each failing slot and its donor, the last write before the read
     SELECT b.node, b.boot, b.reader AS response, coalesce(w.writer, -1) AS donor, b.page, b.generation,
            b.block_index, b.slot, b.block_index * c.page_size + b.slot AS position,
            w.write_generation, w.write_path, w.written_at, b.attention_mass, b.n_reads, b.step_first, b.step_last,
@@ -93,6 +82,22 @@ FROM (
     ASOF LEFT JOIN writes w
         ON b.node = w.node AND b.boot = w.boot AND b.page = w.page AND b.slot = w.slot AND b.lclock_first >= w.lclock
     WHERE w.writer IS DISTINCT FROM b.reader
-) x
+),
+need AS (      -- (page, generation, donor) whose holding decides co-holder vs foreign
+    SELECT DISTINCT node, boot, page, write_generation AS generation, donor AS reader
+    FROM x WHERE donor <> -1 AND write_generation >= generation
+),
+holders AS (   -- of those, the ones the donor was granted: its own reads of that page in that generation
+    SELECT DISTINCT node, boot, page, generation, reader AS holder
+    FROM page_reads SEMI JOIN need USING (node, boot, page, generation, reader)
+)
+SELECT x.node, x.boot, x.response, x.donor, x.page, x.generation, x.block_index, x.slot, x.position,
+       CASE WHEN x.donor = -1 THEN 'unwritten'
+            WHEN x.write_generation < x.generation THEN 'stale'
+            WHEN h.holder IS NOT NULL THEN 'co-holder'
+            ELSE 'foreign' END AS kind,
+       x.write_generation, x.write_path, x.written_at, x.attention_mass, x.n_reads, x.step_first, x.step_last,
+       x.lclock_first, x.ts_first, x.ts_last, x.trace_id, x.span_id
+FROM x
 LEFT JOIN holders h
     ON h.node = x.node AND h.boot = x.boot AND h.page = x.page AND h.generation = x.write_generation AND h.holder = x.donor
