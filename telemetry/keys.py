@@ -78,6 +78,10 @@ def read_identity(root: Path) -> Identity:
         body = json.loads(path.read_text())
         ident = Identity(str(body["store_id"]), bytes.fromhex(body["public_key"]))
     except FileNotFoundError:
+        if (root / "secret.key").exists():
+            raise KeyError_(f"{root} was written by an older kvledger (an HMAC chain, its secret.key inside the store): "
+                            "it has no signed chain to verify; read it with --allow-unverified, or start a new "
+                            "store") from None
         raise KeyError_(f"{path} is missing: the store's public key is gone, so no signature can be checked") from None
     except (ValueError, KeyError, TypeError) as e:
         raise KeyError_(f"{path} is unreadable ({e}): the store's public key cannot be read") from None
@@ -128,8 +132,8 @@ class WriterKeys:
             pseud, ngram = cls._secrets(kd, ident.store_id)
             return cls(ident, signing, pseud, ngram)
         if any((root / "chain").glob("*")):
-            raise KeyError_(f"{root / STORE_FILE} is missing but the store has a chain: its public key was deleted; "
-                            "refusing to sign over a store that cannot be verified")
+            read_identity(root)                # names an older kvledger's store, or the deleted key
+            raise KeyError_(f"{root / STORE_FILE} is missing but the store has a chain")
         store_id = os.urandom(8).hex()
         kd = key_dir(store_id)
         kd.mkdir(parents=True, exist_ok=True, mode=0o700)

@@ -359,3 +359,27 @@ def test_verify_against_a_given_anchor_and_without_one(store, tmp_path, capsys):
     assert verify(store).ok
     assert main(["verify", "--store", str(store), "--anchor", str(moved)]) == 1   # ...with it, it is named
     assert "store ends at seq 2, anchor says 3" in capsys.readouterr().err
+
+
+def test_a_store_of_the_older_unsigned_format_is_named_and_readable_when_allowed(tmp_path, capsys):
+    """Stores written before signatures (an HMAC chain, secret.key inside the store) have nothing a
+    reader could verify: every reader says so by name, and answers only with --allow-unverified."""
+    import hashlib
+
+    import pyarrow.parquet as pq
+    old = tmp_path / "old"
+    (old / "segments" / "releases").mkdir(parents=True)
+    (old / "chain").mkdir()
+    seg = old / "segments" / "releases" / "000000000.parquet"
+    pq.write_table(pa.table(_releases(2)), seg)
+    (old / "secret.key").write_bytes(b"s" * 32)
+    (old / "chain" / "000000000.json").write_text(json.dumps({
+        "seq": 0, "table": "releases", "file": "segments/releases/000000000.parquet", "rows": 2,
+        "sha256": hashlib.sha256(seg.read_bytes()).hexdigest(), "prev": "0" * 64, "link": "hmac..."}))
+    assert main(["verify", "--store", str(old)]) == 1
+    assert "written by an older kvledger" in capsys.readouterr().err
+    assert main(["forensics", "releases", "--store", str(old), "--allow-unverified", "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)[0]["releases"] == 2 and "UNVERIFIED STORE" in out.err
+    with pytest.raises(StoreError, match="older kvledger"):
+        SegmentWriter(old)
