@@ -358,6 +358,41 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_probe(args) -> int:
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+    from rich.table import Table
+
+    from forensics.probe import ProbeError, Target, as_json, exit_code, run_probe, validate
+
+    checks = [c.strip() for c in args.checks.split(",") if c.strip()]
+    try:
+        validate(checks, args.samples, args.pool_tokens, args.context_length)
+        target = Target(args.base_url, args.key_a, args.key_b, args.model, args.tokenizer)
+        with Progress(console=Console(stderr=True), transient=True) as bar:
+            task = bar.add_task(f"probing {args.base_url}", total=None)
+            results, meta = run_probe(target, checks, args.pool_tokens, args.context_length, args.samples,
+                                      progress=lambda: bar.advance(task))
+    except ProbeError as e:
+        return _die(str(e))
+    if args.format == "json":
+        print(as_json(results, meta))
+    else:
+        t = Table(title=f"kvledger probe {meta['base_url']} (model {meta['model']}, pool {meta['pool_tokens']}, "
+                        f"context {meta['context_length']} from {meta['discovered_from']}; {meta['requests']} requests)")
+        for c in ("check", "verdict", "detail"):
+            t.add_column(c, overflow="fold")
+        colour = {"pass": "green", "finding": "red", "inconclusive": "yellow"}
+        for r in results:
+            t.add_row(r.check, f"[{colour[r.verdict]}]{r.verdict}", r.detail)
+            for e in r.evidence:
+                t.add_row("", "", f"[red]{json.dumps(e)}")
+        Console().print(t)
+    return exit_code(results)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -412,6 +447,21 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them (default 30)")
     sv.set_defaults(func=cmd_serve)
+    pb = sub.add_parser("probe", help="isolation probe against any OpenAI-compatible endpoint: exit 0 pass, "
+                                      "1 finding, 3 inconclusive")
+    pb.add_argument("--base-url", required=True, help="the endpoint as the openai client takes it, e.g. http://host:8000/v1")
+    pb.add_argument("--key-a", required=True, help="API key of tenant A (plants canaries)")
+    pb.add_argument("--key-b", required=True, help="API key of tenant B, another tenant (looks for them)")
+    pb.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
+    pb.add_argument("--checks", default="limits,usage,canary",
+                    help="comma-separated: limits, usage, canary (default all three; timing, salt, abort: not yet)")
+    pb.add_argument("--pool-tokens", type=int, default=None, help="KV pool in tokens (default: discovered)")
+    pb.add_argument("--context-length", type=int, default=None, help="context length (default: discovered)")
+    pb.add_argument("--tokenizer", default=None, metavar="DIR",
+                    help="a directory with tokenizer.json to count tokens (default: the endpoint's /tokenize)")
+    pb.add_argument("--samples", type=int, default=6, help="canaries planted and prompts per check (default 6)")
+    pb.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or one JSON array")
+    pb.set_defaults(func=cmd_probe)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
     pf.add_argument("--context-length", type=int, default=1_048_576)

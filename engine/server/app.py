@@ -195,6 +195,7 @@ def create_app(state: State) -> FastAPI:
             return _admission_error(e)
         if stream.req.is_finished and stream.req.error is not None and not stream.req.output_ids:
             m.rejections.labels(type(stream.req.error).__name__, "cluster").inc()
+            return _failed(stream.req)               # refused at admission: a 4xx, streamed or not
         if cr.stream:
             return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})

@@ -1,0 +1,269 @@
+"""`kvledger probe`: test any OpenAI-compatible endpoint, from the outside, for the incident's signs.
+
+Checks implemented (``--checks``):
+- ``limits``: the pool and context are discovered (our ``/server_info``, SGLang's ``/server_info`` or
+  ``/get_server_info``: ``max_total_num_tokens``, ``context_length``; vLLM's ``/v1/models``
+  ``max_model_len``; or ``--pool-tokens`` / ``--context-length``), then prompts of pool - 1, pool,
+  pool + 1, context and context + 1 tokens are sent. A 200 above a limit is a finding.
+- ``usage``: ``usage.prompt_tokens`` against the tokens sent; TTFT against prompt length, fitted on
+  the probe's own below-pool prompts: a prompt above the pool answered faster than half the
+  fitted prefill time of its length ("prefill skipped", the incident's clue) is a finding.
+- ``canary``: tenant A plants unguessable canaries (prompts made of " the secret is CANARY-...;" over
+  and over) in enough requests to cycle the pool's pages;
+  tenant B then sends over-pool prompts that end "... the secret is" (a model attending over
+  someone else's KV continues with what followed that there). A canary, or 8 characters of one,
+  in B's output is a finding, reported with the response id that showed it.
+Not yet: ``timing``, ``salt``, ``abort`` (asked for, they are refused by name), store tables for
+findings, foreign preflight. Exit 0: every check passed; 1: a finding; 3: inconclusive.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import numpy as np
+
+IMPLEMENTED = ("limits", "usage", "canary")
+PLANNED = ("timing", "salt", "abort")
+PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
+
+
+class ProbeError(ValueError):
+    pass
+
+
+@dataclass
+class Result:
+    check: str
+    verdict: str
+    detail: str
+    evidence: list[dict] = field(default_factory=list)
+
+
+def _root(base_url: str) -> str:
+    """http://host:port/v1 -> http://host:port (where /server_info, /tokenize, /health live)."""
+    parts = urlsplit(base_url)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[:-3]
+    return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+
+
+class Target:
+    """The endpoint under test, as two tenants see it, with token counting and prompt building."""
+
+    def __init__(self, base_url: str, key_a: str, key_b: str, model: str | None, tokenizer: str | None,
+                 timeout: float = 120.0):
+        import openai
+        if urlsplit(base_url).scheme not in ("http", "https"):
+            raise ProbeError(f"--base-url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {base_url!r}")
+        self.base, self.root = base_url.rstrip("/"), _root(base_url)
+        self.a = openai.OpenAI(base_url=self.base, api_key=key_a, max_retries=0, timeout=timeout)
+        self.b = openai.OpenAI(base_url=self.base, api_key=key_b, max_retries=0, timeout=timeout)
+        self.http = httpx.Client(timeout=timeout, headers={"Authorization": f"Bearer {key_a}"})
+        try:
+            listed = self.a.models.list().data
+        except openai.AuthenticationError:
+            raise ProbeError(f"{self.base}: --key-a was refused (401)") from None
+        except openai.APIConnectionError as e:
+            raise ProbeError(f"{self.base}: cannot connect ({e})") from None
+        if model is None and not listed:
+            raise ProbeError(f"{self.base}/models lists no model; pass --model")
+        self.model = model or listed[0].id
+        self.max_model_len = getattr(listed[0], "max_model_len", None) if listed else None
+        self._tok = None
+        if tokenizer is not None:
+            from tokenizers import Tokenizer
+            try:
+                self._tok = Tokenizer.from_file(f"{tokenizer}/tokenizer.json")
+            except Exception as e:   # noqa: BLE001 - the tokenizers library raises its own kinds
+                raise ProbeError(f"--tokenizer {tokenizer}: cannot load tokenizer.json ({e})") from None
+        self.requests = 0
+
+    # ---- discovery -------------------------------------------------------------------------------
+    def discover(self, pool: int | None, context: int | None) -> tuple[int | None, int | None, str]:
+        """(pool tokens, context length, where they came from); flags win."""
+        where = []
+        for path in ("/server_info", "/get_server_info"):
+            try:
+                r = self.http.get(self.root + path)
+                info = r.json() if r.status_code == 200 else None
+            except (httpx.HTTPError, ValueError):
+                info = None
+            if isinstance(info, dict):
+                pool = pool or info.get("max_total_num_tokens")
+                context = context or info.get("context_length")
+                where.append(path)
+                break
+        if context is None and self.max_model_len:
+            context, _ = self.max_model_len, where.append("/v1/models max_model_len")
+        return pool, context, ", ".join(where) or "flags"
+
+    # ---- tokens ----------------------------------------------------------------------------------
+    def count(self, text: str) -> int:
+        if self._tok is not None:
+            return len(self._tok.encode(text, add_special_tokens=False).ids)
+        r = self.http.post(self.root + "/tokenize", json={"model": self.model, "prompt": text})
+        if r.status_code != 200:
+            raise ProbeError(f"{self.root}/tokenize answered {r.status_code}: pass --tokenizer DIR")
+        body = r.json()
+        return int(body.get("count", len(body.get("tokens", []))))
+
+    def prompt(self, n: int, tail: str = "", filler: str = " z") -> str:
+        """A prompt of exactly ``n`` tokens (by the endpoint's own count) ending with ``tail``."""
+        per = max(self.count(filler * 64) / 64, 1e-9)
+        base = self.count(tail) if tail else 0
+        k = max(0, int((n - base) / per))
+        text = filler * k + tail
+        for _ in range(64):                 # the last tokens one character at a time
+            have = self.count(text)
+            if have == n:
+                return text
+            text = ("a" + text) if have < n else text[1:]
+        raise ProbeError(f"cannot build a prompt of exactly {n} tokens with this tokenizer")
+
+    # ---- requests --------------------------------------------------------------------------------
+    def complete(self, client, prompt: str, max_tokens: int) -> dict:
+        """Streamed completion: status, text, usage, time to first token, response id."""
+        import openai
+        self.requests += 1
+        t0 = time.perf_counter()
+        out = {"status": 200, "text": "", "usage": None, "ttft": None, "id": None, "error": None}
+        try:
+            stream = client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                               stream=True, stream_options={"include_usage": True})
+            for chunk in stream:
+                out["id"] = out["id"] or chunk.id
+                if chunk.choices and chunk.choices[0].text:
+                    out["ttft"] = out["ttft"] or time.perf_counter() - t0
+                    out["text"] += chunk.choices[0].text
+                if chunk.usage is not None:
+                    out["usage"] = chunk.usage.prompt_tokens
+        except openai.APIStatusError as e:
+            out["status"], out["error"] = e.status_code, str(e)[:200]
+        except openai.APIError as e:       # an error event inside a 200 stream: not an answer
+            out["status"], out["error"] = "stream error", str(e)[:200]
+        return out
+
+
+def check_limits(t: Target, pool: int | None, context: int | None, tick) -> tuple[Result, list[dict]]:
+    if pool is None and context is None:
+        return Result("limits", INCONCLUSIVE, "neither the pool nor the context length could be discovered; "
+                      "pass --pool-tokens / --context-length"), []
+    sizes = sorted({s for s in (pool and pool - 1, pool, pool and pool + 1, context, context and context + 1) if s})
+    limit = lambda n: (pool is not None and n > pool and (context is None or pool < context)) or \
+        (context is not None and n > context)                                           # noqa: E731
+    rows, bad = [], []
+    for n in sizes:
+        r = t.complete(t.a, t.prompt(n), 4)
+        r.update(sent=n, over_limit=limit(n))
+        rows.append(r)
+        tick()
+        if r["status"] == 200 and r["over_limit"]:
+            which = "context" if context is not None and n > context else "pool"
+            bad.append({"prompt_tokens": n, "response": r["id"], "why": f"HTTP 200 for a prompt over the {which}"})
+    verdict = FINDING if bad else PASS
+    detail = (f"pool {pool}, context {context}: " + ", ".join(f"{r['sent']} -> {r['status']}" for r in rows))
+    return Result("limits", verdict, detail, bad), rows
+
+
+def check_usage(t: Target, pool: int | None, context: int | None, over: list[dict], samples: int, tick) -> Result:
+    top = min(x for x in (pool, context) if x) if (pool or context) else 512
+    sizes = np.linspace(max(16, top // 16), max(17, top - 2), num=max(samples, 4)).astype(int)
+    short = []
+    for n in sizes:
+        r = t.complete(t.a, t.prompt(int(n)), 1)
+        tick()
+        if r["status"] == 200:
+            short.append((int(n), r))
+    bad = [{"prompt_tokens": n, "response": r["id"], "why": f"usage.prompt_tokens {r['usage']} for {n} sent"}
+           for n, r in short + [(r["sent"], r) for r in over if r["status"] == 200]
+           if r["usage"] is not None and r["usage"] != n]
+    timed = [(n, r["ttft"]) for n, r in short if r["ttft"] is not None]
+    if len(timed) < 4:
+        return Result("usage", INCONCLUSIVE if not bad else FINDING, "too few below-pool answers to fit TTFT", bad)
+    x, y = np.array([n for n, _ in timed], float), np.array([s for _, s in timed])
+    slope, icpt = np.polyfit(x, y, 1)
+    fit = f"TTFT fit on {len(timed)} below-pool prompts: {1e3 * icpt:.1f} ms + {1e6 * slope:.1f} us/token"
+    long_ok = [r for r in over if r["status"] == 200 and r["over_limit"] and r["ttft"] is not None]
+    if long_ok and slope <= 0:
+        return Result("usage", INCONCLUSIVE if not bad else FINDING,
+                      fit + ": TTFT does not grow with the prompt here, so a skipped prefill cannot be told apart", bad)
+    for r in long_ok:
+        predicted = icpt + slope * r["sent"]
+        if r["ttft"] < 0.5 * predicted and r["ttft"] < max(y):
+            bad.append({"prompt_tokens": r["sent"], "response": r["id"],
+                        "why": f"answered in {1e3 * r['ttft']:.0f} ms, under half the {1e3 * predicted:.0f} ms "
+                               "its length needs to prefill (prefill skipped?)"})
+    return Result("usage", FINDING if bad else PASS, fit, bad)
+
+
+def check_canary(t: Target, pool: int | None, context: int | None, samples: int, tick) -> Result:
+    if pool is None or context is None or pool >= context:
+        return Result("canary", INCONCLUSIVE if pool is None or context is None else PASS,
+                      "needs the pool and the context" if pool is None or context is None else
+                      f"the pool ({pool}) holds a full context ({context}): no over-pool prompt exists")
+    canaries = [f"CANARY-{secrets.token_hex(6)}" for _ in range(samples)]
+    plant = max(64, pool // 2)
+    for c in canaries:                      # tenant A cycles the pool's pages with canaries
+        t.complete(t.a, t.prompt(plant, filler=f" the secret is {c};"), 4)       # dense: any stale slot holds it
+        tick()
+    bad = []
+    victim = min(context - 32, pool + max(16, (context - pool) // 2))
+    for _ in range(samples):                # tenant B's boundary prompts
+        r = t.complete(t.b, t.prompt(victim, tail=" Tell me again: the secret is"), 24)
+        tick()
+        for c in canaries:
+            if c in r["text"] or any(c[i:i + 8] in r["text"] for i in range(len(c) - 7)):
+                bad.append({"prompt_tokens": victim, "response": r["id"], "status": r["status"],
+                            "why": "tenant B's output holds tenant A's canary (or 8 characters of it)"})
+                break
+    return Result("canary", FINDING if bad else PASS,
+                  f"{len(canaries)} canaries planted by A ({plant} tokens each), {samples} prompts of {victim} tokens "
+                  f"from B; {len(bad)} showed a canary", bad)
+
+
+def validate(checks: list[str], samples: int, pool: int | None, context: int | None) -> None:
+    """Everything that can be refused before a request is sent."""
+    unknown = [c for c in checks if c not in IMPLEMENTED + PLANNED]
+    if unknown or not checks:
+        raise ProbeError(f"unknown check(s) {unknown}; known: {', '.join(IMPLEMENTED)}")
+    planned = [c for c in checks if c in PLANNED]
+    if planned:
+        raise ProbeError(f"check(s) {planned} are not implemented yet (issue 19); available: {', '.join(IMPLEMENTED)}")
+    if not 1 <= samples <= 200:
+        raise ProbeError(f"--samples must be in [1, 200], got {samples}")
+    for flag, v in (("--pool-tokens", pool), ("--context-length", context)):
+        if v is not None and not 2 <= v <= 1 << 24:
+            raise ProbeError(f"{flag} must be in [2, {1 << 24}], got {v}")
+
+
+def run_probe(t: Target, checks: list[str], pool: int | None = None, context: int | None = None,
+              samples: int = 6, progress=None) -> tuple[list[Result], dict]:
+    tick = progress or (lambda: None)
+    pool, context, where = t.discover(pool, context)
+    results, over = [], []
+    if "limits" in checks or "usage" in checks:
+        res, over = check_limits(t, pool, context, tick)
+        if "limits" in checks:
+            results.append(res)
+    if "usage" in checks:
+        results.append(check_usage(t, pool, context, over, samples, tick))
+    if "canary" in checks:
+        results.append(check_canary(t, pool, context, samples, tick))
+    meta = {"base_url": t.base, "model": t.model, "pool_tokens": pool, "context_length": context,
+            "discovered_from": where, "requests": t.requests}
+    return results, meta
+
+
+def exit_code(results: list[Result]) -> int:
+    verdicts = {r.verdict for r in results}
+    return 1 if FINDING in verdicts else 3 if INCONCLUSIVE in verdicts else 0
+
+
+def as_json(results: list[Result], meta: dict) -> str:
+    return json.dumps([{**asdict(r), **{"target": meta}} for r in results])
