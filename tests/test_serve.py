@@ -5,7 +5,6 @@ kill -9 and a restart on the same store, and a real Prometheus firing the shippe
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket

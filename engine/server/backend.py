@@ -139,7 +139,8 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size)
 
     def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
-        return EngineConfig(prefix_cache=prefix_cache, kv_memory_budget=(tokens // spec.page_size) * pb, page_size=spec.page_size,
+        return EngineConfig(prefix_cache=prefix_cache, kv_memory_budget=(tokens // spec.page_size) * pb,
+                            page_size=spec.page_size,
                             context_length=spec.context_length, node_id=node, max_num_seqs=16, check_reads=True,
                             fail_on_violation=guards.read_check, isolation_level=spec.isolation_level,
                             orgs=keys.orgs(), preflight="fit" if policy == "hardened" else "record")
