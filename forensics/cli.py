@@ -213,6 +213,34 @@ def _replay_fault(args, con) -> int:
 MAX_REPLAY_CONTEXT = 131_072
 
 
+def _preflight_foreign(flag: str, value: str) -> int:
+    """Pool vs context of a running engine (ours or SGLang by server info; vLLM or SGLang by log).
+    Exit 1 when an instance's pool is smaller than its context, 3 when a context is unknown."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from forensics.foreign_preflight import from_endpoint, from_log
+    try:
+        found = from_endpoint(value) if flag == "--endpoint" else from_log(value, flag[2:].split("-")[0])
+    except ValueError as e:
+        return _die(str(e))
+    t = Table(title=f"kvledger preflight {flag} {value}")
+    for c in ("instance", "pool (tokens)", "context", "pool / context", "verdict", "from"):
+        t.add_column(c, justify="right" if c in ("pool (tokens)", "context", "pool / context") else "left")
+    for i in found:
+        ratio = f"{i.pool_tokens / i.context_length:.4f}" if i.fits is not None else "-"
+        verdict = {True: "[green]fits", False: "[red]pool < context: the incident's precondition",
+                   None: "[yellow]context unknown"}[i.fits]
+        t.add_row(i.name, f"{i.pool_tokens:,}" if i.pool_tokens else "?", f"{i.context_length:,}" if i.context_length
+                  else "?", ratio, verdict, i.source)
+    Console().print(t)
+    short = [i.name for i in found if i.fits is False]
+    if short:
+        print(f"kvledger: preflight failed: {', '.join(short)} cannot hold a full-context prompt", file=sys.stderr)
+        return 1
+    return 3 if any(i.fits is None for i in found) else 0
+
+
 def cmd_preflight(args) -> int:
     from rich.console import Console
     from rich.table import Table
@@ -221,6 +249,12 @@ def cmd_preflight(args) -> int:
     from engine.models import load_model
     from engine.preflight import pool_tokens_for
 
+    foreign = [(f, v) for f, v in (("--endpoint", args.endpoint), ("--vllm-log", args.vllm_log),
+                                   ("--sglang-log", args.sglang_log)) if v]
+    if len(foreign) > 1:
+        return _die(f"give one of --endpoint, --vllm-log, --sglang-log (got {', '.join(f for f, _ in foreign)})")
+    if foreign:
+        return _preflight_foreign(*foreign[0])
     if args.context_length <= 0:
         return _die(f"--context-length must be >= 1, got {args.context_length}")
     if args.page_size <= 0:
@@ -467,7 +501,13 @@ def build_parser() -> argparse.ArgumentParser:
     pf.add_argument("--context-length", type=int, default=1_048_576)
     pf.add_argument("--memory-budget", action="append", metavar="SIZE",
                     help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
-    pf.add_argument("--page-size", type=int, default=16)
+    pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    pf.add_argument("--endpoint", default=None, metavar="URL",
+                    help="judge a running server instead: ours or SGLang (/server_info or /get_server_info)")
+    pf.add_argument("--vllm-log", default=None, metavar="FILE",
+                    help="judge a vLLM instance from its start-up log (GPU KV cache size / # GPU blocks lines)")
+    pf.add_argument("--sglang-log", default=None, metavar="FILE",
+                    help="judge SGLang instances from their start-up log (max_total_num_tokens=..., context_len=...)")
     pf.set_defaults(func=cmd_preflight)
     d = sub.add_parser("dashboard", help="the live Streamlit exposure dashboard (loopback by default)")
     d.add_argument("--store", default="./kvledger-store")

@@ -18,9 +18,12 @@ def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_pat
     s = Server(tmp_path, "--mode", "disaggregated", "--policy", policy, config=ONE_SMALL_PREFILL)
     try:
         code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json"])
+        rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
+        # preflight from the outside: the same server's /server_info, node by node
+        assert main(["preflight", "--endpoint", s.url + "/v1"]) == (1 if policy == "vulnerable" else 0)
+        assert ("prefill0 cannot hold" in capsys.readouterr().err) is (policy == "vulnerable")
     finally:
         assert s.stop() == 0
-    rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
     assert set(rows) == {"limits", "usage", "canary"}
     assert rows["limits"]["target"]["pool_tokens"] == 656 and rows["limits"]["target"]["context_length"] == 1024
     if policy == "vulnerable":
