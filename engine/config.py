@@ -38,7 +38,7 @@ class EngineConfig:
     scope_secret: bytes = b"kvledger-default-scope-secret"
     kv_format_version: str = "kvledger-kv-v1"
     prefix_cache: bool = False          # reuse full prompt pages across requests of one cache scope
-    isolation_level: str = "tenant"     # cache scope: user | tenant | org (derived server-side, never from the client)
+    isolation_level: str = "tenant"     # cache scope: user | tenant | org | none (derived server-side, never from the client)
     orgs: dict = field(default_factory=dict)   # tenant -> org, for isolation_level="org"
     shared_pool_path: str | None = None   # the pool lives in this shared file mapping (process mode's decode node)
     preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/preflight.py)

@@ -29,7 +29,9 @@ from engine.sampling import sample
 from engine.scheduler import Scheduler
 from engine.tags import TagChain, scope_key
 
-ISOLATION_LEVELS = ("user", "tenant", "org")
+# none: one global scope, every tenant shares the prefix cache (what an engine without per-tenant
+# salts does) - never a default; it exists so the probe's side-channel checks can be shown to find it
+ISOLATION_LEVELS = ("user", "tenant", "org", "none")
 StepObserver = Callable[["LLMEngine", StepOutput], None]
 
 
@@ -94,6 +96,8 @@ class LLMEngine:
             parts = ["user", tenant, user]
         elif level == "org" and tenant in self.cfg.orgs:
             parts = ["org", self.cfg.orgs[tenant]]
+        elif level == "none":
+            parts = ["global"]
         else:                        # level 'tenant', or a tenant that no org mapping names
             parts = ["tenant", tenant]
         if salt:

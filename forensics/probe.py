@@ -13,8 +13,12 @@ Checks implemented (``--checks``):
   tenant B then sends over-pool prompts that end "... the secret is" (a model attending over
   someone else's KV continues with what followed that there). A canary, or 8 characters of one,
   in B's output is a finding, reported with the response id that showed it.
-Not yet: ``timing``, ``salt``, ``abort`` (asked for, they are refused by name), store tables for
-findings, foreign preflight. Exit 0: every check passed; 1: a finding; 3: inconclusive.
+- ``salt``: can B reach A's prefix cache by sending A's ``cache_salt`` and ``user`` (vLLM and SGLang
+  take them from the client)? A sends a fresh prefix twice with its salt: the second must report
+  ``cached_tokens`` > 0 (the positive control: without it the check is inconclusive, never a pass);
+  then B sends the same prefix with A's salt; ``cached_tokens`` > 0 for B is a finding.
+Not yet: ``timing``, ``abort`` (asked for, they are refused by name), store tables for findings.
+Exit 0: every check passed; 1: a finding; 3: inconclusive.
 """
 from __future__ import annotations
 
@@ -27,8 +31,8 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import numpy as np
 
-IMPLEMENTED = ("limits", "usage", "canary")
-PLANNED = ("timing", "salt", "abort")
+IMPLEMENTED = ("limits", "usage", "canary", "salt")
+PLANNED = ("timing", "abort")
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
 
 
@@ -127,15 +131,15 @@ class Target:
         raise ProbeError(f"cannot build a prompt of exactly {n} tokens with this tokenizer")
 
     # ---- requests --------------------------------------------------------------------------------
-    def complete(self, client, prompt: str, max_tokens: int) -> dict:
-        """Streamed completion: status, text, usage, time to first token, response id."""
+    def complete(self, client, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
+        """Streamed completion: status, text, usage, cached tokens, time to first token, response id."""
         import openai
         self.requests += 1
         t0 = time.perf_counter()
-        out = {"status": 200, "text": "", "usage": None, "ttft": None, "id": None, "error": None}
+        out = {"status": 200, "text": "", "usage": None, "cached": None, "ttft": None, "id": None, "error": None}
         try:
             stream = client.completions.create(model=self.model, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                                               stream=True, stream_options={"include_usage": True})
+                                               stream=True, stream_options={"include_usage": True}, extra_body=extra)
             for chunk in stream:
                 out["id"] = out["id"] or chunk.id
                 if chunk.choices and chunk.choices[0].text:
@@ -143,6 +147,8 @@ class Target:
                     out["text"] += chunk.choices[0].text
                 if chunk.usage is not None:
                     out["usage"] = chunk.usage.prompt_tokens
+                    details = getattr(chunk.usage, "prompt_tokens_details", None)
+                    out["cached"] = getattr(details, "cached_tokens", None) if details is not None else None
         except openai.APIStatusError as e:
             out["status"], out["error"] = e.status_code, str(e)[:200]
         except openai.APIError as e:       # an error event inside a 200 stream: not an answer
@@ -242,6 +248,33 @@ def validate(checks: list[str], samples: int, pool: int | None, context: int | N
             raise ProbeError(f"{flag} must be in [2, {1 << 24}], got {v}")
 
 
+def check_salt(t: Target, pool: int | None, samples: int, tick) -> Result:
+    n = max(64, min(pool or 512, 1024) // 4)
+    salt = {"cache_salt": f"salt-{secrets.token_hex(8)}", "user": f"user-{secrets.token_hex(4)}"}
+    control, bad = [], []
+    for i in range(min(samples, 4)):
+        prefix = t.prompt(n, filler=f" {secrets.token_hex(3)}")          # a prefix nobody has sent
+        first = t.complete(t.a, prefix, 1, salt)
+        again = t.complete(t.a, prefix, 1, salt)                          # the positive control
+        other = t.complete(t.b, prefix, 1, salt)                          # B, with A's salt and user
+        tick()
+        control.append(again["cached"])
+        if other["cached"]:
+            bad.append({"prompt_tokens": n, "response": other["id"],
+                        "why": f"tenant B got {other['cached']} cached tokens of A's prefix by sending A's cache_salt "
+                               "and user"})
+        if first["status"] != 200:
+            return Result("salt", INCONCLUSIVE, f"A's request was refused ({first['status']}): {first['error']}")
+    if bad:
+        return Result("salt", FINDING, f"{len(bad)} of {len(control)} prefixes reached across tenants", bad)
+    if not any(control):
+        return Result("salt", INCONCLUSIVE, "the positive control failed: A re-sending its own prefix reported no "
+                      "cached tokens (no prefix cache, or usage.prompt_tokens_details not reported), so B's zero "
+                      "proves nothing")
+    return Result("salt", PASS, f"A's own prefix came back cached ({max(c or 0 for c in control)} tokens); "
+                  f"B sending A's cache_salt and user got none in {len(control)} tries")
+
+
 def run_probe(t: Target, checks: list[str], pool: int | None = None, context: int | None = None,
               samples: int = 6, progress=None) -> tuple[list[Result], dict]:
     tick = progress or (lambda: None)
@@ -255,6 +288,8 @@ def run_probe(t: Target, checks: list[str], pool: int | None = None, context: in
         results.append(check_usage(t, pool, context, over, samples, tick))
     if "canary" in checks:
         results.append(check_canary(t, pool, context, samples, tick))
+    if "salt" in checks:
+        results.append(check_salt(t, pool, samples, tick))
     meta = {"base_url": t.base, "model": t.model, "pool_tokens": pool, "context_length": context,
             "discovered_from": where, "requests": t.requests}
     return results, meta

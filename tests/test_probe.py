@@ -17,7 +17,8 @@ pytestmark = pytest.mark.xdist_group("serve")
 def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_path, capsys, policy):
     s = Server(tmp_path, "--mode", "disaggregated", "--policy", policy, config=ONE_SMALL_PREFILL)
     try:
-        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json"])
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "limits,usage,canary"])
         rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
         # preflight from the outside: the same server's /server_info, node by node
         assert main(["preflight", "--endpoint", s.url + "/v1"]) == (1 if policy == "vulnerable" else 0)
@@ -33,6 +34,36 @@ def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_pat
         assert all(e["response"].startswith("cmpl-") for e in rows["canary"]["evidence"])
     else:
         assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
+
+
+@pytest.mark.parametrize("isolation", ["tenant", "none"])
+def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_path, capsys, isolation):
+    """`none` is one global scope (what an engine without per-tenant salts does): B sending A's salt
+    reaches A's cached prefix. Under `tenant` the positive control (A's own prefix cached) holds and
+    B gets nothing."""
+    s = Server(tmp_path, "--mode", "unified", "--policy", "hardened",
+               config=f'context_length = 1024\nisolation_level = "{isolation}"\n')
+    try:
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "salt", "--samples", "3"])
+    finally:
+        assert s.stop() == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    if isolation == "none":
+        assert code == 1 and row["verdict"] == "finding" and row["evidence"], row
+    else:
+        assert code == 0 and row["verdict"] == "pass" and "came back cached" in row["detail"], row
+
+
+def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_path, capsys):
+    s = Server(tmp_path, "--mode", "unified", "--policy", "hardened", config="prefix_cache = false\n")
+    try:
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "salt", "--samples", "2"])
+    finally:
+        assert s.stop() == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert code == 3 and row["verdict"] == "inconclusive" and "positive control failed" in row["detail"]
 
 
 @pytest.mark.parametrize("argv,error", [

@@ -9,7 +9,7 @@ the incident's pool/context ratio on the small prefill node)::
 
     context_length = 1024
     page_size = 16
-    isolation_level = "tenant"        # user | tenant | org
+    isolation_level = "tenant"        # user | tenant | org | none (one global scope: for testing probes)
     prefix_cache = true               # unified: reuse full prompt pages within a cache scope
     [[prefill]]                       # disaggregated: one table per prefill node
     node_id = "prefill0"
@@ -110,8 +110,9 @@ class ClusterSpec:
         spec = cls(context_length=_int(raw, "context_length", 1024, 16, MAX_CONTEXT),
                    page_size=_int(raw, "page_size", 16, 1, 4096), isolation_level=str(raw.get("isolation_level", "tenant")),
                    prefix_cache=bool(raw.get("prefix_cache", True)))
-        if spec.isolation_level not in ("user", "tenant", "org"):
-            raise InputError(f"cluster config: isolation_level must be user, tenant or org, got {spec.isolation_level!r}")
+        if spec.isolation_level not in ("user", "tenant", "org", "none"):
+            raise InputError("cluster config: isolation_level must be user, tenant, org or none (one global scope: "
+                             f"tenants share the prefix cache), got {spec.isolation_level!r}")
         C = spec.context_length
         pre = raw.get("prefill", [{"node_id": "prefill0", "pool_tokens": round(C * INCIDENT_RATIO)},
                                   {"node_id": "prefill1-canary", "pool_tokens": 2 * C}])
