@@ -36,19 +36,24 @@ def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_pat
         assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
 
 
+def _salt_probe(tmp_path, capsys, config: str, samples: int) -> tuple[int, dict]:
+    """The salt check alone against a fresh unified, hardened server with ``config``."""
+    s = Server(tmp_path, "--mode", "unified", "--policy", "hardened", config=config)
+    try:
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "salt", "--samples", str(samples)])
+    finally:
+        assert s.stop() == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    return code, row
+
+
 @pytest.mark.parametrize("isolation", ["tenant", "none"])
 def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_path, capsys, isolation):
     """`none` is one global scope (what an engine without per-tenant salts does): B sending A's salt
     reaches A's cached prefix. Under `tenant` the positive control (A's own prefix cached) holds and
     B gets nothing."""
-    s = Server(tmp_path, "--mode", "unified", "--policy", "hardened",
-               config=f'context_length = 1024\nisolation_level = "{isolation}"\n')
-    try:
-        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
-                     "--checks", "salt", "--samples", "3"])
-    finally:
-        assert s.stop() == 0
-    (row,) = json.loads(capsys.readouterr().out)
+    code, row = _salt_probe(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 3)
     if isolation == "none":
         assert code == 1 and row["verdict"] == "finding" and row["evidence"], row
     else:
@@ -56,13 +61,7 @@ def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_pa
 
 
 def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_path, capsys):
-    s = Server(tmp_path, "--mode", "unified", "--policy", "hardened", config="prefix_cache = false\n")
-    try:
-        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
-                     "--checks", "salt", "--samples", "2"])
-    finally:
-        assert s.stop() == 0
-    (row,) = json.loads(capsys.readouterr().out)
+    code, row = _salt_probe(tmp_path, capsys, "prefix_cache = false\n", 2)
     assert code == 3 and row["verdict"] == "inconclusive" and "positive control failed" in row["detail"]
 
 
