@@ -487,8 +487,8 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--key-a", required=True, help="API key of tenant A (plants canaries)")
     pb.add_argument("--key-b", required=True, help="API key of tenant B, another tenant (looks for them)")
     pb.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
-    pb.add_argument("--checks", default="limits,usage,canary,salt",
-                    help="comma-separated: limits, usage, canary, salt (default all four; timing, abort: not yet)")
+    pb.add_argument("--checks", default="limits,usage,canary,salt,timing",
+                    help="comma-separated: limits, usage, canary, salt, timing (default all five; abort: not yet)")
     pb.add_argument("--pool-tokens", type=int, default=None, help="KV pool in tokens (default: discovered)")
     pb.add_argument("--context-length", type=int, default=None, help="context length (default: discovered)")
     pb.add_argument("--tokenizer", default=None, metavar="DIR",

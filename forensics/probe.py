@@ -17,7 +17,13 @@ Checks implemented (``--checks``):
   take them from the client)? A sends a fresh prefix twice with its salt: the second must report
   ``cached_tokens`` > 0 (the positive control: without it the check is inconclusive, never a pass);
   then B sends the same prefix with A's salt; ``cached_tokens`` > 0 for B is a finding.
-Not yet: ``timing``, ``abort`` (asked for, they are refused by name), store tables for findings.
+- ``timing`` (the prefix-cache side channel): interleaved samples of B's first request for a
+  prefix A has just sent vs a fresh prefix of the same length; a one-sided Mann-Whitney rank test
+  (scipy) with the median TTFT ratio as the effect size. A finding needs both p < 0.01 and the
+  ratio < 0.7. The positive control (A re-sending its own prefix, same test) must show the cache
+  works: without it the result is inconclusive, not a pass. Power: the samples, the p-values and
+  the ratios are reported.
+Not yet: ``abort`` (asked for, it is refused by name), store tables for findings.
 Exit 0: every check passed; 1: a finding; 3: inconclusive.
 """
 from __future__ import annotations
@@ -31,8 +37,9 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import numpy as np
 
-IMPLEMENTED = ("limits", "usage", "canary", "salt")
-PLANNED = ("timing", "abort")
+IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing")
+PLANNED = ("abort",)
+TIMING_ALPHA, TIMING_RATIO = 0.01, 0.7     # a finding needs both: p below alpha, median TTFT ratio below this
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
 
 
@@ -275,6 +282,41 @@ def check_salt(t: Target, pool: int | None, samples: int, tick) -> Result:
                   f"B sending A's cache_salt and user got none in {len(control)} tries")
 
 
+def check_timing(t: Target, pool: int | None, samples: int, tick) -> Result:
+    from scipy.stats import mannwhitneyu
+    n = max(128, min(pool or 512, 1024) // 2)
+    fresh, cross, own = [], [], []
+
+    def prefix() -> str:
+        return t.prompt(n, filler=f" {secrets.token_hex(3)}")
+    for _ in range(max(samples, 6)):            # interleaved: load drifts hit every arm alike
+        warm = prefix()
+        t.complete(t.a, warm, 1)                                   # A caches it (if anything does)
+        cross.append(t.complete(t.b, warm, 1)["ttft"])             # B asks for A's prefix
+        fresh.append(t.complete(t.b, prefix(), 1)["ttft"])         # B asks for a prefix nobody sent
+        mine = prefix()
+        t.complete(t.a, mine, 1)
+        own.append(t.complete(t.a, mine, 1)["ttft"])               # positive control: A's own prefix again
+        tick()
+    if any(x is None for x in fresh + cross + own):
+        return Result("timing", INCONCLUSIVE, "some requests returned no token to time")
+
+    def test(x):
+        return mannwhitneyu(x, fresh, alternative="less").pvalue, float(np.median(x) / np.median(fresh))
+    p_own, r_own = test(own)
+    p_cross, r_cross = test(cross)
+    stats = (f"{len(fresh)} samples per arm of {n}-token prefixes; positive control (A's own prefix): "
+             f"p={p_own:.2g}, median TTFT ratio {r_own:.2f}; B on A's prefix: p={p_cross:.2g}, ratio {r_cross:.2f}")
+    if p_cross < TIMING_ALPHA and r_cross < TIMING_RATIO:
+        return Result("timing", FINDING, stats, [{"prompt_tokens": n, "p_value": p_cross, "median_ttft_ratio": r_cross,
+                                                  "why": "tenant B's requests for tenant A's prefix come back faster: "
+                                                         "the prefix cache is shared across tenants"}])
+    if not (p_own < TIMING_ALPHA and r_own < TIMING_RATIO):
+        return Result("timing", INCONCLUSIVE, stats + ": the positive control shows no cache effect, so B's result "
+                      "has no power")
+    return Result("timing", PASS, stats)
+
+
 def run_probe(t: Target, checks: list[str], pool: int | None = None, context: int | None = None,
               samples: int = 6, progress=None) -> tuple[list[Result], dict]:
     tick = progress or (lambda: None)
@@ -290,6 +332,8 @@ def run_probe(t: Target, checks: list[str], pool: int | None = None, context: in
         results.append(check_canary(t, pool, context, samples, tick))
     if "salt" in checks:
         results.append(check_salt(t, pool, samples, tick))
+    if "timing" in checks:
+        results.append(check_timing(t, pool, samples, tick))
     meta = {"base_url": t.base, "model": t.model, "pool_tokens": pool, "context_length": context,
             "discovered_from": where, "requests": t.requests}
     return results, meta

@@ -36,12 +36,12 @@ def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_pat
         assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
 
 
-def _salt_probe(tmp_path, capsys, config: str, samples: int) -> tuple[int, dict]:
-    """The salt check alone against a fresh unified, hardened server with ``config``."""
+def _probe_one(tmp_path, capsys, config: str, samples: int, check: str = "salt") -> tuple[int, dict]:
+    """One check alone against a fresh unified, hardened server with ``config``."""
     s = Server(tmp_path, "--mode", "unified", "--policy", "hardened", config=config)
     try:
         code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
-                     "--checks", "salt", "--samples", str(samples)])
+                     "--checks", check, "--samples", str(samples)])
     finally:
         assert s.stop() == 0
     (row,) = json.loads(capsys.readouterr().out)
@@ -53,7 +53,7 @@ def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_pa
     """`none` is one global scope (what an engine without per-tenant salts does): B sending A's salt
     reaches A's cached prefix. Under `tenant` the positive control (A's own prefix cached) holds and
     B gets nothing."""
-    code, row = _salt_probe(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 3)
+    code, row = _probe_one(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 3)
     if isolation == "none":
         assert code == 1 and row["verdict"] == "finding" and row["evidence"], row
     else:
@@ -61,13 +61,25 @@ def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_pa
 
 
 def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_path, capsys):
-    code, row = _salt_probe(tmp_path, capsys, "prefix_cache = false\n", 2)
+    code, row = _probe_one(tmp_path, capsys, "prefix_cache = false\n", 2)
     assert code == 3 and row["verdict"] == "inconclusive" and "positive control failed" in row["detail"]
+
+
+@pytest.mark.parametrize("isolation", ["tenant", "none"])
+def test_the_timing_side_channel_is_found_by_a_rank_test_only_where_the_cache_is_shared(tmp_path, capsys, isolation):
+    """Interleaved samples, a one-sided rank test and an effect size; the positive control (A's own
+    prefix comes back faster) holds in both, so `tenant`'s pass has power."""
+    code, row = _probe_one(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 6, "timing")
+    assert "positive control (A's own prefix): p=" in row["detail"], row
+    if isolation == "none":
+        assert code == 1 and row["verdict"] == "finding" and row["evidence"][0]["median_ttft_ratio"] < 0.7, row
+    else:
+        assert code == 0 and row["verdict"] == "pass", row
 
 
 @pytest.mark.parametrize("argv,error", [
     (["--checks", "limits,frobnicate"], "unknown check(s) ['frobnicate']"),
-    (["--checks", "timing"], "not implemented yet"),
+    (["--checks", "abort"], "not implemented yet"),
     (["--samples", "0"], "--samples must be in [1, 200]"),
     (["--pool-tokens", "-5"], "--pool-tokens must be in [2"),
     (["--base-url", "ftp://example"], "must be an http(s) URL"),
