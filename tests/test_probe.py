@@ -36,45 +36,38 @@ def test_the_probe_finds_the_incident_from_outside_only_where_it_happens(tmp_pat
         assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
 
 
-def _probe_one(tmp_path, capsys, config: str, samples: int, check: str = "salt") -> tuple[int, dict]:
-    """One check alone against a fresh unified, hardened server with ``config``."""
+def _probe(tmp_path, capsys, config: str, samples: int, checks: str) -> tuple[int, dict]:
+    """Some checks against a fresh unified, hardened server with ``config``: (exit code, rows by check)."""
     s = Server(tmp_path, "--mode", "unified", "--policy", "hardened", config=config)
     try:
         code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
-                     "--checks", check, "--samples", str(samples)])
+                     "--checks", checks, "--samples", str(samples)])
     finally:
         assert s.stop() == 0
-    (row,) = json.loads(capsys.readouterr().out)
-    return code, row
+    return code, {r["check"]: r for r in json.loads(capsys.readouterr().out)}
 
 
 @pytest.mark.parametrize("isolation", ["tenant", "none"])
-def test_the_salt_check_finds_a_cache_shared_across_tenants_and_only_then(tmp_path, capsys, isolation):
-    """`none` is one global scope (what an engine without per-tenant salts does): B sending A's salt
-    reaches A's cached prefix. Under `tenant` the positive control (A's own prefix cached) holds and
-    B gets nothing."""
-    code, row = _probe_one(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 3)
+def test_the_cache_side_channels_are_found_only_where_the_cache_is_shared(tmp_path, capsys, isolation):
+    """`none` is one global scope (what an engine without per-tenant salts does). salt: B sending A's
+    salt reaches A's cached prefix. timing: interleaved samples, a one-sided rank test and an effect
+    size. Under `tenant` both positive controls (A's own prefix comes back cached, and faster) hold,
+    so the passes have power."""
+    code, rows = _probe(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 6,
+                        "salt,timing")
+    salt, timing = rows["salt"], rows["timing"]
+    assert "positive control (A's own prefix): p=" in timing["detail"], timing
     if isolation == "none":
-        assert code == 1 and row["verdict"] == "finding" and row["evidence"], row
+        assert code == 1 and salt["verdict"] == "finding" and salt["evidence"], salt
+        assert timing["verdict"] == "finding" and timing["evidence"][0]["median_ttft_ratio"] < 0.7, timing
     else:
-        assert code == 0 and row["verdict"] == "pass" and "came back cached" in row["detail"], row
+        assert code == 0 and salt["verdict"] == "pass" and "came back cached" in salt["detail"], salt
+        assert timing["verdict"] == "pass", timing
 
 
 def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_path, capsys):
-    code, row = _probe_one(tmp_path, capsys, "prefix_cache = false\n", 2)
-    assert code == 3 and row["verdict"] == "inconclusive" and "positive control failed" in row["detail"]
-
-
-@pytest.mark.parametrize("isolation", ["tenant", "none"])
-def test_the_timing_side_channel_is_found_by_a_rank_test_only_where_the_cache_is_shared(tmp_path, capsys, isolation):
-    """Interleaved samples, a one-sided rank test and an effect size; the positive control (A's own
-    prefix comes back faster) holds in both, so `tenant`'s pass has power."""
-    code, row = _probe_one(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 6, "timing")
-    assert "positive control (A's own prefix): p=" in row["detail"], row
-    if isolation == "none":
-        assert code == 1 and row["verdict"] == "finding" and row["evidence"][0]["median_ttft_ratio"] < 0.7, row
-    else:
-        assert code == 0 and row["verdict"] == "pass", row
+    code, rows = _probe(tmp_path, capsys, "prefix_cache = false\n", 2, "salt")
+    assert code == 3 and rows["salt"]["verdict"] == "inconclusive" and "positive control failed" in rows["salt"]["detail"]
 
 
 @pytest.mark.parametrize("argv,error", [
