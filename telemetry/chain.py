@@ -12,7 +12,8 @@ by a key that never enters the store) makes recomputing the chain useless to any
 writer. What a copy of the store alone cannot show is its own truncation - deleting the newest
 chain files leaves a shorter chain that still verifies - so every flush's signed head also goes
 to an anchor outside the store (a per-user state directory by default: put it on another disk or
-a mounted remote; and it is logged to ``kvledger.anchor`` for a collector or SIEM). ``verify``
+a mounted remote; it is logged to ``kvledger.anchor`` and, with an OTLP endpoint set, sent there
+as a ``kvledger.anchor`` span by ``Telemetry``, so a collector or SIEM keeps a copy). ``verify``
 with the anchor names a truncation: "store ends at seq N, anchor says M".
 
 Strangers: the writer signs an intent (name, sha256 of every segment of a flush) before it renames

@@ -248,19 +248,19 @@ class Telemetry(Recorder):
         self.ids_cap = 1 << 20                          # ends (late ledger rows still name its trace), bounded
         self._rejections: dict[int, tuple[str, BaseException]] = {}
         self._transfers: dict[int, TransferRecord] = {}
-        # every signed chain head also leaves as telemetry: a span `kvledger.anchor` (into the store,
-        # and to the OTLP collector when one is configured), so a collector or SIEM keeps a copy
-        ident = self.writer.wkeys.identity
-        self._store_exporter = StoreSpanExporter(self.writer)
-        self._store_tracers = TracerProvider(resource=Resource.create({
-            "service.name": service, "kvledger.store_id": ident.store_id, "kvledger.boot": self.boot,
-            "kvledger.store.key_fingerprint": ident.fingerprint}))
-        self._store_tracers.add_span_processor(BatchSpanProcessor(self._store_exporter,
-                                                                  schedule_delay_millis=SPAN_EXPORT_DELAY_MS))
+        # every signed chain head also leaves as telemetry - a span `kvledger.anchor` to the OTLP
+        # collector when one is configured, so a collector or SIEM keeps a copy outside the machine.
+        # Not into the store itself: it holds the chain already, and a span per flush would make
+        # every flush write another segment, forever, on an idle store.
+        self._store_tracers = None
         if (otlp := _otlp_processor()) is not None:
+            ident = self.writer.wkeys.identity
+            self._store_tracers = TracerProvider(resource=Resource.create({
+                "service.name": service, "kvledger.store_id": ident.store_id, "kvledger.boot": self.boot,
+                "kvledger.store.key_fingerprint": ident.fingerprint}))
             self._store_tracers.add_span_processor(otlp)
-        self._anchor_tracer = self._store_tracers.get_tracer("kvledger.store", self.version, schema_url=SCHEMA_URL)
-        self.writer.on_anchor.append(self._anchor_span)
+            self._anchor_tracer = self._store_tracers.get_tracer("kvledger.store", self.version, schema_url=SCHEMA_URL)
+            self.writer.on_anchor.append(self._anchor_span)
 
     # ---- helpers ----------------------------------------------------------------------------------
     def _anchor_span(self, entry: dict) -> None:
@@ -432,10 +432,11 @@ class Telemetry(Recorder):
             n.tracers.shutdown()
             n.meters.force_flush()
             n.meters.shutdown()
-        self.writer.flush()                     # its anchor span ends before the store's tracer shuts down
+        self.writer.flush()                     # its anchor span ends before the anchor tracer shuts down
         tracers, self._store_tracers = self._store_tracers, None
-        tracers.force_flush()
-        tracers.shutdown()
+        if tracers is not None:
+            tracers.force_flush()
+            tracers.shutdown()
         self.writer.close()
         return {"boot": self.boot, "spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
                 "spans_dropped": self.spans_ended - self.spans_exported, "segments": self.writer.segments_written,
