@@ -426,7 +426,10 @@ class Telemetry(Recorder):
         return sum(n.exporter.exported for n in self.nodes.values())
 
     def close(self) -> dict:
-        """Flush spans, metrics and the ledger; returns counts (spans_dropped: lost to a full queue)."""
+        """Flush spans, metrics and the ledger; returns counts (spans_dropped: lost to a full queue).
+        Closing twice is harmless (the second call only returns the counts)."""
+        if self.writer.closed:
+            return self._counts()
         for n in self.nodes.values():
             n.tracers.force_flush()
             n.tracers.shutdown()
@@ -438,6 +441,9 @@ class Telemetry(Recorder):
             tracers.force_flush()
             tracers.shutdown()
         self.writer.close()
+        return self._counts()
+
+    def _counts(self) -> dict:
         return {"boot": self.boot, "spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
                 "spans_dropped": self.spans_ended - self.spans_exported, "segments": self.writer.segments_written,
                 "rows": dict(self.writer.rows_written)}

@@ -230,6 +230,8 @@ class SegmentWriter:
 
     def flush(self) -> None:
         """Write every buffered row now and wait until it is linked."""
+        if self._closed:
+            raise StoreError("store writer is closed")
         done = threading.Event()
         self._q.put(("__flush__", done))
         done.wait()

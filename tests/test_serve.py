@@ -355,3 +355,16 @@ def test_an_engine_failure_of_one_request_is_a_500_for_that_request_only(tmp_pat
     assert bad.status_code == 500 and bad.json()["error"]["code"] == "read_check_violation"
     assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] == 8
     assert eng.allocator.num_free == eng.allocator.total
+
+
+def test_a_port_already_in_use_is_a_clear_error_and_the_store_is_sealed(tmp_path):
+    """uvicorn cannot bind: the server says so, exits 1 (it used to hang closing the store twice), and
+    the store it opened verifies and is sealed."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        r = subprocess.run([sys.executable, "-m", "forensics.cli", "serve", "--store", str(tmp_path / "s"),
+                            "--port", str(busy.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "kvledger: error: the HTTP server could not start" in r.stderr, r.stderr
+    v = verify(tmp_path / "s")
+    assert v.ok and v.sealed
