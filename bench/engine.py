@@ -1,41 +1,68 @@
 """Engine throughput, measured side by side in one run (absolute numbers drift on a shared box).
 
-1. kvledger vs transformers generate() on the same tiny Llama and mixed-length batch (greedy).
-2. decode tokens/s with the read check on vs off, and with zero_on_free on.
+Three workloads, each kvledger vs transformers ``generate()`` on the same model and prompts (greedy):
+  tiny  the tiny Llama the tests use (hidden 256, 4 layers), 8 prompts of 16-199 tokens; also the
+        read check on vs off and zero_on_free on vs off
+  big   a Qwen2 the size of a small real one (hidden 896, GQA 14:2, intermediate 4864, 8 layers),
+        8 prompts of 300-700 tokens; also the read check on vs off
+  long  the tiny Llama with 4 prompts of 2-4 k tokens
+Models are built locally with transformers (random weights: speed does not depend on them).
 Writes bench/results/engine.json; README figures are generated from it (bench/readme_figures.py).
 """
 from __future__ import annotations
 
+import argparse
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, tiny_llama_workload, workload_parser, write  # noqa: E402
+from bench._common import interleaved, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
+from engine.models.llama import LlamaModel  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from tests.tiny_models import build_tiny  # noqa: E402
+
+TINY = dict(kind="llama", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=512, max_positions=4096)
+BIG = dict(kind="qwen2", hidden=896, layers=8, heads=14, kv_heads=2, intermediate=4864, vocab=8192, max_positions=4096)
+WORKLOADS = {   # name: (model shape, batch, prompt lengths [lo, hi), new tokens, extra variants, repeats)
+    "tiny": (TINY, 8, (16, 200), 64, ("check_off", "zero_on_free"), 15),
+    "big": (BIG, 8, (300, 700), 32, ("check_off",), 3),
+    "long": (TINY, 4, (2048, 4096), 32, (), 3),
+}
 
 
-def main() -> None:
-    args = workload_parser(__doc__, repeats=5).parse_args()
-    model, prompts, g, tmp = tiny_llama_workload(args.batch)
-    d = tmp / "tiny"
-    lens = [len(p) for p in prompts]
-    sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
-    new_tokens = args.batch * args.new_tokens
+def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0) -> dict:
+    shape, batch, (lo, hi), new, extra, default_repeats = WORKLOADS[name]
+    repeats = repeats or default_repeats
+    shape = dict(shape)
+    kind = shape.pop("kind")
+    d = tmp / f"{kind}-{shape['hidden']}-{shape['layers']}"
+    if not (d / "config.json").exists():
+        build_tiny(kind, d, **shape)
+    model = LlamaModel.from_pretrained(d)
+    g = torch.Generator().manual_seed(seed)
+    lens = [int(x) for x in torch.randint(lo, hi, (batch,), generator=g)]
+    prompts = [torch.randint(3, min(shape["vocab"], 8000), (n,), generator=g).tolist() for n in lens]
+    sp = SamplingParams(max_tokens=new, ignore_eos=True)
+    kv = sum(lens) + batch * new
+    page_bytes = 2 * shape["layers"] * shape["kv_heads"] * (shape["hidden"] // shape["heads"]) * 4 + 16
 
     def ours(**kw):
-        # The engine (and its pool) is built once, outside the timed region; each run reuses it.
-        cfg = EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch, **kw)
+        # the engine (and its pool) is built once, outside the timed region; each run reuses it
+        cfg = EngineConfig(kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch,
+                           context_length=hi + new, **kw)
         eng = LLMEngine(model, None, cfg)
         return lambda: eng.generate(prompts, sp)
 
     import transformers
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     width = max(lens)
-    ids = torch.zeros(args.batch, width, dtype=torch.long)
+    ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, p in enumerate(prompts):      # left padding, as generate() expects for decoder-only models
         ids[i, width - len(p):] = torch.tensor(p)
@@ -43,24 +70,54 @@ def main() -> None:
 
     def theirs():
         with torch.no_grad():
-            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                        min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=0)
+            hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+                        do_sample=False, pad_token_id=0)
 
-    t = interleaved({"kvledger": ours(), "transformers": theirs, "check_off": ours(check_reads=False),
-                     "zero_on_free": ours(zero_on_free=True)}, args.repeats)
-    tps = {k: new_tokens / v for k, v in t.items()}
-    res = {"config": {"hidden": 256, "layers": 4, "batch": args.batch, "prompt_lens": lens,
-                      "new_tokens": args.new_tokens, "repeats": args.repeats},
-           "tokens_per_s": tps,
+    variants = {"kvledger": ours(), "transformers": theirs}
+    if "check_off" in extra:
+        variants["check_off"] = ours(check_reads=False)
+    if "zero_on_free" in extra:
+        variants["zero_on_free"] = ours(zero_on_free=True)
+    t0 = time.perf_counter()
+    t = interleaved(variants, repeats)
+    tps = {k: batch * new / v for k, v in t.items()}
+    res = {"config": {"model": kind, **shape, "batch": batch, "prompt_lens": lens, "new_tokens": new,
+                      "repeats": repeats, "attn_implementation": hf.config._attn_implementation},
+           "seconds": t, "tokens_per_s": tps,
            "ratio_kvledger_vs_transformers": tps["kvledger"] / tps["transformers"],
-           "read_check_cost": 1 - tps["kvledger"] / tps["check_off"],
-           "zero_on_free_cost": 1 - tps["zero_on_free"] / tps["kvledger"]}
+           "bench_seconds": time.perf_counter() - t0}
+    if "check_off" in tps:
+        res["read_check_cost"] = 1 - tps["kvledger"] / tps["check_off"]
+    if "zero_on_free" in tps:
+        res["zero_on_free_cost"] = 1 - tps["zero_on_free"] / tps["kvledger"]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default="tiny,big,long", help="comma-separated subset of tiny,big,long (default: all)")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="interleaved runs per variant, the median kept (default: 15 tiny, 3 big, 3 long)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both engines (default 2)")
+    args = ap.parse_args()
+    names = args.workloads.split(",")
+    bad = [n for n in names if n not in WORKLOADS]
+    if bad:
+        ap.error(f"unknown workload(s) {bad}: choose from {list(WORKLOADS)}")
+    torch.set_num_threads(args.threads)
+    tmp = Path(tempfile.mkdtemp())
+    res = {"threads": args.threads, "workloads": {}}
+    for n in names:
+        r = res["workloads"][n] = run_workload(n, tmp, args.repeats)
+        tps = r["tokens_per_s"]
+        line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
+                f"-> {r['ratio_kvledger_vs_transformers']:.2f}x")
+        if "read_check_cost" in r:
+            line += f"; read check cost {100 * r['read_check_cost']:+.1f} %"
+        if "zero_on_free_cost" in r:
+            line += f"; zero_on_free cost {100 * r['zero_on_free_cost']:+.1f} %"
+        print(line, flush=True)
     out = write("engine", res)
-    print(f"tokens/s: kvledger {tps['kvledger']:.0f}, transformers {tps['transformers']:.0f} "
-          f"-> ratio {res['ratio_kvledger_vs_transformers']:.2f}x")
-    print(f"read check on vs off: {tps['kvledger']:.0f} vs {tps['check_off']:.0f} tokens/s "
-          f"(cost {100 * res['read_check_cost']:.1f} %)")
-    print(f"zero_on_free: {tps['zero_on_free']:.0f} tokens/s (cost {100 * res['zero_on_free_cost']:.1f} %)")
     print(f"wrote {out}")
 
 

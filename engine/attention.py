@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 from engine.pool import KVPool
 
@@ -32,8 +33,20 @@ class ReadCheck(NamedTuple):
 
 class AttentionOutput(NamedTuple):
     out: torch.Tensor           # [T, Hq * D]
-    page_mass: torch.Tensor     # [B, C] mean softmax mass per query and head that landed on each page
+    page_mass: torch.Tensor     # [B, C] mean softmax mass per query and head that landed on each page (NaN: not measured)
     check: ReadCheck | None
+
+
+class VarlenPlan(NamedTuple):
+    """How one step's requests are attended, computed once per step and reused by every layer.
+
+    Decode requests (one query token each) are batched together over their own pages only;
+    every prefill chunk is attended on its own (no padding across requests)."""
+    dec_b: torch.Tensor          # [Bd] batch index of each decode request
+    dec_tok: torch.Tensor        # [Bd] its query token
+    dec_pages: torch.Tensor      # [Bd, Cd] pages to read (clamped; masked by dec_bias)
+    dec_bias: torch.Tensor       # [Bd, 1, Cd * S] 0 for a key slot inside [0, seq_len), -inf outside
+    pre: tuple                   # per prefill chunk: (b, first token, q_len, pages [Cb], mask [q_len, Cb * S])
 
 
 class BatchLayout(NamedTuple):
@@ -46,6 +59,7 @@ class BatchLayout(NamedTuple):
     tok_row: torch.Tensor        # [T] row of each query token inside its request
     expected_gen: torch.Tensor   # [B, C]
     expected_tags: torch.Tensor  # [B, C * S]
+    plan: VarlenPlan | None = None
 
     @staticmethod
     def build(block_tables, seq_lens, query_lens, expected_gen, expected_tags) -> "BatchLayout":
@@ -55,28 +69,44 @@ class BatchLayout(NamedTuple):
         starts = torch.cumsum(query_lens, 0) - query_lens
         tok_row = torch.arange(int(query_lens.sum())) - starts[tok_batch]
         positions = (seq_lens - query_lens)[tok_batch] + tok_row
+        B, C = block_tables.shape
+        S = expected_tags.shape[1] // max(C, 1)
+        bt = block_tables.clamp(min=0)
+        pages_of = (seq_lens + S - 1) // S
+        dec_b = torch.nonzero(query_lens == 1).flatten()
+        Cd = int(pages_of[dec_b].max()) if len(dec_b) else 0
+        dec_bias = torch.zeros(len(dec_b), 1, Cd * S).masked_fill_(
+            torch.arange(Cd * S)[None, None, :] >= seq_lens[dec_b, None, None], float("-inf"))
+        pre = []
+        for b in torch.nonzero(query_lens > 1).flatten().tolist():
+            ql, sl, cb = int(query_lens[b]), int(seq_lens[b]), int(pages_of[b])
+            kpos = torch.arange(cb * S)
+            mask = (kpos[None, :] <= torch.arange(sl - ql, sl)[:, None]) & (kpos[None, :] < sl)
+            pre.append((b, int(starts[b]), ql, bt[b, :cb], mask))
+        plan = VarlenPlan(dec_b, starts[dec_b], bt[dec_b, :Cd], dec_bias, tuple(pre))
         return BatchLayout(block_tables, seq_lens, query_lens, positions, tok_batch, tok_row,
-                           expected_gen, expected_tags)
+                           expected_gen, expected_tags, plan)
 
 
 def read_check(pool: KVPool, lay: BatchLayout) -> ReadCheck:
     """The provenance check over exactly the slots the attention reads."""
     B, C = lay.block_tables.shape
     S = pool.page_size
-    bt = lay.block_tables.clamp(min=0)
-    slot_pos = torch.arange(C * S)
-    in_range = slot_pos[None, :] < lay.seq_lens[:, None]                       # [B, C*S]
-    found_gen = pool.generation[bt]                                            # [B, C]
-    gen_bad = (found_gen != lay.expected_gen).repeat_interleave(S, dim=1)      # [B, C*S]
-    tag_bad = pool.tags[bt].reshape(B, C * S) != lay.expected_tags
-    bad = ((gen_bad | tag_bad) & in_range).view(B, C, S)
+    flat = lay.block_tables.clamp(min=0).view(-1)
+    found_gen = pool.generation.index_select(0, flat).view(B, C)                   # [B, C]
+    slots = (lay.seq_lens[:, None] - torch.arange(0, C * S, S)[None, :]).clamp_(0, S)  # [B, C] slots read
+    bad = pool.tags.index_select(0, flat).view(B, C, S) != lay.expected_tags.view(B, C, S)
+    bad |= (found_gen != lay.expected_gen)[:, :, None]
+    bad &= torch.arange(S)[None, None, :] < slots[:, :, None]                    # only slots in [0, seq_len)
     bits = torch.ones(S, dtype=torch.long) << torch.arange(S)
-    return ReadCheck(bad.sum(-1), in_range.view(B, C, S).sum(-1), pool.writers[bt], found_gen,
-                     (bad.long() * bits).sum(-1))
+    return ReadCheck(bad.sum(-1), slots, pool.writers.index_select(0, flat).view(B, C, S), found_gen,
+                     (bad * bits).sum(-1))
 
 
-def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
-                    head_dim: int, scale: float, check: bool) -> AttentionOutput:
+def padded_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
+                     head_dim: int, scale: float, check: bool) -> AttentionOutput:
+    """The reference: every request padded to the longest query and key range, every score
+    materialised, the mass measured on every page. Simple and slow; tests hold the fast path to it."""
     T, Hq, D = q.shape                                                         # q: [T, Hq, D]
     B, C = lay.block_tables.shape
     S = pool.page_size
@@ -99,3 +129,65 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
     mass = probs.sum(dim=(1, 2, 3)) / (Hq * lay.query_lens[:, None]).to(probs.dtype)
     page_mass = mass.view(B, C, S).sum(-1)
     return AttentionOutput(out[lay.tok_batch, lay.tok_row], page_mass, read_check(pool, lay) if check else None)
+
+
+def _attend_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor, scale: float):
+    """q [N, Hkv, g, Q, D], k/v [N, K, Hkv, D], valid [N, Q, K] -> out [N, Q, Hkv, g, D] and the
+    softmax mass summed over heads and queries on each key, [N, K]."""
+    scores = torch.einsum("nhgqd,nkhd->nhgqk", q, k).mul_(scale)
+    scores.masked_fill_(~valid[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("nhgqk,nkhd->nqhgd", probs, v), probs.sum(dim=(1, 2, 3))
+
+
+def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
+                    head_dim: int, scale: float, check: bool, mass_pages: torch.Tensor | None = None,
+                    exact_mass: bool = False) -> AttentionOutput:
+    """Varlen paged attention: no padding across requests, only the pages in each request's range read.
+
+    - decode requests: one batched attention over their own pages; mass measured on every page;
+    - prefill chunks: each on its own; PyTorch's fused ``scaled_dot_product_attention`` (which never
+      materialises the scores) unless the chunk reads a page the read check flagged (``mass_pages``;
+      on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
+      mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
+    The read check itself always covers every slot read."""
+    T, Hq, D = q.shape
+    B, C = lay.block_tables.shape
+    S = pool.page_size
+    g = Hq // num_kv_heads
+    plan = lay.plan
+    chk = read_check(pool, lay) if check else None
+    if mass_pages is None and chk is not None:
+        mass_pages = chk.bad_slots > 0
+    kl, vl = pool.k(layer), pool.v(layer)
+    out = q.new_empty(T, Hq, D)
+    page_mass = torch.zeros((B, C), dtype=q.dtype)         # pages not read: no mass
+    if len(plan.dec_b):     # per KV head: gather its pages straight into [keys, D] and batch-matmul
+        Bd, Cd = plan.dec_pages.shape
+        flat = plan.dec_pages.view(-1)
+        kh, vh = pool.head_views(layer, num_kv_heads)
+        qd = q.index_select(0, plan.dec_tok).view(Bd, num_kv_heads, g, D)
+        scores = torch.stack([torch.bmm(qd[:, h], kh[h].index_select(0, flat).view(Bd, Cd * S, D).to(q.dtype)
+                                        .transpose(1, 2)) for h in range(num_kv_heads)], 1)
+        probs = torch.softmax(scores.mul_(scale).add_(plan.dec_bias[:, None]), dim=-1)   # [Bd, Hkv, g, K]
+        o = torch.stack([torch.bmm(probs[:, h], vh[h].index_select(0, flat).view(Bd, Cd * S, D).to(q.dtype))
+                         for h in range(num_kv_heads)], 1)
+        out[plan.dec_tok] = o.view(Bd, Hq, D)
+        page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
+    for b, t0, ql, pages, mask in plan.pre:
+        cb = len(pages)
+        k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
+        v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
+        qb = q[t0:t0 + ql]
+        if exact_mass or (mass_pages is not None and bool(mass_pages[b].any())):
+            o, mass = _attend_exact(qb.view(1, ql, num_kv_heads, g, D).permute(0, 2, 3, 1, 4), k[None], v[None],
+                                    mask[None], scale)
+            out[t0:t0 + ql] = o.reshape(ql, Hq, D)
+            page_mass[b, :cb] = mass.view(cb, S).sum(-1) / (Hq * ql)
+        else:
+            o = F.scaled_dot_product_attention(qb.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+                                               enable_gqa=True)
+            out[t0:t0 + ql] = o[0].transpose(0, 1)
+            page_mass[b, :cb] = float("nan")
+    return AttentionOutput(out.view(T, Hq * D), page_mass, chk)

@@ -31,6 +31,8 @@ class EngineConfig:
     host_memory_budget: int = 64 << 20  # host (CPU) tier for swapped-out pages
     attention_backend: str = "torch"    # torch (reference) | triton (decode steps; engine/triton_attention.py)
     check_reads: bool = True            # the read-time provenance check (DESIGN: the one invariant)
+    exact_mass: bool = False            # attention mass on every page read (slower prefill); else on decode
+                                        # reads and on every page of a chunk that reads a page the check flags
     fail_on_violation: bool = True      # False: record violations but let the read through (vulnerable)
     zero_on_free: bool = False          # freed pages keep their bytes by default, as in real engines
     detect_double_free: bool = True

@@ -62,7 +62,7 @@ class LLMEngine:
             self.allocator.on_allocate = self.prefix_cache.evict
             self.blocks.prefix_cache = self.prefix_cache
         self.scheduler = Scheduler(cfg, self.blocks)
-        self.runner = ModelRunner(model, self.pool, cfg.check_reads, cfg.attention_backend)
+        self.runner = ModelRunner(model, self.pool, cfg.check_reads, cfg.attention_backend, cfg.exact_mass)
         self.observers: list[StepObserver] = []
         # disaggregated prefill nodes hand a request's KV off here instead of decoding it
         self.on_prefill_done: Callable[[Request], None] | None = None

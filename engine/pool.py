@@ -67,6 +67,7 @@ class KVPool:
         self._k = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + l * kv_dim) for l in range(num_layers)]
         self._v = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + (num_layers + l) * kv_dim)
                    for l in range(num_layers)]
+        self._heads: dict = {}
         self.records = self.buf.as_strided((P, S, self.rec_bytes), (self.page_bytes, self.rec_bytes, 1), _HDR)
         # Bumped by every write path below (never read by the engine): lets the independent
         # oracle re-fingerprint only slots whose bytes may have changed.
@@ -86,6 +87,16 @@ class KVPool:
 
     def v(self, layer: int) -> torch.Tensor:
         return self._v[layer]
+
+    def head_views(self, layer: int, num_kv_heads: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Per KV head, [P, S, head_dim] strided views of a layer's K and V (no copy): gathering
+        one head's pages yields the [keys, head_dim] matrix a batched matmul reads as it is."""
+        key = (layer, num_kv_heads)
+        if key not in self._heads:
+            D = self.kv_dim // num_kv_heads
+            self._heads[key] = tuple([t.view(self.num_pages, self.page_size, num_kv_heads, D)[:, :, h]
+                                      for h in range(num_kv_heads)] for t in (self._k[layer], self._v[layer]))
+        return self._heads[key]
 
     # ---- compute paths (prefill, decode append) -------------------------------------------
     def store(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -32,8 +32,9 @@ class StepOutput(NamedTuple):
 
 
 class ModelRunner:
-    def __init__(self, model, pool: KVPool, check_reads: bool, backend: str = "torch"):
+    def __init__(self, model, pool: KVPool, check_reads: bool, backend: str = "torch", exact_mass: bool = False):
         self.model, self.pool, self.check_reads, self.backend = model, pool, check_reads, backend
+        self.exact_mass = exact_mass
 
     def run(self, batch: list[Scheduled]) -> StepOutput:
         S = self.pool.page_size
@@ -60,7 +61,7 @@ class ModelRunner:
         slot_offsets = lay.positions % S
         new_tags = exp_tags[lay.tok_batch, lay.positions]
         ctx = StepContext(self.pool, lay, slot_pages, slot_offsets, new_tags, torch.cat(new_writers),
-                          self.check_reads, self.model.num_layers, self.backend)
+                          self.check_reads, self.model.num_layers, self.backend, self.exact_mass)
         ends = torch.cumsum(lay.query_lens, 0) - 1
         rows = ends[torch.tensor(sampling, dtype=torch.long)]
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long), lay.positions, ctx, rows)

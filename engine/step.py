@@ -25,6 +25,7 @@ class StepContext:
     check: bool
     num_layers: int
     backend: str = "torch"
+    exact_mass: bool = False      # measure the attention mass on every page, not only where the check flags
     read_check: ReadCheck | None = None
     page_mass: torch.Tensor | None = field(default=None)
 
@@ -33,11 +34,14 @@ class StepContext:
         first = layer == 0
         self.pool.store(layer, self.slot_pages, self.slot_offsets, k, v,
                         self.new_tags if first else None, self.new_writers if first else None)
-        op = paged_attention
         if self.backend == "triton" and int(self.layout.query_lens.max()) == 1:   # decode-only step
-            from engine.triton_attention import paged_decode as op
-        res: AttentionOutput = op(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
-                                  check=self.check and first)
+            from engine.triton_attention import paged_decode
+            res: AttentionOutput = paged_decode(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
+                                                check=self.check and first)
+        else:   # layer 0 runs the check; later layers measure the mass on the pages it flagged
+            flagged = None if first or self.read_check is None else self.read_check.bad_slots > 0
+            res = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
+                                  check=self.check and first, mass_pages=flagged, exact_mass=self.exact_mass)
         if first:
             self.read_check = res.check
             self.page_mass = res.page_mass / self.num_layers

@@ -55,7 +55,10 @@ CREATE TABLE page_reads (
     check_passed    BOOLEAN NOT NULL,
     found_writers   BIGINT[] NOT NULL, -- writer incarnation per slot found in the tag plane (-1: slot not read)
     found_scopes_h  VARCHAR[],         -- cache scope (keyed) of each slot's found writer (NULL: not read / unknown)
-    attention_mass  DOUBLE NOT NULL,  -- summed over the run: mean softmax mass on the page per step
+    attention_mass  DOUBLE,           -- summed over the run: mean softmax mass on the page per step, averaged
+                                      -- over layers. Measured on decode reads and on every page of a prefill
+                                      -- chunk that reads a page the read check flags; NULL where a read of the
+                                      -- run went through the fused kernel unmeasured (EngineConfig.exact_mass)
     step_first      BIGINT NOT NULL,
     step_last       BIGINT NOT NULL,
     lclock_first    BIGINT NOT NULL,

@@ -133,8 +133,8 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
         elif (v := np.asarray(v)).ndim == 2:
             offsets = np.arange(v.shape[0] + 1, dtype=np.int32) * v.shape[1]
             out[name] = pa.ListArray.from_arrays(offsets, pa.array(v.ravel()))
-        else:
-            out[name] = pa.array(v)
+        else:       # a float NaN is a value not measured: NULL in the store
+            out[name] = pa.array(v, from_pandas=v.dtype.kind == "f")
     return pa.table(out)
 
 

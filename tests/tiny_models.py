@@ -19,10 +19,14 @@ def build_tokenizer(path: Path, vocab_size: int) -> None:
     tok.save(str(path / "tokenizer.json"))
 
 
-def build_tiny(kind: str, path: Path, tie: bool = False, hidden: int = 64, layers: int = 2) -> Path:
+def build_tiny(kind: str, path: Path, tie: bool = False, hidden: int = 64, layers: int = 2, *,
+               heads: int = 4, kv_heads: int = 2, intermediate: int | None = None, vocab: int = 512,
+               max_positions: int = 512) -> Path:
+    """A randomly initialised HF checkpoint of the given shape (plus a 512-token BPE tokenizer)."""
     import transformers
-    common = dict(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
+                  num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  max_position_embeddings=max_positions,
                   initializer_range=0.2, tie_word_embeddings=tie, eos_token_id=2, bos_token_id=1)
     torch.manual_seed(1234 if kind == "llama" else 4321)
     if kind == "llama":

@@ -59,17 +59,23 @@ class LlamaConfig:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:        # the fused op: the same numbers, fewer passes
+        return F.rms_norm(x, w.shape, w, eps)
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """HF-convention RoPE (rotate_half pairs (i, i + D/2)). x: [T, H, D]."""
-    D = x.shape[-1]
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D))
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin for each position, [T, 1, D]: computed once per step, used by every layer."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     f = positions.float()[:, None] * inv[None, :]
     emb = torch.cat([f, f], dim=-1)
-    cos, sin = emb.cos()[:, None, :].to(x.dtype), emb.sin()[:, None, :].to(x.dtype)
+    return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF-convention RoPE (rotate_half pairs (i, i + D/2)). x: [T, H, D]."""
+    D = x.shape[-1]
     x1, x2 = x[..., : D // 2], x[..., D // 2:]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -83,6 +89,14 @@ class LlamaModel(nn.Module):
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.eos_token_id = cfg.eos_token_id
         self.name = cfg.model_type
+        # q/k/v and gate/up as one matmul each (fewer, larger GEMMs; the originals are dropped)
+        self.qkv, self.qkv_bias, self.gate_up = [], [], []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            self.qkv.append(torch.cat([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+            self.qkv_bias.append(torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                                 if cfg.qkv_bias else None)
+            self.gate_up.append(torch.cat([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")]))
 
     @staticmethod
     def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -137,18 +151,18 @@ class LlamaModel(nn.Module):
         c, w = self.cfg, self.w
         T = input_ids.shape[0]
         x = F.embedding(input_ids, w["model.embed_tokens.weight"])
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, x.dtype)
+        qd, kvd, inter = c.num_heads * c.head_dim, self.kv_dim, c.intermediate_size
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q = F.linear(h, w[p + "self_attn.q_proj.weight"], w.get(p + "self_attn.q_proj.bias"))
-            k = F.linear(h, w[p + "self_attn.k_proj.weight"], w.get(p + "self_attn.k_proj.bias"))
-            v = F.linear(h, w[p + "self_attn.v_proj.weight"], w.get(p + "self_attn.v_proj.bias"))
-            q = rope(q.view(T, c.num_heads, c.head_dim), positions, c.rope_theta)
-            k = rope(k.view(T, c.num_kv_heads, c.head_dim), positions, c.rope_theta)
+            q, k, v = F.linear(h, self.qkv[i], self.qkv_bias[i]).split([qd, kvd, kvd], dim=-1)
+            q = rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
+            k = rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
             a = ctx.attend(i, q, k, v, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
             x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
             h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            g = F.silu(F.linear(h, w[p + "mlp.gate_proj.weight"])) * F.linear(h, w[p + "mlp.up_proj.weight"])
-            x = x + F.linear(g, w[p + "mlp.down_proj.weight"])
+            gate, up = F.linear(h, self.gate_up[i]).split([inter, inter], dim=-1)
+            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
         x = rms_norm(x[logits_rows], w["model.norm.weight"], c.rms_norm_eps)
         return F.linear(x, w["lm_head.weight"]).float()

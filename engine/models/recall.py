@@ -25,7 +25,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from engine.models.llama import rope
+from engine.models.llama import rope, rope_tables
 from engine.step import StepContext
 
 V = 256            # bytes
@@ -92,8 +92,9 @@ class RecallModel:
                 logits_rows: torch.Tensor) -> torch.Tensor:
         T = input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
-        q = rope(self.q1.expand(T, CTX, V), positions, ROPE_THETA)
-        k = rope(self.k1.expand(T, CTX, V), positions, ROPE_THETA)
+        cos, sin = rope_tables(positions, V, ROPE_THETA, x.dtype)
+        q = rope(self.q1.expand(T, CTX, V), cos, sin)
+        k = rope(self.k1.expand(T, CTX, V), cos, sin)
         v = F.linear(x, self.v1)
         x = x + F.linear(ctx.attend(0, q, k, v, CTX, V, 1.0), self.o1)
         q = F.linear(x, self.q2).view(T, 1, CTX * V)

@@ -1,0 +1,66 @@
+"""The varlen attention op against the padded reference (``padded_attention``: every request padded,
+every score materialised): the same outputs, the same read check, and the same attention mass on
+every page it measures - all pages of decode requests, all pages of a prefill chunk that reads a
+page the check flags, every page with ``exact_mass`` - and NaN (not measured) nowhere else."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.attention import BatchLayout, padded_attention, paged_attention
+from engine.pool import KVPool
+
+CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page size, kv heads, group)
+    ([37, 5, 64, 20, 1], [1, 5, 30, 1, 1], [(2, 3)], 16, 2, 3),
+    ([9, 9, 9], [9, 1, 4], [], 4, 1, 4),
+    ([50, 3, 31], [1, 3, 31], [(0, 49), (2, 0)], 8, 4, 1),
+    ([1], [1], [], 16, 2, 2),
+    ([80, 12], [16, 12], [(1, 11)], 16, 2, 2),
+]
+
+
+@pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
+def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
+    torch.manual_seed(len(seq) * 31 + S)
+    D, B = 16, len(seq)
+    C = max(-(-n // S) for n in seq) + 1                 # one spare column: padding in every row
+    P = B * C + 3
+    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S))
+    pool.buf.view(torch.float32)[:] = torch.randn(pool.buf.numel() // 4)
+    bt = torch.full((B, C), -1, dtype=torch.long)
+    perm, i = torch.randperm(P), 0
+    for b, n in enumerate(seq):
+        k = -(-n // S)
+        bt[b, :k], i = perm[i:i + k], i + k
+    gens = pool.generation[bt.clamp(min=0)].clone()
+    tags = pool.tags[bt.clamp(min=0)].reshape(B, C * S).clone()
+    for b, pos in flagged:
+        tags[b, pos] ^= 0x5A5A
+    lay = BatchLayout.build(bt, seq, ql, gens, tags)
+    q = torch.randn(sum(ql), hkv * g, D)
+    ref = padded_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True)
+    flagged_req = {b for b, _ in flagged}
+    for exact in (False, True):
+        got = paged_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True, exact_mass=exact)
+        torch.testing.assert_close(got.out, ref.out, atol=1e-5, rtol=1e-4)
+        for a, b in zip(got.check, ref.check):
+            assert torch.equal(a[ref.check.slots_read > 0], b[ref.check.slots_read > 0])
+        measured = ~torch.isnan(got.page_mass)
+        for b in range(B):
+            want = exact or ql[b] == 1 or b in flagged_req
+            assert bool(measured[b].all()) == want, (b, exact)
+        torch.testing.assert_close(got.page_mass[measured], ref.page_mass[measured], atol=1e-5, rtol=1e-4)
+
+
+def test_later_layers_measure_the_pages_layer_0_flagged():
+    """Layer 0 decides from its own check; later layers get the flagged pages passed in."""
+    S, hkv, D = 8, 2, 16
+    pool = KVPool(2, hkv * D, S, 12 * KVPool.page_bytes_for(2, hkv * D, S))
+    pool.buf.view(torch.float32)[:] = torch.randn(pool.buf.numel() // 4)
+    bt = torch.tensor([[0, 1, 2], [3, 4, -1]])
+    lay = BatchLayout.build(bt, [20, 10], [20, 10], pool.generation[bt.clamp(min=0)].clone(),
+                            pool.tags[bt.clamp(min=0)].reshape(2, -1).clone())
+    q = torch.randn(30, 4, D)
+    flagged = torch.tensor([[False, True, False], [False, False, False]])
+    got = paged_attention(q, pool, 1, lay, hkv, D, 0.25, False, mass_pages=flagged)
+    assert not torch.isnan(got.page_mass[0]).any() and torch.isnan(got.page_mass[1, :2]).all()
