@@ -25,6 +25,10 @@ def engine_table(r: dict) -> str:
         if "read_check_cost" in x:
             rows.append(f"| {name}: read check on vs off | | {t['kvledger']:.0f} vs {t['check_off']:.0f} | "
                         f"cost {100 * x['read_check_cost']:+.1f} % |")
+        if "read_check_share_of_run" in x:
+            rows.append(f"| {name}: read check timed alone on the run's layouts | "
+                        f"{1e6 * x['read_check_seconds_per_step']:.0f} us per step | | "
+                        f"{100 * x['read_check_share_of_run']:.1f} % of the run |")
         if "zero_on_free_cost" in x:
             rows.append(f"| {name}: `zero_on_free` on vs off | | {t['zero_on_free']:.0f} vs {t['kvledger']:.0f} | "
                         f"cost {100 * x['zero_on_free_cost']:+.1f} % |")

@@ -187,6 +187,14 @@ def live() -> None:
     if pre.height:
         pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
     table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
+
+    st.subheader("External probes")
+    pr = p.probes()
+    if pr.is_empty():
+        st.info("No `kvledger probe --store` run recorded in this store.")
+    else:
+        table(pr.select("ts", "base_url", "check", "verdict", "findings", "detail")
+              .with_columns(finding=pl.col("verdict") == "finding"), "finding")
     st.caption(f"refreshed {dt.datetime.now():%H:%M:%S} - rendered in {time.perf_counter() - _T0:.2f} s")
 
 

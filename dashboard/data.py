@@ -25,7 +25,7 @@ class Filters:
 VERIFIED: dict = {}
 
 # the named queries one dashboard page runs
-PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight")
+PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes")
 
 
 class Panels:
@@ -134,6 +134,10 @@ class Panels:
 
     def guards(self) -> pl.DataFrame:
         return self._q("guards")
+
+    def probes(self) -> pl.DataFrame:
+        """External probe runs recorded in the store (not windowed: a probe is a test, not traffic)."""
+        return self._q("probes")
 
     def preflight(self) -> pl.DataFrame:
         df = self._node(self._q("preflight"), "node")

@@ -392,6 +392,16 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def _probe_writer(store: str):
+    """The store writer a probe records into, opened (and the store verified) before any request."""
+    from forensics.probe import ProbeError
+    from telemetry.store import SegmentWriter, StoreError
+    try:
+        return SegmentWriter(store)
+    except StoreError as e:
+        raise ProbeError(f"--store {store}: {e}") from None
+
+
 def cmd_probe(args) -> int:
     import json
 
@@ -404,13 +414,25 @@ def cmd_probe(args) -> int:
     checks = [c.strip() for c in args.checks.split(",") if c.strip()]
     try:
         validate(checks, args.samples, args.pool_tokens, args.context_length)
+        writer = _probe_writer(args.store) if args.store else None
+    except ProbeError as e:
+        return _die(str(e))
+    try:
         target = Target(args.base_url, args.key_a, args.key_b, args.model, args.tokenizer)
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"probing {args.base_url}", total=None)
             results, meta = run_probe(target, checks, args.pool_tokens, args.context_length, args.samples,
                                       progress=lambda: bar.advance(task))
     except ProbeError as e:
+        if writer is not None:
+            writer.close()
         return _die(str(e))
+    if writer is not None:
+        from forensics.probe import record
+        try:
+            record(writer, results, meta, args.key_a, args.key_b)
+        finally:
+            writer.close()
     if args.format == "json":
         print(as_json(results, meta))
     else:
@@ -487,14 +509,17 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--key-a", required=True, help="API key of tenant A (plants canaries)")
     pb.add_argument("--key-b", required=True, help="API key of tenant B, another tenant (looks for them)")
     pb.add_argument("--model", default=None, help="model name (default: the first /v1/models lists)")
-    pb.add_argument("--checks", default="limits,usage,canary,salt,timing",
-                    help="comma-separated: limits, usage, canary, salt, timing (default all five; abort: not yet)")
+    pb.add_argument("--checks", default="limits,usage,canary,salt,timing,abort",
+                    help="comma-separated: limits, usage, canary, salt, timing, abort (default: all six)")
     pb.add_argument("--pool-tokens", type=int, default=None, help="KV pool in tokens (default: discovered)")
     pb.add_argument("--context-length", type=int, default=None, help="context length (default: discovered)")
     pb.add_argument("--tokenizer", default=None, metavar="DIR",
                     help="a directory with tokenizer.json to count tokens (default: the endpoint's /tokenize)")
     pb.add_argument("--samples", type=int, default=6, help="canaries planted and prompts per check (default 6)")
     pb.add_argument("--format", choices=["table", "json"], default="table", help="table (default) or one JSON array")
+    pb.add_argument("--store", default=None, metavar="PATH",
+                    help="also record the run and its findings in this store (keyed pseudonyms; no keys or canaries "
+                         "in clear); default: none")
     pb.set_defaults(func=cmd_probe)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
@@ -573,6 +598,7 @@ FORENSIC_QUERIES = {
     "guards": "guard liveness: on, checks run, failures; red when on but idle",
     "releases": "page releases: immediate vs deferred, ended by drain or timeout",
     "preflight": "per node: KV pool tokens vs context length, policy, guards",
+    "probes": "external probe runs (`kvledger probe --store`): verdict and findings per check",
 }
 
 

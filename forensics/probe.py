@@ -23,7 +23,17 @@ Checks implemented (``--checks``):
   ratio < 0.7. The positive control (A re-sending its own prefix, same test) must show the cache
   works: without it the result is inconclusive, not a pass. Power: the samples, the p-values and
   the ratios are reported.
-Not yet: ``abort`` (asked for, it is refused by name), store tables for findings.
+- ``abort`` (the late-write family): B streams prompts dense with B's own canary and closes each
+  stream part-way through its prefill (at fractions of the TTFT measured for that length first),
+  while A keeps asking, in a loop of its own, a fixed greedy prompt that ends with the canary's
+  public prefix. B's canary in A's output is a finding (an aborted request's KV landed in pages
+  another tenant then read); so is A's answer changing from the one it gave three times alone
+  before the storm (when those three agree: a deterministic endpoint). Then the canary
+  check runs again (A plants, B probes). Power: the number of B's streams closed before their
+  first token; with none the check is inconclusive.
+With ``--store``, the run and its findings go into the store (``probe_runs``, ``probe_findings``:
+keyed tenant pseudonyms, canaries only as keyed hashes), where ``forensics probes``, the report
+and the dashboard show them.
 Exit 0: every check passed; 1: a finding; 3: inconclusive.
 """
 from __future__ import annotations
@@ -37,8 +47,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import numpy as np
 
-IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing")
-PLANNED = ("abort",)
+IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing", "abort")
 TIMING_ALPHA, TIMING_RATIO = 0.01, 0.7     # a finding needs both: p below alpha, median TTFT ratio below this
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
 
@@ -231,8 +240,8 @@ def check_canary(t: Target, pool: int | None, context: int | None, samples: int,
         r = t.complete(t.b, t.prompt(victim, tail=" Tell me again: the secret is"), 24)
         tick()
         for c in canaries:
-            if c in r["text"] or any(c[i:i + 8] in r["text"] for i in range(len(c) - 7)):
-                bad.append({"prompt_tokens": victim, "response": r["id"], "status": r["status"],
+            if _has(r["text"], c):
+                bad.append({"prompt_tokens": victim, "response": r["id"], "status": r["status"], "canary": c,
                             "why": "tenant B's output holds tenant A's canary (or 8 characters of it)"})
                 break
     return Result("canary", FINDING if bad else PASS,
@@ -242,12 +251,9 @@ def check_canary(t: Target, pool: int | None, context: int | None, samples: int,
 
 def validate(checks: list[str], samples: int, pool: int | None, context: int | None) -> None:
     """Everything that can be refused before a request is sent."""
-    unknown = [c for c in checks if c not in IMPLEMENTED + PLANNED]
+    unknown = [c for c in checks if c not in IMPLEMENTED]
     if unknown or not checks:
         raise ProbeError(f"unknown check(s) {unknown}; known: {', '.join(IMPLEMENTED)}")
-    planned = [c for c in checks if c in PLANNED]
-    if planned:
-        raise ProbeError(f"check(s) {planned} are not implemented yet (issue 19); available: {', '.join(IMPLEMENTED)}")
     if not 1 <= samples <= 200:
         raise ProbeError(f"--samples must be in [1, 200], got {samples}")
     for flag, v in (("--pool-tokens", pool), ("--context-length", context)):
@@ -317,6 +323,75 @@ def check_timing(t: Target, pool: int | None, samples: int, tick) -> Result:
     return Result("timing", PASS, stats)
 
 
+def _has(text: str, canary: str) -> bool:
+    """The canary, or 8 characters of it, in ``text``."""
+    return canary in text or any(canary[i:i + 8] in text for i in range(len(canary) - 7))
+
+
+def check_abort(t: Target, pool: int | None, context: int | None, samples: int, tick) -> Result:
+    import threading
+    top = min(x for x in (pool, context) if x) if (pool or context) else 512
+    n = max(64, top - 32)                           # B's prompts: long prefills, still under every limit
+    b_canary = f"CANARY-{secrets.token_hex(6)}"
+    b_prompt = t.prompt(n, filler=f" the secret is {b_canary};")
+    ttft = sorted(x for x in (t.complete(t.b, b_prompt, 1)["ttft"] for _ in range(3)) if x is not None)
+    tick()
+    if not ttft:
+        return Result("abort", INCONCLUSIVE, f"B's {n}-token prompt was not answered; nothing to abort")
+    full = ttft[len(ttft) // 2]
+    stop, seen, a_answers = threading.Event(), [], []
+    a_n = max(32, top // 4)
+    # A's cue is the canary's public prefix: only KV holding B's canary can continue it with B's hex
+    a_prompt = t.prompt(a_n, tail=" Tell me again: the secret is CANARY-")
+
+    def tenant_a() -> None:                         # A keeps reading while B's aborts land (or not)
+        while not stop.is_set():
+            r = t.complete(t.a, a_prompt, 16)
+            a_answers.append(1)
+            if _has("CANARY-" + r["text"], b_canary):
+                seen.append({"prompt_tokens": a_n, "response": r["id"], "canary": b_canary,
+                             "why": "tenant A's output holds tenant B's canary from a stream B aborted mid-prefill"})
+            elif r["status"] == 200 and deterministic and r["text"] != baseline[0]:
+                seen.append({"prompt_tokens": a_n, "response": r["id"],
+                             "why": "tenant A's greedy answer to a fixed prompt changed while tenant B aborted "
+                                    f"streams ({r['text'][:24]!r} vs {baseline[0][:24]!r} every time before): "
+                                    "A's KV was not computed from A's prompt alone"})
+    # the control: A's greedy answer to its prompt, alone, three times (a deterministic endpoint gives
+    # the same text; then any other text under B's aborts means A read KV it did not write)
+    baseline = [t.complete(t.a, a_prompt, 16)["text"] for _ in range(3)]
+    deterministic = len(set(baseline)) == 1
+    reader = threading.Thread(target=tenant_a, daemon=True)
+    reader.start()
+    early = 0
+    try:
+        for i in range(max(samples, 4) * 4):        # B aborts at 10 %, 30 %, 50 % and 70 % of its TTFT
+            frac = (0.1, 0.3, 0.5, 0.7)[i % 4]
+            t0 = time.perf_counter()
+            stream = t.b.completions.create(model=t.model, prompt=b_prompt, max_tokens=16, temperature=0, stream=True)
+            t.requests += 1
+            time.sleep(max(0.0, frac * full - (time.perf_counter() - t0)))
+            if time.perf_counter() - t0 < full:
+                early += 1
+            stream.close()
+            tick()
+    finally:
+        time.sleep(min(1.0, 2 * full))              # let late writes land and A read once more
+        stop.set()
+        reader.join(timeout=60)
+    again = check_canary(t, pool, context, samples, tick)
+    bad = seen + again.evidence
+    stats = (f"{early} of B's {n}-token streams closed before their measured TTFT ({1e3 * full:.0f} ms), "
+             f"{len(a_answers)} answers to A meanwhile (A's answer alone: "
+             f"{'the same 3 times' if deterministic else 'not deterministic, so only a canary counts'}); "
+             f"canary check after: {again.verdict}")
+    if bad:
+        return Result("abort", FINDING, stats, bad)
+    if early == 0:
+        return Result("abort", INCONCLUSIVE, stats + ": no stream could be closed mid-prefill (the prefill is "
+                      "too fast to abort from here), so the pass would have no power")
+    return Result("abort", PASS if again.verdict != INCONCLUSIVE else INCONCLUSIVE, stats)
+
+
 def run_probe(t: Target, checks: list[str], pool: int | None = None, context: int | None = None,
               samples: int = 6, progress=None) -> tuple[list[Result], dict]:
     tick = progress or (lambda: None)
@@ -334,6 +409,8 @@ def run_probe(t: Target, checks: list[str], pool: int | None = None, context: in
         results.append(check_salt(t, pool, samples, tick))
     if "timing" in checks:
         results.append(check_timing(t, pool, samples, tick))
+    if "abort" in checks:
+        results.append(check_abort(t, pool, context, samples, tick))
     meta = {"base_url": t.base, "model": t.model, "pool_tokens": pool, "context_length": context,
             "discovered_from": where, "requests": t.requests}
     return results, meta
@@ -342,6 +419,32 @@ def run_probe(t: Target, checks: list[str], pool: int | None = None, context: in
 def exit_code(results: list[Result]) -> int:
     verdicts = {r.verdict for r in results}
     return 1 if FINDING in verdicts else 3 if INCONCLUSIVE in verdicts else 0
+
+
+def record(writer, results: list[Result], meta: dict, key_a: str, key_b: str) -> None:
+    """Into the store: a ``probe_runs`` row per check and a ``probe_findings`` row per finding, with
+    keyed pseudonyms for the API keys and canaries (``Keys.pseudonym``), never the values."""
+    import pyarrow as pa
+    ph = writer.keys.pseudonym
+    n = len(results)
+    now = time.time_ns()
+    writer.submit("probe_runs", pa.table({
+        "ts": pa.array([now] * n, pa.timestamp("ns")), "base_url": [meta["base_url"]] * n, "model": [meta["model"]] * n,
+        "tenant_a_h": [ph(key_a)] * n, "tenant_b_h": [ph(key_b)] * n,
+        "pool_tokens": pa.array([meta["pool_tokens"]] * n, pa.int64()),
+        "context_length": pa.array([meta["context_length"]] * n, pa.int64()),
+        "discovered_from": [meta["discovered_from"]] * n, "check_name": [r.check for r in results],
+        "verdict": [r.verdict for r in results], "detail": [r.detail for r in results],
+        "requests": pa.array([meta["requests"]] * n, pa.int32())}))
+    rows = [(r.check, e) for r in results for e in r.evidence]
+    if rows:
+        def clean(e: dict) -> dict:
+            return {k: v for k, v in e.items() if k != "canary"}
+        writer.submit("probe_findings", pa.table({
+            "check_name": [c for c, _ in rows], "response_id": [e.get("response") for _, e in rows],
+            "prompt_tokens": pa.array([e.get("prompt_tokens") for _, e in rows], pa.int64()),
+            "canary_h": [ph(e["canary"]) if e.get("canary") else None for _, e in rows],
+            "why": [e["why"] for _, e in rows], "evidence": [json.dumps(clean(e)) for _, e in rows]}))
 
 
 def as_json(results: list[Result], meta: dict) -> str:

@@ -83,6 +83,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
     ttft = fx.query("ttft", start, end)
     transfers = fx.query("transfers", start, end)
     releases = fx.query("releases", start, end)
+    probes = fx.query("probes")
     exposed = ex.filter(pl.col("severity") != "blocked")          # blocked reads returned nothing: no exposure
     blocked = ex.filter(pl.col("severity") == "blocked")
     real = exposed.filter(pl.col("donor") != -1)
@@ -173,6 +174,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
         "responses": _rows(scores),
         "timeline": timeline,
         "clock_72h": clock,
+        "external_probes": _rows(probes),
         "remediation": {"guards": _rows(guards), "releases": _rows(releases), "upstream_fixes": UPSTREAM},
         "recommendations": RECOMMENDATIONS,
         "provenance": {"store": str(store), "run": run, "chain_ok": v.ok, "chain_head": v.head, "chain_seq": v.seq,
@@ -266,6 +268,9 @@ Tenants are store-keyed pseudonyms; map them to customers with the store secret'
 {_md_table(r['timeline'], ['time', 'source', 'event'])}
 72-hour clock: became aware {r['clock_72h']['became_aware'] or '(add an operator event such as "report received")'}; deadline {r['clock_72h']['deadline'] or '-'}.
 
+## External probes
+`kvledger probe` runs recorded in this store (black-box checks of an endpoint by two test tenants; a finding is observed from outside, the ledger above is the proof inside):
+{_md_table(r['external_probes'], ['ts', 'base_url', 'check', 'verdict', 'findings', 'detail'])}
 ## Remediation
 Guards (on, checks run, failures; idle_but_on means protection that was not happening):
 {_md_table(r['remediation']['guards'], ['guard', 'enabled', 'checks', 'failed', 'idle_but_on'])}

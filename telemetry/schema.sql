@@ -190,3 +190,31 @@ CREATE TABLE ngrams (
     n           SMALLINT NOT NULL,
     hash        BIGINT NOT NULL
 );
+
+-- External probes (`kvledger probe --store`): one row per check of a probe run against an endpoint.
+-- The API keys and canaries never appear in clear: keyed pseudonyms only.
+CREATE TABLE probe_runs (
+    boot            VARCHAR NOT NULL,  -- the probe run (one id per `kvledger probe` invocation)
+    ts              TIMESTAMP_NS NOT NULL, -- when the run finished
+    base_url        VARCHAR NOT NULL,
+    model           VARCHAR,
+    tenant_a_h      VARCHAR NOT NULL,  -- keyed pseudonym of tenant A's API key (plants canaries)
+    tenant_b_h      VARCHAR NOT NULL,  -- keyed pseudonym of tenant B's API key (looks for them)
+    pool_tokens     BIGINT,            -- as discovered (or given)
+    context_length  BIGINT,
+    discovered_from VARCHAR,
+    check_name      VARCHAR NOT NULL,  -- limits | usage | canary | salt | timing | abort
+    verdict         VARCHAR NOT NULL,  -- pass | finding | inconclusive
+    detail          VARCHAR NOT NULL,
+    requests        INTEGER NOT NULL   -- requests the whole run sent
+);
+
+CREATE TABLE probe_findings (
+    boot            VARCHAR NOT NULL,  -- the probe run
+    check_name      VARCHAR NOT NULL,
+    response_id     VARCHAR,           -- the endpoint's id of the response that showed it
+    prompt_tokens   BIGINT,
+    canary_h        VARCHAR,           -- keyed pseudonym of the canary that showed (canary, abort)
+    why             VARCHAR NOT NULL,
+    evidence        VARCHAR NOT NULL   -- the finding as JSON, canary text removed
+);

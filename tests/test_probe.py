@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from forensics.api import Forensics
 from forensics.cli import main
 from tests.test_serve import ONE_SMALL_PREFILL, Server
 
@@ -65,6 +66,45 @@ def test_the_cache_side_channels_are_found_only_where_the_cache_is_shared(tmp_pa
         assert timing["verdict"] == "pass", timing
 
 
+# two prefill nodes (round robin: A's short prefill can land before B's long one), no over-pool
+# prompt possible (every pool holds the context), a decode pool B's prompt nearly fills
+ABORT_CLUSTER = ('context_length = 1024\nprefix_cache = false\n[[prefill]]\nnode_id = "prefill0"\npool_tokens = 2048\n'
+                 '[[prefill]]\nnode_id = "prefill1"\npool_tokens = 2048\n[decode]\npool_tokens = 1152\n')
+
+
+@pytest.mark.parametrize("policy", ["vulnerable", "hardened"])
+def test_the_abort_check_finds_late_writes_and_records_the_run_in_the_store(tmp_path, capsys, policy):
+    """B closes streams mid-prefill while A repeats a greedy prompt: under `vulnerable` B's transfers
+    still land in decode pages A got meanwhile, and A's answer changes (the server's own ledger
+    agrees: A read B's KV); under `hardened` nothing changes. The run goes into a store: verdicts
+    and findings readable by `forensics probes` and the report, no API key or canary in clear."""
+    s = Server(tmp_path, "--mode", "disaggregated", "--policy", policy, config=ABORT_CLUSTER)
+    pstore = tmp_path / "probes"
+    try:
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "abort", "--samples", "2", "--store", str(pstore)])
+    finally:
+        assert s.stop() == 0
+    out = capsys.readouterr().out
+    row = json.loads(out)[0]
+    assert "closed before their measured TTFT" in row["detail"] and "the same 3 times" in row["detail"], row
+    exposed = Forensics(s.store).exposures()
+    if policy == "vulnerable":
+        assert code == 1 and row["verdict"] == "finding" and row["evidence"], row
+        assert exposed.height > 0 and all("foreign" in k for k in exposed["kinds"].to_list())
+    else:
+        assert code == 0 and row["verdict"] == "pass", row
+        assert exposed.height == 0
+    fx = Forensics(pstore)
+    probes = fx.query("probes")
+    assert probes.rows(named=True)[0]["verdict"] == row["verdict"]
+    assert probes["findings"].to_list() == [len(row["evidence"])]
+    from forensics.report import build
+    assert build(pstore)["external_probes"][0]["check"] == "abort"
+    raw = b"".join(f.read_bytes() for f in pstore.rglob("*") if f.is_file())
+    assert b"key-a" not in raw and b"key-b" not in raw and b"CANARY-" not in raw
+
+
 def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_path, capsys):
     code, rows = _probe(tmp_path, capsys, "prefix_cache = false\n", 2, "salt")
     assert code == 3 and rows["salt"]["verdict"] == "inconclusive" and "positive control failed" in rows["salt"]["detail"]
@@ -72,7 +112,7 @@ def test_without_a_prefix_cache_the_salt_check_is_inconclusive_never_a_pass(tmp_
 
 @pytest.mark.parametrize("argv,error", [
     (["--checks", "limits,frobnicate"], "unknown check(s) ['frobnicate']"),
-    (["--checks", "abort"], "not implemented yet"),
+    (["--store", "/dev/null"], "--store /dev/null: store path /dev/null exists and is not a directory"),
     (["--samples", "0"], "--samples must be in [1, 200]"),
     (["--pool-tokens", "-5"], "--pool-tokens must be in [2"),
     (["--base-url", "ftp://example"], "must be an http(s) URL"),
