@@ -417,21 +417,20 @@ def cmd_probe(args) -> int:
         writer = _probe_writer(args.store) if args.store else None
     except ProbeError as e:
         return _die(str(e))
-    try:
-        target = Target(args.base_url, args.key_a, args.key_b, args.model, args.tokenizer)
-        with Progress(console=Console(stderr=True), transient=True) as bar:
-            task = bar.add_task(f"probing {args.base_url}", total=None)
-            results, meta = run_probe(target, checks, args.pool_tokens, args.context_length, args.samples,
-                                      progress=lambda: bar.advance(task))
-    except ProbeError as e:
-        if writer is not None:
-            writer.close()
-        return _die(str(e))
-    if writer is not None:
-        from forensics.probe import record
+    try:                                   # the writer is closed (sealed) on every path, errors included
         try:
+            target = Target(args.base_url, args.key_a, args.key_b, args.model, args.tokenizer)
+            with Progress(console=Console(stderr=True), transient=True) as bar:
+                task = bar.add_task(f"probing {args.base_url}", total=None)
+                results, meta = run_probe(target, checks, args.pool_tokens, args.context_length, args.samples,
+                                          progress=lambda: bar.advance(task))
+        except ProbeError as e:
+            return _die(str(e))
+        if writer is not None:
+            from forensics.probe import record
             record(writer, results, meta, args.key_a, args.key_b)
-        finally:
+    finally:
+        if writer is not None:
             writer.close()
     if args.format == "json":
         print(as_json(results, meta))

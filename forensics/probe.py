@@ -352,10 +352,11 @@ def check_abort(t: Target, pool: int | None, context: int | None, samples: int, 
                 seen.append({"prompt_tokens": a_n, "response": r["id"], "canary": b_canary,
                              "why": "tenant A's output holds tenant B's canary from a stream B aborted mid-prefill"})
             elif r["status"] == 200 and deterministic and r["text"] != baseline[0]:
-                seen.append({"prompt_tokens": a_n, "response": r["id"],
+                seen.append({"prompt_tokens": a_n, "response": r["id"], "answer": r["text"],
+                             "answer_alone": baseline[0],
                              "why": "tenant A's greedy answer to a fixed prompt changed while tenant B aborted "
-                                    f"streams ({r['text'][:24]!r} vs {baseline[0][:24]!r} every time before): "
-                                    "A's KV was not computed from A's prompt alone"})
+                                    "streams (it was the same 3 times alone before): A's KV was not computed from "
+                                    "A's prompt alone"})
     # the control: A's greedy answer to its prompt, alone, three times (a deterministic endpoint gives
     # the same text; then any other text under B's aborts means A read KV it did not write)
     baseline = [t.complete(t.a, a_prompt, 16)["text"] for _ in range(3)]
@@ -438,8 +439,8 @@ def record(writer, results: list[Result], meta: dict, key_a: str, key_b: str) ->
         "requests": pa.array([meta["requests"]] * n, pa.int32())}))
     rows = [(r.check, e) for r in results for e in r.evidence]
     if rows:
-        def clean(e: dict) -> dict:
-            return {k: v for k, v in e.items() if k != "canary"}
+        def clean(e: dict) -> dict:          # model output may hold canary fragments: stdout only
+            return {k: v for k, v in e.items() if k not in ("canary", "answer", "answer_alone")}
         writer.submit("probe_findings", pa.table({
             "check_name": [c for c, _ in rows], "response_id": [e.get("response") for _, e in rows],
             "prompt_tokens": pa.array([e.get("prompt_tokens") for _, e in rows], pa.int64()),
