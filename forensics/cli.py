@@ -392,6 +392,14 @@ def cmd_serve(args) -> int:
     return serve(args)
 
 
+def cmd_collect(args) -> int:
+    from telemetry.receivers.collect import collect
+    err = _check_store_path(args.store)
+    if err:
+        return _die(err)
+    return collect(args)
+
+
 def _probe_writer(store: str):
     """The store writer a probe records into, opened (and the store verified) before any request."""
     from forensics.probe import ProbeError
@@ -520,6 +528,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also record the run and its findings in this store (keyed pseudonyms; no keys or canaries "
                          "in clear); default: none")
     pb.set_defaults(func=cmd_probe)
+    co = sub.add_parser("collect", help="receive a vLLM/SGLang fleet's telemetry (OTLP/HTTP spans and metrics, "
+                                        "ZMQ KV cache events) into a store until SIGTERM/SIGINT")
+    co.add_argument("--store", default="kvledger-store", help="the store to write (default: kvledger-store)")
+    co.add_argument("--otlp-host", default="127.0.0.1", help="address the OTLP/HTTP receiver binds (default 127.0.0.1)")
+    co.add_argument("--otlp-port", type=int, default=4318, help="OTLP/HTTP port (default 4318, the OTLP standard)")
+    co.add_argument("--kv-events", action="append", metavar="ENDPOINT[,replay=URL][,name=NAME][,topic=T]",
+                    help="a KV event publisher to subscribe to (repeat for several), e.g. tcp://10.0.0.5:5557 "
+                         "(vLLM --kv-events-config endpoint); replay= its replay socket, to fill sequence gaps")
+    co.add_argument("--tenant-attribute", default="tenant.id",
+                    help="span or resource attribute naming the tenant (default tenant.id; stored pseudonymised)")
+    co.add_argument("--tenant-header", default=None,
+                    help="HTTP header on the OTLP request naming the tenant of all its spans (default: none)")
+    co.set_defaults(func=cmd_collect)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
     pf.add_argument("--context-length", type=int, default=1_048_576)
@@ -597,6 +618,8 @@ FORENSIC_QUERIES = {
     "guards": "guard liveness: on, checks run, failures; red when on but idle",
     "releases": "page releases: immediate vs deferred, ended by drain or timeout",
     "preflight": "per node: KV pool tokens vs context length, policy, guards",
+    "cache_scopes": "block hashes a foreign engine stored under more than one cache scope (salt ignored)",
+    "gaps": "telemetry known lost: KV event sequence gaps (filled from replay or not)",
     "probes": "external probe runs (`kvledger probe --store`): verdict and findings per check",
 }
 

@@ -57,7 +57,7 @@ _PROMOTED = {"kvledger.incarnation": "incarnation", "kvledger.node": "node", "kv
              GA.GEN_AI_USAGE_INPUT_TOKENS: "input_tokens", "kvledger.prompt_tokens.prefilled": "prefilled_tokens",
              "gen_ai.usage.cache_read.input_tokens": "cached_tokens", GA.GEN_AI_USAGE_OUTPUT_TOKENS: "output_tokens",
              "kvledger.time_to_first_token": "ttft_s", GA.GEN_AI_RESPONSE_FINISH_REASONS: "finish_reason",
-             ERROR_TYPE: "error_type", "kvledger.rejection.where": "rejected_at"}
+             ERROR_TYPE: "error_type", "kvledger.rejection.where": "rejected_at", "gen_ai.response.id": "request_id"}
 
 
 def _s(v) -> str:

@@ -164,7 +164,8 @@ CREATE TABLE spans (
     ttft_s             DOUBLE,
     finish_reason      VARCHAR,
     error_type         VARCHAR,
-    rejected_at        VARCHAR            -- router | prefill:<node> | decode:<node>
+    rejected_at        VARCHAR,           -- router | prefill:<node> | decode:<node>
+    request_id         VARCHAR            -- the engine's own request id (gen_ai.request.id / gen_ai.response.id)
 );
 
 -- Metric points from the OpenTelemetry metrics SDK (one row per data point per export).
@@ -217,4 +218,38 @@ CREATE TABLE probe_findings (
     canary_h        VARCHAR,           -- keyed pseudonym of the canary that showed (canary, abort)
     why             VARCHAR NOT NULL,
     evidence        VARCHAR NOT NULL   -- the finding as JSON, canary text removed
+);
+
+-- KV cache events from vLLM / SGLang publishers (`kvledger collect --kv-events`): one row per event.
+CREATE TABLE kv_events (
+    boot            VARCHAR NOT NULL,  -- the collect run
+    instance        VARCHAR NOT NULL,  -- the publisher (its endpoint, or the name given to it)
+    topic           VARCHAR NOT NULL,
+    seq             BIGINT NOT NULL,   -- the publisher's batch sequence number
+    ts              TIMESTAMP_NS NOT NULL, -- the batch's own time
+    dp_rank         INTEGER,           -- data-parallel rank (newer publishers)
+    kind            VARCHAR NOT NULL,  -- BlockStored | BlockRemoved | AllBlocksCleared
+    block_hashes    VARCHAR[] NOT NULL, -- hex
+    parent_hash     VARCHAR,
+    token_count     INTEGER,
+    block_size      INTEGER,
+    lora            VARCHAR,           -- lora_name, else lora_id
+    medium          VARCHAR,           -- GPU | CPU | ... (NULL: not reported)
+    group_idx       INTEGER,
+    scope_h         VARCHAR            -- keyed pseudonym of the chain's first block's extra keys (cache_salt,
+                                       -- LoRA, MM ids): blocks chained by parent hash inherit it; NULL: none
+);
+
+-- Telemetry the collector knows it lost: sequence gaps in KV event streams (and whether the replay
+-- socket filled them), spans refused under back-pressure. Missing data is never a clean bill.
+CREATE TABLE telemetry_gaps (
+    boot            VARCHAR NOT NULL,
+    instance        VARCHAR NOT NULL,
+    source          VARCHAR NOT NULL,  -- kv_events | otlp
+    first_missing   BIGINT,            -- sequence numbers (kv_events)
+    last_missing    BIGINT,
+    items           BIGINT NOT NULL,   -- batches or spans lost (before any replay)
+    filled          BOOLEAN NOT NULL,  -- recovered from the replay socket
+    detected_at     TIMESTAMP_NS NOT NULL,
+    note            VARCHAR NOT NULL
 );

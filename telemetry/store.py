@@ -205,6 +205,11 @@ class SegmentWriter:
         return self._closed
 
     @property
+    def saturated(self) -> bool:
+        """The batch queue is (nearly) full: a receiver answers 503 instead of blocking its sender."""
+        return self._q.qsize() >= self._q.maxsize - 1
+
+    @property
     def accepting(self) -> bool:
         """Open and not failed: a background exporter checks this and reports a failure to its SDK
         instead of raising into the SDK's thread (the engine still gets the StoreError itself)."""

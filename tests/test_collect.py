@@ -1,0 +1,259 @@
+"""A foreign fleet's telemetry into the store: spans through the real OpenTelemetry SDK and its
+OTLP/HTTP exporter (protobuf) and as OTLP/JSON (gzip too), KV cache events over real ZMQ sockets in
+both of vLLM's encodings - with a sequence gap filled from the replay socket, one that stays lost,
+and a salt collision - and `kvledger collect` itself, started, fed and stopped."""
+from __future__ import annotations
+
+import gzip
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import msgspec
+import pytest
+import zmq
+
+from forensics.api import Forensics
+from forensics.cli import main
+from telemetry.receivers.kv_events import KVEventSubscriber
+from telemetry.receivers.otlp import build_app
+from telemetry.store import SegmentWriter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Receiver:
+    """The OTLP app under a real uvicorn on a loopback port, writing into ``writer``."""
+
+    def __init__(self, writer, **kw):
+        import uvicorn
+        self.port = _port()
+        self.app = build_app(writer, **kw)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+def test_spans_from_the_real_sdk_exporter_land_with_vllm_names_mapped(tmp_path):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    w = SegmentWriter(tmp_path / "store")
+    rx = Receiver(w)
+    provider = TracerProvider(resource=Resource.create({"service.name": "vllm", "service.instance.id": "gpu-7"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=rx.url + "/v1/traces")))
+    tracer = provider.get_tracer("vllm.llm_engine")
+    for i, (prompt, ttft) in enumerate([(120, 0.05), (900, 0.012), (300, 0.09)]):
+        with tracer.start_as_current_span("llm_request") as sp:    # vLLM's older attribute names
+            sp.set_attributes({"gen_ai.usage.prompt_tokens": prompt, "gen_ai.usage.completion_tokens": 16,
+                               "gen_ai.latency.time_to_first_token": ttft, "gen_ai.latency.time_in_queue": 0.001,
+                               "gen_ai.request.id": f"cmpl-{i}", "tenant.id": f"tenant-{i % 2}",
+                               "gen_ai.response.model": "meta-llama/Llama-3.1-8B"})
+    assert provider.force_flush(10_000)
+    provider.shutdown()
+    rx.stop()
+    w.close()
+    df = Forensics(tmp_path / "store").con.sql(
+        "SELECT request_id, input_tokens, output_tokens, ttft_s, node, operation, tenant_h, "
+        "SpanAttributes['gen_ai.latency.time_in_queue'] AS queue, SpanName FROM spans ORDER BY request_id").pl()
+    assert df["request_id"].to_list() == ["cmpl-0", "cmpl-1", "cmpl-2"]
+    assert df["input_tokens"].to_list() == [120, 900, 300] and df["output_tokens"].to_list() == [16] * 3
+    assert df["ttft_s"].to_list() == [0.05, 0.012, 0.09] and set(df["node"]) == {"gpu-7"}
+    assert set(df["operation"]) == {"request"} and df["queue"].to_list() == ["0.001"] * 3    # unknown attrs kept
+    t = df["tenant_h"].to_list()
+    assert t[0] == t[2] != t[1] and "tenant-0" not in t                                      # pseudonyms only
+
+
+def _otlp_json(trace_id: str) -> dict:
+    return {"resourceSpans": [{"resource": {"attributes": [{"key": "service.name", "value": {"stringValue": "sglang"}}]},
+            "scopeSpans": [{"scope": {"name": "sglang"}, "spans": [{
+                "traceId": trace_id, "spanId": "0011223344556677", "name": "llm_request", "kind": 2,
+                "startTimeUnixNano": "1764547200000000000", "endTimeUnixNano": "1764547200500000000",
+                "attributes": [{"key": "gen_ai.usage.input_tokens", "value": {"intValue": "777"}},
+                               {"key": "gen_ai.response.id", "value": {"stringValue": "req-9"}}]}]}]}]}
+
+
+BAD_BODIES = [   # (content type, encoding, body, what the 400 says)
+    ("application/json", "", b"{not json", "not JSON"),
+    ("application/x-protobuf", "", b"\xff\xff\xff\xff", "not an OTLP protobuf"),
+    ("application/json", "gzip", b"plain, not gzip", "does not decompress"),
+    ("text/plain", "", b"hello", "Content-Type 'text/plain'"),
+    ("application/json", "", json.dumps(_otlp_json("zz" * 16)).encode(), "is not hex"),
+    ("application/json", "br", b"{}", "Content-Encoding 'br' is not supported"),
+]
+
+
+def test_otlp_json_and_gzip_are_received_and_bad_bodies_get_400(tmp_path):
+    w = SegmentWriter(tmp_path / "store")
+    rx = Receiver(w, tenant_attribute=None, tenant_header="x-tenant")
+    try:
+        body = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
+        for enc, data in (("", body), ("gzip", gzip.compress(body))):
+            r = httpx.post(rx.url + "/v1/traces", content=data, headers={
+                "content-type": "application/json", "x-tenant": "acme", **({"content-encoding": enc} if enc else {})})
+            assert r.status_code == 200, r.text
+        for ctype, enc, data, why in BAD_BODIES:
+            r = httpx.post(rx.url + "/v1/traces", content=data,
+                           headers={"content-type": ctype, **({"content-encoding": enc} if enc else {})})
+            assert r.status_code == 400 and why in r.json()["message"], (why, r.text)
+        assert httpx.get(rx.url + "/health").json()["received"]["refused_bodies"] == len(BAD_BODIES)
+    finally:
+        rx.stop()
+        w.close()
+    df = Forensics(tmp_path / "store").con.sql("SELECT TraceId, request_id, input_tokens, tenant_h FROM spans").pl()
+    assert df.height == 2 and set(df["TraceId"]) == {"0123456789abcdef0123456789abcdef"}
+    assert set(df["request_id"]) == {"req-9"} and set(df["input_tokens"]) == {777} and df["tenant_h"][0] is not None
+
+
+# ---- KV events ---------------------------------------------------------------------------------
+class Publisher:
+    """vLLM's ZmqEventPublisher wire behaviour: PUB (topic, seq, msgpack) and a ROUTER replay socket."""
+
+    def __init__(self, ctx, replay: bool):
+        self.pub = ctx.socket(zmq.PUB)
+        self.endpoint = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+        self.router = ctx.socket(zmq.ROUTER) if replay else None
+        self.replay = (f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}" if replay else None)
+        self.sent: dict[int, bytes] = {}
+        self.stop = threading.Event()
+        if replay:
+            threading.Thread(target=self._serve_replay, daemon=True).start()
+
+    def send(self, seq: int, payload: bytes, drop: bool = False) -> None:
+        self.sent[seq] = payload
+        if not drop:
+            self.pub.send_multipart((b"kv", seq.to_bytes(8, "big"), payload))
+
+    def _serve_replay(self) -> None:
+        while not self.stop.is_set():
+            if self.router.poll(50):
+                client, _, start = self.router.recv_multipart()
+                for seq in sorted(s for s in self.sent if s >= int.from_bytes(start, "big")):
+                    self.router.send_multipart((client, b"", seq.to_bytes(8, "big"), self.sent[seq]))
+                self.router.send_multipart((client, b"", (-1).to_bytes(8, "big", signed=True), b""))
+
+
+def _old(events, ts=1.0) -> bytes:      # array_like encoding (older vLLM)
+    return msgspec.msgpack.encode([ts, events])
+
+
+def _new(events, ts=1.0) -> bytes:      # tagged maps (newer vLLM)
+    return msgspec.msgpack.encode({"ts": ts, "events": events, "data_parallel_rank": 0})
+
+
+def _stored_new(hashes, parent=None, salt=None, tokens=32) -> dict:
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": list(range(tokens)),
+            "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
+            "extra_keys": [[salt] if salt else None] + [None] * (len(hashes) - 1), "group_idx": 0}
+
+
+def test_kv_events_in_both_encodings_with_gaps_replay_and_a_salt_collision(tmp_path):
+    ctx = zmq.Context()
+    w = SegmentWriter(tmp_path / "store")
+    with_replay, without = Publisher(ctx, replay=True), Publisher(ctx, replay=False)
+    subs = [KVEventSubscriber(w, with_replay.endpoint, with_replay.replay, instance="vllm-a", ctx=ctx).start(),
+            KVEventSubscriber(w, without.endpoint, None, instance="sglang-b", ctx=ctx).start()]
+    time.sleep(0.5)                                           # ZMQ's slow joiner: let the SUBs connect
+    h = [bytes([i]) * 32 for i in range(8)]
+    # publisher A, newer encoding: salt-x stores h0,h1; batch 1 is lost on the wire and replayed;
+    # salt-y then stores h0 again (an engine that left the salt out of the hash) and h5
+    with_replay.send(0, _new([_stored_new([h[0], h[1]], salt="salt-x")]))
+    with_replay.send(1, _new([{"type": "BlockRemoved", "block_hashes": [h[1]], "medium": "GPU"}]), drop=True)
+    with_replay.send(2, _new([_stored_new([h[0]], salt="salt-y"), _stored_new([h[5]], parent=h[0])]))
+    # publisher B, older array_like encoding with int hashes; batch 1 lost and no replay socket
+    without.send(0, _old([["BlockStored", [11, 12], None, list(range(32)), 16, None]]))
+    without.send(1, _old([["AllBlocksCleared"]]), drop=True)
+    without.send(2, _old([["BlockRemoved", [11]], ["AllBlocksCleared"]]))
+    deadline = time.time() + 10
+    while time.time() < deadline and (subs[0].batches < 3 or subs[1].batches < 2):
+        time.sleep(0.05)
+    for s in subs:
+        s.stop()
+    with_replay.stop.set()
+    w.close()
+    assert (subs[0].batches, subs[1].batches) == (3, 2)
+    assert subs[0].gaps == [(1, 1, True)] and subs[1].gaps == [(1, 1, False)]
+    fx = Forensics(tmp_path / "store")
+    ev = fx.con.sql("SELECT instance, seq, kind, block_hashes, parent_hash, token_count, medium, scope_h "
+                    "FROM kv_events ORDER BY instance, seq, kind").pl()
+    a = ev.filter(ev["instance"] == "vllm-a")
+    assert a["seq"].to_list() == [0, 1, 2, 2] and a["kind"].to_list()[1] == "BlockRemoved"     # the replayed batch
+    assert a["block_hashes"][0].to_list() == [h[0].hex(), h[1].hex()] and a["medium"][0] == "GPU"
+    stored = a.filter(a["kind"] == "BlockStored")
+    assert stored["scope_h"].n_unique() == 2 and None not in stored["scope_h"].to_list()
+    b = ev.filter(ev["instance"] == "sglang-b")
+    assert b["block_hashes"][0].to_list() == [format(11, "x"), format(12, "x")] and b["token_count"][0] == 32
+    assert sorted(b["kind"].to_list()) == ["AllBlocksCleared", "BlockRemoved", "BlockStored"]
+    scopes = fx.query("cache_scopes")
+    assert scopes["block_hash"].to_list() == [h[0].hex()] and scopes["scopes"].to_list() == [2]
+    gaps = fx.query("gaps")
+    assert sorted(gaps.select("instance", "first_missing", "filled").rows()) == [("sglang-b", 1, False),
+                                                                                ("vllm-a", 1, True)]
+    raw = b"".join(f.read_bytes() for f in (tmp_path / "store").rglob("*") if f.is_file())
+    assert b"salt-x" not in raw and b"salt-y" not in raw                                      # pseudonyms only
+    ctx.destroy(linger=0)
+
+
+def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
+    port = _port()
+    ctx = zmq.Context()
+    pub = Publisher(ctx, replay=False)
+    proc = subprocess.Popen([sys.executable, "-m", "forensics.cli", "collect", "--store", str(tmp_path / "store"),
+                             "--otlp-port", str(port), "--kv-events", pub.endpoint + ",name=gpu-1"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        body = json.dumps(_otlp_json("ab" * 16)).encode()
+        assert httpx.post(f"http://127.0.0.1:{port}/v1/traces", content=body,
+                          headers={"content-type": "application/json"}).status_code == 200
+        for seq in range(20):          # until the SUB has joined
+            pub.send(seq, _new([_stored_new([bytes([seq]) * 32])]))
+            time.sleep(0.1)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 0, err
+    assert "gpu-1:" in err and "block hashes" in err
+    fx = Forensics(tmp_path / "store")
+    assert fx.verdict.ok and fx.verdict.sealed
+    assert fx.con.sql("SELECT count(*) FROM spans").fetchall()[0][0] == 1
+    assert fx.con.sql("SELECT count(*) FROM kv_events WHERE instance = 'gpu-1'").fetchall()[0][0] > 0
+    ctx.destroy(linger=0)
+
+
+@pytest.mark.parametrize("argv,error", [
+    (["--kv-events", "localhost:5557"], "must be a ZMQ address"),
+    (["--kv-events", "tcp://127.0.0.1:5557,replay"], "options are replay=URL"),
+    (["--otlp-port", "70000"], "--otlp-port must be in [0, 65535]"),
+])
+def test_bad_collect_input_is_refused_before_the_store_is_taken(tmp_path, capsys, argv, error):
+    assert main(["collect", "--store", str(tmp_path / "store"), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: ") and error in err and "Traceback" not in err, err
+    assert not (tmp_path / "store").exists()
