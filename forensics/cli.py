@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from engine.errors import KvledgerError
 
@@ -400,6 +401,24 @@ def cmd_collect(args) -> int:
     return collect(args)
 
 
+def cmd_ingest_logs(args) -> int:
+    from telemetry.receivers.logs import ingest
+    from telemetry.store import SegmentWriter
+    err = _check_store_path(args.store)
+    if err:
+        return _die(err)
+    if not Path(args.file).is_file():
+        return _die(f"{args.file}: no such log file")
+    writer = SegmentWriter(args.store)
+    try:
+        got = ingest(writer, args.file, args.engine, args.instance)
+    finally:
+        writer.close()
+    print(f"kvledger ingest-logs: {args.file}: {got['capacity_lines']} capacity line(s), {got['canary_lines']} "
+          f"KV canary line(s), {got['checksum_lines']} KV checksum line(s) into {args.store} (run {writer.boot})")
+    return 0
+
+
 def _probe_writer(store: str):
     """The store writer a probe records into, opened (and the store verified) before any request."""
     from forensics.probe import ProbeError
@@ -541,6 +560,14 @@ def build_parser() -> argparse.ArgumentParser:
     co.add_argument("--tenant-header", default=None,
                     help="HTTP header on the OTLP request naming the tenant of all its spans (default: none)")
     co.set_defaults(func=cmd_collect)
+    il = sub.add_parser("ingest-logs", help="a vLLM/SGLang log's capacity, KV canary and KV checksum lines into a store")
+    il.add_argument("file", help="the engine's log file")
+    il.add_argument("--engine", required=True, choices=["vllm", "sglang"], help="which engine wrote it")
+    il.add_argument("--store", default="kvledger-store", help="the store to write (default: kvledger-store)")
+    il.add_argument("--instance", default=None,
+                    help="the instance's name, as its spans' service.instance.id (default: the file's name "
+                         "without extension)")
+    il.set_defaults(func=cmd_ingest_logs)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
     pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
     pf.add_argument("--context-length", type=int, default=1_048_576)
@@ -618,6 +645,9 @@ FORENSIC_QUERIES = {
     "guards": "guard liveness: on, checks run, failures; red when on but idle",
     "releases": "page releases: immediate vs deferred, ended by drain or timeout",
     "preflight": "per node: KV pool tokens vs context length, policy, guards",
+    "fleet_ttft": "foreign request spans: TTFT vs prompt tokens, Theil-Sen fit per instance, below_floor",
+    "fleet_impact": "foreign request spans billed for more prompt than their instance's reported KV pool",
+    "canary": "KV canary and KV checksum lines from foreign engines' logs, by instance and time",
     "cache_scopes": "block hashes a foreign engine stored under more than one cache scope (salt ignored)",
     "gaps": "telemetry known lost: KV event sequence gaps (filled from replay or not)",
     "probes": "external probe runs (`kvledger probe --store`): verdict and findings per check",

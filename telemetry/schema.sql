@@ -253,3 +253,26 @@ CREATE TABLE telemetry_gaps (
     detected_at     TIMESTAMP_NS NOT NULL,
     note            VARCHAR NOT NULL
 );
+
+-- Capacity each foreign engine instance reported in its start-up log (`kvledger ingest-logs`):
+-- vLLM's "GPU KV cache size: N tokens" / "# GPU blocks: N", SGLang's max_total_num_tokens.
+CREATE TABLE capacity (
+    boot            VARCHAR NOT NULL,  -- the ingest run
+    instance        VARCHAR NOT NULL,  -- name it as the spans' service.instance.id to join them
+    pool_tokens     BIGINT,
+    context_length  BIGINT,
+    source          VARCHAR NOT NULL,  -- which line, which file
+    ingested_at     TIMESTAMP_NS NOT NULL
+);
+
+-- Corruption detectors' lines from a foreign engine's log (`kvledger ingest-logs`): KV canary
+-- violations and KV checksum mismatches, one row per line.
+CREATE TABLE engine_log_events (
+    boot            VARCHAR NOT NULL,
+    instance        VARCHAR NOT NULL,
+    kind            VARCHAR NOT NULL,  -- kv_canary | kv_checksum
+    line_no         BIGINT NOT NULL,
+    logged_at       TIMESTAMP_NS,      -- the line's own time, when it has one (taken as UTC)
+    source_file     VARCHAR NOT NULL,
+    line            VARCHAR NOT NULL   -- the line, at most 500 characters
+);

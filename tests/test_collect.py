@@ -248,12 +248,62 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
 
 
 @pytest.mark.parametrize("argv,error", [
-    (["--kv-events", "localhost:5557"], "must be a ZMQ address"),
-    (["--kv-events", "tcp://127.0.0.1:5557,replay"], "options are replay=URL"),
-    (["--otlp-port", "70000"], "--otlp-port must be in [0, 65535]"),
+    (["collect", "--kv-events", "localhost:5557"], "must be a ZMQ address"),
+    (["collect", "--kv-events", "tcp://127.0.0.1:5557,replay"], "options are replay=URL"),
+    (["collect", "--otlp-port", "70000"], "--otlp-port must be in [0, 65535]"),
+    (["ingest-logs", "/nonexistent/vllm.log", "--engine", "vllm"], "/nonexistent/vllm.log: no such log file"),
 ])
 def test_bad_collect_input_is_refused_before_the_store_is_taken(tmp_path, capsys, argv, error):
-    assert main(["collect", "--store", str(tmp_path / "store"), *argv]) == 2
+    assert main([*argv, "--store", str(tmp_path / "store")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvledger: error: ") and error in err and "Traceback" not in err, err
     assert not (tmp_path / "store").exists()
+
+
+def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
+    """vLLM-named spans through the real SDK exporter: 40 healthy requests whose TTFT grows with the
+    prompt, and 4 over-pool prompts answered at the short-prompt floor (the incident); the
+    instance's start-up log gives its pool. fleet_impact and fleet_ttft flag exactly those 4; the
+    log's KV canary and checksum lines are the engine's own detectors, the stats line is not."""
+    import random
+
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+    store = tmp_path / "store"
+    log = tmp_path / "gpu-7.log"
+    log.write_text("INFO 09-01 10:03:02 [kv_cache_utils.py:634] GPU KV cache size: 1,200 tokens\n"
+                   "INFO 09-01 10:03:02 [kv_cache_utils.py:637] Maximum concurrency for 2,048 tokens per request: 0.59x\n")
+    assert main(["ingest-logs", str(log), "--engine", "vllm", "--store", str(store)]) == 0
+    assert main(["ingest-logs", str(ROOT / "tests" / "fixtures" / "sglang_detectors.log"), "--engine", "sglang",
+                 "--store", str(store), "--instance", "sglang-0"]) == 0
+    w = SegmentWriter(store)
+    rx = Receiver(w)
+    provider = TracerProvider(resource=Resource.create({"service.name": "vllm", "service.instance.id": "gpu-7"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=rx.url + "/v1/traces")))
+    tracer, rnd = provider.get_tracer("vllm"), random.Random(7)
+    incident = set()
+    for i in range(44):
+        n = rnd.randint(1300, 2000) if i % 11 == 5 else rnd.randint(40, 1100)
+        ttft = 0.012 * rnd.uniform(0.9, 1.1) if n > 1200 else (0.01 + 1e-4 * n) * rnd.uniform(0.9, 1.1)
+        if n > 1200:
+            incident.add(f"cmpl-{i}")
+        with tracer.start_as_current_span("llm_request") as sp:
+            sp.set_attributes({"gen_ai.usage.prompt_tokens": n, "gen_ai.usage.completion_tokens": 8,
+                               "gen_ai.latency.time_to_first_token": ttft, "gen_ai.request.id": f"cmpl-{i}"})
+    assert provider.force_flush(10_000)
+    provider.shutdown()
+    rx.stop()
+    w.close()
+    fx = Forensics(store)
+    assert len(incident) == 4
+    impact = fx.query("fleet_impact")
+    assert set(impact["request_id"]) == incident and set(impact["pool_tokens"]) == {1200}
+    ttft = fx.query("fleet_ttft")
+    assert set(ttft.filter(ttft["below_floor"])["request_id"]) == incident
+    assert ttft["fitted_on"].max() == 44
+    assert fx.query("canary").select("instance", "kind", "line_no").rows() == [("sglang-0", "kv_canary", 3),
+                                                                             ("sglang-0", "kv_checksum", 5)]
+    cap = fx.con.sql("SELECT instance, pool_tokens, context_length FROM capacity ORDER BY instance").fetchall()
+    assert cap == [("gpu-7", 1200, 2048), ("sglang-0", 681280, 1048576)]

@@ -1,0 +1,14 @@
+-- The incident predicate on a foreign fleet: every request span in [$from, $to] billed for more
+-- prompt tokens than the KV pool its instance reported at start-up (`kvledger ingest-logs`: the
+-- capacity table, latest line per instance; name the log's instance as the spans'
+-- service.instance.id). below_floor from fleet_ttft says whether it was also answered too fast.
+WITH pool AS (
+    SELECT instance, arg_max(pool_tokens, ingested_at) AS pool_tokens,
+           arg_max(context_length, ingested_at) AS context_length
+    FROM capacity GROUP BY instance
+)
+SELECT s.node AS instance, s.request_id, s.tenant_h, s."Timestamp" AS arrived_at, s.input_tokens AS prompt_tokens_billed,
+       p.pool_tokens, p.context_length, s.output_tokens, s.ttft_s, s.finish_reason
+FROM spans s JOIN pool p ON p.instance = s.node
+WHERE s.incarnation IS NULL AND s.input_tokens > p.pool_tokens AND s."Timestamp" BETWEEN $from AND $to
+ORDER BY arrived_at, instance, request_id
