@@ -188,6 +188,18 @@ def live() -> None:
         pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
     table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
 
+    st.subheader("Foreign fleet (vLLM / SGLang telemetry)")
+    flagged, lines, ledger = p.fleet()
+    if not ledger and (flagged.height or lines.height):
+        st.warning("These engines keep no page ledger: which pages a response read, and whose they were, cannot "
+                   "be shown. Below: their requests over the instance's KV pool or under the TTFT floor of their "
+                   "length, and their own KV canary / checksum lines.")
+    if flagged.is_empty() and lines.is_empty():
+        st.info("No foreign request flagged and no detector line (`kvledger collect`, `kvledger ingest-logs`).")
+    else:
+        table(flagged.with_columns(flag=pl.col("below_floor") | pl.col("over_pool")), "flag")
+        table(lines)
+
     st.subheader("External probes")
     pr = p.probes()
     if pr.is_empty():

@@ -25,7 +25,8 @@ class Filters:
 VERIFIED: dict = {}
 
 # the named queries one dashboard page runs
-PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes")
+PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
+        "fleet_ttft", "fleet_impact", "canary")
 
 
 class Panels:
@@ -134,6 +135,17 @@ class Panels:
 
     def guards(self) -> pl.DataFrame:
         return self._q("guards")
+
+    def fleet(self) -> tuple[pl.DataFrame, pl.DataFrame, bool]:
+        """Foreign engines' requests flagged over their pool or under their TTFT floor, their
+        detector lines, and whether this store has any page ledger at all."""
+        ttft, impact = self._q("fleet_ttft"), self._q("fleet_impact")
+        over = set(impact["request_id"].to_list())
+        flagged = ttft.filter(pl.col("below_floor") | pl.col("request_id").is_in(list(over))).select(
+            "instance", "request_id", "prompt_tokens_billed", "ttft_s", "ttft_floor_s", "below_floor",
+            over_pool=pl.col("request_id").is_in(list(over)))
+        ledger = self.fx.con.sql("SELECT count(*) FROM page_reads").fetchall()[0][0] > 0
+        return flagged, self._q("canary"), ledger
 
     def probes(self) -> pl.DataFrame:
         """External probe runs recorded in the store (not windowed: a probe is a test, not traffic)."""

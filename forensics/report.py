@@ -84,6 +84,13 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
     transfers = fx.query("transfers", start, end)
     releases = fx.query("releases", start, end)
     probes = fx.query("probes")
+    fleet_impact = fx.query("fleet_impact", start, end)
+    fleet_ttft = fx.query("fleet_ttft", start, end)
+    fleet_slow = fleet_ttft.filter(pl.col("below_floor"))
+    detectors = fx.query("canary")
+    shared_blocks = fx.query("cache_scopes")
+    gaps = fx.query("gaps")
+    has_ledger = fx.con.sql("SELECT count(*) FROM page_reads").fetchall()[0][0] > 0
     exposed = ex.filter(pl.col("severity") != "blocked")          # blocked reads returned nothing: no exposure
     blocked = ex.filter(pl.col("severity") == "blocked")
     real = exposed.filter(pl.col("donor") != -1)
@@ -163,7 +170,10 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                    "donor_requests": real["donor"].n_unique() if real.height else 0,
                    "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
                    "usage_dishonest_responses": int(ttft["usage_dishonest"].sum()) if ttft.height else 0,
-                   "transfers_with_integrity_failures": int((~transfers["integrity_ok"]).sum()) if transfers.height else 0},
+                   "transfers_with_integrity_failures": int((~transfers["integrity_ok"]).sum()) if transfers.height else 0,
+                   "fleet_over_pool_requests": fleet_impact.height, "fleet_below_ttft_floor_requests": fleet_slow.height,
+                   "fleet_detector_lines": detectors.height, "fleet_shared_block_hashes": shared_blocks.height,
+                   "telemetry_gaps_unfilled": int((~gaps["filled"]).sum()) if gaps.height else 0},
         "data_categories": ["KV cache (attention keys and values) computed from other customers' prompts and "
                             "outputs: may encode any content they sent, including personal data and credentials",
                             "derived model outputs delivered to the wrong customer"],
@@ -175,6 +185,20 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
         "timeline": timeline,
         "clock_72h": clock,
         "external_probes": _rows(probes),
+        "foreign_fleet": {
+            "note": ("" if has_ledger or not (fleet_ttft.height or detectors.height or shared_blocks.height) else
+                     "This store holds telemetry from engines that keep no page ledger (vLLM, SGLang via kvledger "
+                     "collect / ingest-logs): which pages a response read, and whose they were, cannot be "
+                     "established from it. What it can show is below: requests billed for more prompt than their "
+                     "instance's KV pool, requests answered faster than their prompt can be prefilled, the "
+                     "engines' own corruption detectors, and block hashes shared across cache scopes."),
+            "over_pool_requests": _rows(fleet_impact),
+            "below_ttft_floor_requests": _rows(fleet_slow.select("instance", "request_id", "tenant_h",
+                                                                  "prompt_tokens_billed", "ttft_s", "ttft_floor_s",
+                                                                  "arrived_at")),
+            "detector_lines": _rows(detectors),
+            "shared_block_hashes": _rows(shared_blocks),
+            "telemetry_gaps": _rows(gaps)},
         "remediation": {"guards": _rows(guards), "releases": _rows(releases), "upstream_fixes": UPSTREAM},
         "recommendations": RECOMMENDATIONS,
         "provenance": {"store": str(store), "run": run, "chain_ok": v.ok, "chain_head": v.head, "chain_seq": v.seq,
@@ -268,6 +292,21 @@ Tenants are store-keyed pseudonyms; map them to customers with the store secret'
 {_md_table(r['timeline'], ['time', 'source', 'event'])}
 72-hour clock: became aware {r['clock_72h']['became_aware'] or '(add an operator event such as "report received")'}; deadline {r['clock_72h']['deadline'] or '-'}.
 
+## Foreign fleet telemetry (spans, KV events, logs)
+{r['foreign_fleet']['note']}
+
+| | |
+| --- | --- |
+| requests billed for more prompt than their instance's KV pool | {c['fleet_over_pool_requests']} |
+| requests answered under the TTFT floor of their length | {c['fleet_below_ttft_floor_requests']} |
+| KV canary / checksum lines in the engines' logs | {c['fleet_detector_lines']} |
+| block hashes stored under more than one cache scope | {c['fleet_shared_block_hashes']} |
+| telemetry gaps not filled (missing data, not a clean bill) | {c['telemetry_gaps_unfilled']} |
+
+### Requests over their instance's pool
+{_md_table(r['foreign_fleet']['over_pool_requests'], ['instance', 'request_id', 'arrived_at', 'prompt_tokens_billed', 'pool_tokens', 'ttft_s'])}
+### Engine detector lines
+{_md_table(r['foreign_fleet']['detector_lines'], ['instance', 'kind', 'logged_at', 'line'])}
 ## External probes
 `kvledger probe` runs recorded in this store (black-box checks of an endpoint by two test tenants; a finding is observed from outside, the ledger above is the proof inside):
 {_md_table(r['external_probes'], ['ts', 'base_url', 'check', 'verdict', 'findings', 'detail'])}

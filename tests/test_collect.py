@@ -307,3 +307,11 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
                                                                              ("sglang-0", "kv_checksum", 5)]
     cap = fx.con.sql("SELECT instance, pool_tokens, context_length FROM capacity ORDER BY instance").fetchall()
     assert cap == [("gpu-7", 1200, 2048), ("sglang-0", 681280, 1048576)]
+    from forensics.report import build
+    rep = build(store)            # a store of foreign telemetry only: the report says what it can and cannot show
+    c = rep["counts"]
+    assert (c["fleet_over_pool_requests"], c["fleet_below_ttft_floor_requests"], c["fleet_detector_lines"]) == (4, 4, 2)
+    assert "keep no page ledger" in rep["foreign_fleet"]["note"] and c["affected_responses"] == 0
+    from dashboard.data import Panels
+    flagged, lines, ledger = Panels(store).fleet()
+    assert set(flagged["request_id"]) == incident and lines.height == 2 and not ledger

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.xdist_group("glm53")
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
 PANELS = ["Exposure score over time", "Donor -> recipient tenants", "Affected responses", "TTFT vs uncached prompt tokens",
           "Usage honesty", "Transfer integrity", "Deferred releases and held capacity", "Guard liveness",
-          "Preflight per node", "External probes", "Export"]
+          "Preflight per node", "Foreign fleet (vLLM / SGLang telemetry)", "External probes", "Export"]
 
 
 def _app(store, monkeypatch) -> AppTest:
