@@ -167,8 +167,24 @@ def schema_block(_: dict) -> str:
     return "```sql\n" + (ROOT / "telemetry" / "schema.sql").read_text().rstrip() + "\n```"
 
 
+def collect_table(r: dict) -> str:
+    o, k, g = r["otlp"], r["kv_events"], r["goals"]
+    return "\n".join([
+        f"`kvledger collect` on loopback, end to end (rows written and linked in the store): {o['spans']:,} vLLM-named "
+        f"request spans in OTLP/protobuf requests of 1,000; {k['batches']} KV event batches of 64 `BlockStored` x 16 "
+        "block hashes (tagged-map encoding):",
+        "",
+        "| measurement | value | goal |",
+        "| --- | --- | --- |",
+        f"| OTLP spans/s | {o['spans_per_s']:,.0f} | >= {g['spans_per_s']:,} |",
+        f"| KV event block hashes/s | {k['block_hashes_per_s']:,.0f} | >= {g['block_hashes_per_s']:,} |",
+        f"| OTLP posts answered 503 (writer behind) and retried | {o['throttled_posts']} | |",
+        f"| peak RSS of the process (receiver, subscriber, writer, sender) | {r['max_rss_mib']:.0f} MiB | |",
+    ])
+
+
 SECTIONS = {"engine": engine_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
-            "dashboard": dashboard_table, "serve": serve_table}
+            "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table}
 
 
 def main() -> None:

@@ -170,7 +170,7 @@ class KVEventSubscriber:
         cols: dict[str, list] = {c: [] for c in _COLS}
         ph = self.writer.keys.pseudonym
         for ev in events:
-            hashes = [_hex(h) for h in ev.get("block_hashes") or []]
+            hashes = [h.hex() if type(h) is bytes else _hex(h) for h in ev.get("block_hashes") or []]
             parent = _hex(ev.get("parent_block_hash"))
             scope = None
             if ev["type"] == "BlockStored":
@@ -179,10 +179,7 @@ class KVEventSubscriber:
                     scope = ph(json.dumps(extra[0], default=_hex, sort_keys=True))
                 elif parent is not None:
                     scope = self._scopes.get(parent)
-                for h in hashes:
-                    self._scopes[h] = scope
-                while len(self._scopes) > SCOPE_MEMORY:
-                    self._scopes.popitem(last=False)
+                self._scopes.update(dict.fromkeys(hashes, scope))
             elif ev["type"] == "AllBlocksCleared":
                 self._scopes.clear()
             toks = ev.get("token_ids")
@@ -195,6 +192,8 @@ class KVEventSubscriber:
                 cols[c].append(v)
             self.hashes += len(hashes)
         self.events += len(events)
+        while len(self._scopes) > SCOPE_MEMORY:
+            self._scopes.popitem(last=False)
         if events:
             types = {"seq": pa.int64(), "ts": pa.timestamp("ns"), "dp_rank": pa.int32(), "token_count": pa.int32(),
                      "block_size": pa.int32(), "group_idx": pa.int32(), "block_hashes": pa.list_(pa.string())}
