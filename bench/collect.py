@@ -100,6 +100,7 @@ def bench_kv(tmp: Path, batches: int) -> dict:
     dt = time.perf_counter() - t0
     sub.stop()
     w.close()
+    pub.close(linger=0)
     ctx.destroy(linger=0)
     return {"batches": sub.batches, "hashes": sub.hashes, "seconds": dt, "block_hashes_per_s": sub.hashes / dt,
             "gaps": len(sub.gaps)}

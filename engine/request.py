@@ -156,7 +156,8 @@ class Request:
         self.status = new
         if new in TERMINAL:
             self.finished_at = time.perf_counter()
-            for callback in self.on_finish:
+            callbacks, self.on_finish = self.on_finish, []     # called once; a finished request then holds
+            for callback in callbacks:                          # no reference to the engine that ran it
                 callback(self)
 
     def fail(self, error: BaseException) -> None:

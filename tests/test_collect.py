@@ -136,8 +136,18 @@ class Publisher:
         self.replay = (f"tcp://127.0.0.1:{self.router.bind_to_random_port('tcp://127.0.0.1')}" if replay else None)
         self.sent: dict[int, bytes] = {}
         self.stop = threading.Event()
-        if replay:
-            threading.Thread(target=self._serve_replay, daemon=True).start()
+        self.thread = threading.Thread(target=self._serve_replay, daemon=True) if replay else None
+        if self.thread:
+            self.thread.start()
+
+    def close(self) -> None:
+        """Stop the replay thread before its socket goes (a ZMQ socket closed under a thread polling
+        it aborts the process), then close both sockets."""
+        self.stop.set()
+        if self.thread:
+            self.thread.join(5)
+            self.router.close(linger=0)
+        self.pub.close(linger=0)
 
     def send(self, seq: int, payload: bytes, drop: bool = False) -> None:
         self.sent[seq] = payload
@@ -189,7 +199,8 @@ def test_kv_events_in_both_encodings_with_gaps_replay_and_a_salt_collision(tmp_p
         time.sleep(0.05)
     for s in subs:
         s.stop()
-    with_replay.stop.set()
+    with_replay.close()
+    without.close()
     w.close()
     assert (subs[0].batches, subs[1].batches) == (3, 2)
     assert subs[0].gaps == [(1, 1, True)] and subs[1].gaps == [(1, 1, False)]
@@ -238,6 +249,7 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=60)[1]
+        pub.close()
     assert proc.returncode == 0, err
     assert "gpu-1:" in err and "block hashes" in err
     fx = Forensics(tmp_path / "store")
