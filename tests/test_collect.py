@@ -327,3 +327,33 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
     from dashboard.data import Panels
     flagged, lines, ledger = Panels(store).fleet()
     assert set(flagged["request_id"]) == incident and lines.height == 2 and not ledger
+
+
+def test_a_sender_faster_than_the_store_gets_503_not_unbounded_memory(tmp_path):
+    """The writer's queue is bounded: while it is full (here: the writer thread held on a batch) the
+    receiver answers 503 with Retry-After - OTLP exporters back off and retry - and accepts again
+    once the writer catches up. Nothing is buffered past the queue."""
+    w = SegmentWriter(tmp_path / "store", queue_size=3)
+    rx = Receiver(w)
+    hold = threading.Event()
+    w.submit_lazy(lambda: hold.wait(30) and [])          # the writer thread is busy with this
+    while w._q.qsize():                                   # ...once it has taken it off the queue
+        time.sleep(0.01)
+    body = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
+    post = lambda: httpx.post(rx.url + "/v1/traces", content=body, headers={"content-type": "application/json"})  # noqa: E731
+    try:
+        codes = [post().status_code for _ in range(6)]
+        assert codes[:2] == [200, 200] and 503 in codes, codes     # two batches fit the queue, then 503
+        r = post()
+        assert r.status_code == 503 and r.headers["retry-after"] == "1" and r.json()["code"] == 14
+        hold.set()
+        deadline = time.time() + 10
+        while w.saturated and time.time() < deadline:
+            time.sleep(0.05)
+        assert post().status_code == 200
+        assert httpx.get(rx.url + "/health").json()["received"]["throttled"] >= 2
+    finally:
+        hold.set()
+        rx.stop()
+        w.close()
+    assert Forensics(tmp_path / "store").con.sql("SELECT count(*) FROM spans").fetchall()[0][0] == 3
