@@ -10,12 +10,17 @@
 -- holding many runs answers the union of each run's answer. Incarnation ids are unique across boots.
 -- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
 -- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
+-- ClickHouse (telemetry/clickhouse.py generates its DDL from this file): the `-- clickhouse:` line
+-- above each table gives its MergeTree sorting key, its partition (by day where the table has a
+-- time) and, on a cluster, its sharding key - `everywhere`: a small table every shard holds whole.
+-- A page's reads and writes share a shard (the exposure as-of join never crosses shards).
 
 -- One row per run of KV slots written together: one write event (a prefill chunk, a decode append,
 -- a transfer call landing, an offload, a reload) of consecutive slots of one page by one writer at
 -- consecutive positions. Lossless: slot slot_first + i holds position position_first + i, whose
 -- content tag's pseudonym is tag_h[i + 1]. (A prefill chunk fills whole pages: about page_size
 -- slots per row instead of one.)
+-- clickhouse: ORDER BY (node, boot, page, lclock) PARTITION BY toDate(ts) SHARD BY cityHash64(node, boot, page)
 CREATE TABLE page_writes (
     node        VARCHAR NOT NULL,
     boot        VARCHAR NOT NULL,     -- the run (see the top of this file)
@@ -40,6 +45,7 @@ CREATE TABLE page_writes (
 -- Lossless: every read step is inside exactly one row's [step_first, step_last] with n_reads
 -- counting them, and the k-th read (k = 0 .. n_reads - 1) read slots_first + k slots if
 -- slots_read > slots_first, else slots_read; found_writers holds what every read found there.
+-- clickhouse: ORDER BY (node, boot, page, reader, lclock_first) PARTITION BY toDate(ts_first) SHARD BY cityHash64(node, boot, page)
 CREATE TABLE page_reads (
     node            VARCHAR NOT NULL,
     boot            VARCHAR NOT NULL,
@@ -71,6 +77,7 @@ CREATE TABLE page_reads (
 );
 
 -- One row per KV transfer (disaggregated mode), written when it lands or fails.
+-- clickhouse: ORDER BY (src_node, boot, ts_submit, transfer_id) PARTITION BY toDate(ts_submit) SHARD BY cityHash64(incarnation)
 CREATE TABLE transfers (
     transfer_id     BIGINT NOT NULL,
     seq             BIGINT NOT NULL,  -- transfer sequence number on the source node
@@ -97,6 +104,7 @@ CREATE TABLE transfers (
 );
 
 -- One row per page-set release.
+-- clickhouse: ORDER BY (node, boot, lclock) PARTITION BY toDate(ts) SHARD BY cityHash64(node, boot)
 CREATE TABLE releases (
     node        VARCHAR NOT NULL,
     boot        VARCHAR NOT NULL,
@@ -110,6 +118,7 @@ CREATE TABLE releases (
 );
 
 -- One row per node at start (and whenever its configuration changes).
+-- clickhouse: ORDER BY (node, boot, ts) PARTITION BY toYYYYMM(ts) SHARD BY everywhere
 CREATE TABLE config_snapshots (
     node            VARCHAR NOT NULL,
     boot            VARCHAR NOT NULL,
@@ -131,6 +140,7 @@ CREATE TABLE config_snapshots (
 
 -- Spans, modelled on the OpenTelemetry Collector's ClickHouse `otel_traces` table; attributes as
 -- maps, hot fields promoted to typed columns (snake_case, after the Collector's columns).
+-- clickhouse: ORDER BY (ServiceName, SpanName, toDateTime(Timestamp)) PARTITION BY toDate(Timestamp) SHARD BY cityHash64(ifNull(toString(incarnation), TraceId))
 CREATE TABLE spans (
     "Timestamp"        TIMESTAMP_NS NOT NULL,
     "TraceId"          VARCHAR NOT NULL,
@@ -169,6 +179,7 @@ CREATE TABLE spans (
 );
 
 -- Metric points from the OpenTelemetry metrics SDK (one row per data point per export).
+-- clickhouse: ORDER BY (name, node, boot, ts) PARTITION BY toDate(ts) SHARD BY cityHash64(node, boot)
 CREATE TABLE metrics (
     ts              TIMESTAMP_NS NOT NULL,
     node            VARCHAR NOT NULL,
@@ -185,6 +196,7 @@ CREATE TABLE metrics (
 
 -- Keyed hashes (store secret) of every n-gram of n tokens of each request's prompt and output,
 -- computed when the request finishes: forensics tells "surfaced" from "read" with no plaintext.
+-- clickhouse: ORDER BY (incarnation, role, hash) SHARD BY cityHash64(incarnation)
 CREATE TABLE ngrams (
     incarnation BIGINT NOT NULL,
     role        VARCHAR NOT NULL,     -- prompt | output
@@ -194,6 +206,7 @@ CREATE TABLE ngrams (
 
 -- External probes (`kvledger probe --store`): one row per check of a probe run against an endpoint.
 -- The API keys and canaries never appear in clear: keyed pseudonyms only.
+-- clickhouse: ORDER BY (boot, check_name) PARTITION BY toYYYYMM(ts) SHARD BY everywhere
 CREATE TABLE probe_runs (
     boot            VARCHAR NOT NULL,  -- the probe run (one id per `kvledger probe` invocation)
     ts              TIMESTAMP_NS NOT NULL, -- when the run finished
@@ -210,6 +223,7 @@ CREATE TABLE probe_runs (
     requests        INTEGER NOT NULL   -- requests the whole run sent
 );
 
+-- clickhouse: ORDER BY (boot, check_name) SHARD BY everywhere
 CREATE TABLE probe_findings (
     boot            VARCHAR NOT NULL,  -- the probe run
     check_name      VARCHAR NOT NULL,
@@ -221,6 +235,7 @@ CREATE TABLE probe_findings (
 );
 
 -- KV cache events from vLLM / SGLang publishers (`kvledger collect --kv-events`): one row per event.
+-- clickhouse: ORDER BY (instance, seq) PARTITION BY toDate(ts) SHARD BY cityHash64(instance)
 CREATE TABLE kv_events (
     boot            VARCHAR NOT NULL,  -- the collect run
     instance        VARCHAR NOT NULL,  -- the publisher (its endpoint, or the name given to it)
@@ -242,6 +257,7 @@ CREATE TABLE kv_events (
 
 -- Telemetry the collector knows it lost: sequence gaps in KV event streams (and whether the replay
 -- socket filled them), spans refused under back-pressure. Missing data is never a clean bill.
+-- clickhouse: ORDER BY (instance, detected_at) PARTITION BY toYYYYMM(detected_at) SHARD BY everywhere
 CREATE TABLE telemetry_gaps (
     boot            VARCHAR NOT NULL,
     instance        VARCHAR NOT NULL,
@@ -256,6 +272,7 @@ CREATE TABLE telemetry_gaps (
 
 -- Capacity each foreign engine instance reported in its start-up log (`kvledger ingest-logs`):
 -- vLLM's "GPU KV cache size: N tokens" / "# GPU blocks: N", SGLang's max_total_num_tokens.
+-- clickhouse: ORDER BY (instance, ingested_at) SHARD BY everywhere
 CREATE TABLE capacity (
     boot            VARCHAR NOT NULL,  -- the ingest run
     instance        VARCHAR NOT NULL,  -- name it as the spans' service.instance.id to join them
@@ -267,6 +284,7 @@ CREATE TABLE capacity (
 
 -- Corruption detectors' lines from a foreign engine's log (`kvledger ingest-logs`): KV canary
 -- violations and KV checksum mismatches, one row per line.
+-- clickhouse: ORDER BY (instance, source_file, line_no) SHARD BY everywhere
 CREATE TABLE engine_log_events (
     boot            VARCHAR NOT NULL,
     instance        VARCHAR NOT NULL,

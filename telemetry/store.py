@@ -441,7 +441,12 @@ def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConne
 
 def resolve_run(config_snapshots: duckdb.DuckDBPyRelation, run: str) -> str:
     """The boot id a user named by a unique prefix (as git names commits)."""
-    boots = sorted({r[0] for r in config_snapshots.select(duckdb.ColumnExpression("boot")).fetchall()})
+    return resolve_boot({r[0] for r in config_snapshots.select(duckdb.ColumnExpression("boot")).fetchall()}, run)
+
+
+def resolve_boot(boots: "set[str] | list[str]", run: str) -> str:
+    """The one boot id of ``boots`` that ``run`` names (a unique prefix; '' names the pre-boot run)."""
+    boots = sorted(set(boots))
     hits = [b for b in boots if b.startswith(run)] if run else [b for b in boots if b == ""]
     if len(hits) == 1:
         return hits[0]

@@ -14,7 +14,7 @@ WITH r AS (
 ),
 s AS (
     SELECT instance, uncached_tokens AS x, ttft_s AS y FROM (
-        SELECT *, row_number() OVER (PARTITION BY instance ORDER BY hash(span_id), span_id) AS k FROM r) WHERE k <= 200
+        SELECT *, row_number() OVER (PARTITION BY instance ORDER BY md5(span_id), span_id) AS k FROM r) WHERE k <= 200
 ),
 slope AS (
     SELECT a.instance, median((b.y - a.y) / (b.x - a.x)) AS s_per_token

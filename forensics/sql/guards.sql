@@ -11,7 +11,7 @@ pts AS (
     FROM metrics WHERE name = 'kvledger.guard.checks' GROUP BY ALL
 ),
 g AS (
-    SELECT guard, bool_or(enabled) AS enabled, list(DISTINCT node ORDER BY node) FILTER (WHERE enabled) AS on_nodes
+    SELECT guard, bool_or(enabled) AS enabled, coalesce(list(DISTINCT node ORDER BY node) FILTER (WHERE enabled), []) AS on_nodes
     FROM cfg GROUP BY guard
 )
 SELECT g.guard, g.enabled, g.on_nodes,

@@ -1,0 +1,2 @@
+-- Exposures in the window [from, to] (see exposures_in.sql).
+SELECT * FROM (@exposures_in@)

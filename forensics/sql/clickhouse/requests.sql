@@ -1,0 +1,11 @@
+-- One row per request incarnation, from its root span (see ../requests.sql).
+SELECT incarnation, any(node) AS node, any(boot) AS boot, any(tenant_h) AS tenant_h, any(scope_h) AS scope_h,
+       any("Timestamp") AS arrived_at,
+       any("Timestamp" + toIntervalMicrosecond(intDiv("Duration", 1000))) AS finished_at,
+       any(input_tokens) AS prompt_tokens_billed, any(prefilled_tokens) AS prompt_tokens_prefilled,
+       any(cached_tokens) AS prompt_tokens_cached, any(output_tokens) AS output_tokens,
+       any(ttft_s) AS ttft_s, any(finish_reason) AS finish_reason, any(error_type) AS error_type,
+       any(rejected_at) AS rejected_at, any("StatusMessage") AS error
+FROM spans
+WHERE operation = 'request'
+GROUP BY incarnation

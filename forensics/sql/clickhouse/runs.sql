@@ -1,0 +1,24 @@
+-- The runs a store holds, one row per boot, oldest first (see ../runs.sql).
+WITH cfg AS (
+    SELECT boot, arraySort(groupUniqArray(concat(node, ' (', role, ')'))) AS nodes,
+           arrayStringConcat(arraySort(groupUniqArray(policy)), ',') AS policy,
+           arrayStringConcat(arraySort(groupUniqArray(isolation_level)), ',') AS isolation_level,
+           argMin(model, ts) AS model, min(ts) AS started_at
+    FROM config_snapshots GROUP BY boot
+),
+req AS (
+    SELECT boot, toInt64(count()) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
+    FROM requests GROUP BY boot
+),
+exposed AS (
+    SELECT boot, toInt64(uniqExact(response)) AS responses_reading_foreign_kv
+    FROM exposure_slots
+    WHERE response NOT IN (SELECT incarnation FROM requests WHERE error_type = 'ReadCheckViolation')
+    GROUP BY boot
+)
+SELECT cfg.boot AS boot, cfg.policy AS policy, cfg.nodes AS nodes, cfg.isolation_level AS isolation_level,
+       cfg.model AS model, coalesce(req.requests, 0) AS requests,
+       coalesce(exposed.responses_reading_foreign_kv, 0) AS exposed_responses,
+       cfg.started_at AS started_at, greatest(cfg.started_at, req.last_request) AS last_seen
+FROM cfg LEFT JOIN req ON req.boot = cfg.boot LEFT JOIN exposed ON exposed.boot = cfg.boot
+ORDER BY started_at, boot
