@@ -23,6 +23,7 @@ from dashboard.data import Filters, Panels  # noqa: E402
 
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
 REFRESH = float(os.environ.get("KVLEDGER_REFRESH_S", "2"))
+ENGINE = {"engine": os.environ.get("KVLEDGER_ENGINE", "duckdb"), "dsn": os.environ.get("KVLEDGER_DSN") or None}
 RED, GREEN = "#d62728", "#2ca02c"
 
 st.set_page_config(page_title="kvledger - KV exposure", layout="wide")
@@ -51,7 +52,7 @@ def window_start(window: str) -> dt.datetime | None:
 with st.sidebar:
     st.header("Filters")
     window = st.selectbox("Window", ["whole store", "last 5 minutes", "last hour", "last day"], key="window")
-    meta = Panels(STORE, Filters(start=window_start(window)))
+    meta = Panels(STORE, Filters(start=window_start(window)), engine=ENGINE)
     meta.prefetch()         # every query of the page at once, while the sidebar fills in
     tenant = st.selectbox("Tenant", ["all"] + meta.tenants(), key="tenant")
     node = st.selectbox("Node", ["all"] + meta.node_names(), key="node")
@@ -98,7 +99,7 @@ def live() -> None:
     snap = _THIS_RUN.pop("snapshot", None)
     if snap is None:                        # a fragment rerun: time it from here, on a fresh snapshot
         _T0 = time.perf_counter()
-    p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap)
+    p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap, engine=ENGINE)
     p.prefetch()
     if p.fx.unverified_note:
         st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon="🚨")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from forensics.api import Forensics
+from forensics.clickhouse import open_forensics
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,14 +32,17 @@ PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guar
 class Panels:
     """One snapshot of the store (re-open it to see newer segments)."""
 
-    def __init__(self, store: str | Path, f: Filters = Filters(), same_snapshot_as: "Panels | None" = None):
+    def __init__(self, store: str | Path, f: Filters = Filters(), same_snapshot_as: "Panels | None" = None,
+                 engine: dict | None = None):
         """same_snapshot_as: share that Panels' snapshot and query results (one script run opens
-        the store once; filters other than the window apply afterwards, in polars)."""
+        the store once; filters other than the window apply afterwards, in polars). engine:
+        open_forensics's engine arguments (default DuckDB; the app takes them from KVLEDGER_ENGINE,
+        KVLEDGER_DSN)."""
         self.f = f
         if same_snapshot_as is None:
             # verified on every snapshot, incrementally (segments already hashed are not hashed again);
             # a store that does not verify is still shown, under the banner unverified_note names
-            self.fx, self._memo = Forensics(store, allow_unverified=True, cache=VERIFIED), {}
+            self.fx, self._memo = open_forensics(store, allow_unverified=True, cache=VERIFIED, **(engine or {})), {}
         else:
             self.fx, self._memo = same_snapshot_as.fx, same_snapshot_as._memo
 
@@ -144,7 +147,7 @@ class Panels:
         flagged = ttft.filter(pl.col("below_floor") | pl.col("request_id").is_in(list(over))).select(
             "instance", "request_id", "prompt_tokens_billed", "ttft_s", "ttft_floor_s", "below_floor",
             over_pool=pl.col("request_id").is_in(list(over)))
-        ledger = self.fx.con.sql("SELECT count(*) FROM page_reads").fetchall()[0][0] > 0
+        ledger = self.fx.rows("page_reads") > 0
         return flagged, self._q("canary"), ledger
 
     def probes(self) -> pl.DataFrame:

@@ -122,5 +122,9 @@ class Forensics:
         self._ensure("requests")
         return self.con.table("requests").pl()
 
+    def rows(self, table: str) -> int:
+        """Rows of one store table in this snapshot (e.g. whether the store has a page ledger at all)."""
+        return self.con.table(table).count("*").fetchall()[0][0]
+
     def close(self) -> None:
         self.con.close()

@@ -294,7 +294,11 @@ def cmd_dashboard(args) -> int:
         print(f"kvledger: note: no store at {args.store} yet; the dashboard shows it once the engine writes there",
               file=sys.stderr)
     app = Path(dashboard.__file__).with_name("app.py")
-    env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh)}
+    err = _check_engine(args)
+    if err:
+        return _die(err)
+    env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh),
+           "KVLEDGER_ENGINE": args.engine, "KVLEDGER_DSN": args.dsn or ""}
     print(f"kvledger dashboard on http://{args.host}:{args.port} (store {args.store})", file=sys.stderr)
     return run_child([sys.executable, "-m", "dashboard.serve", str(app), "--server.address", args.host,
                       "--server.port", str(args.port), "--server.headless", "true",
@@ -339,15 +343,44 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def _check_engine(args) -> str | None:
+    """The engine options agree with each other (checked before anything is opened)."""
+    engine, dsn = args.engine, getattr(args, "dsn", None)
+    if engine == "clickhouse" and not dsn:
+        return "--engine clickhouse needs --dsn clickhouse://HOST:8123/DATABASE (the server `kvledger export` fills)"
+    if dsn and engine != "clickhouse":
+        return f"--dsn is for --engine clickhouse (got --engine {engine})"
+    if getattr(args, "spans_table", None) and engine == "duckdb":
+        return "--spans-table reads a ClickHouse table: use it with --engine chdb or --engine clickhouse"
+    if getattr(args, "chdb_path", None) and engine != "chdb":
+        return f"--chdb-path is for --engine chdb (got --engine {engine})"
+    return None
+
+
+def _engine_args(args, spans: bool = False) -> dict:
+    kw = {"engine": args.engine}
+    if args.engine == "clickhouse":
+        kw["dsn"] = args.dsn
+    if args.engine == "chdb" and args.chdb_path:
+        kw["chdb_path"] = args.chdb_path
+    if spans and args.engine != "duckdb":
+        kw["spans_table"], kw["tenant_attribute"] = args.spans_table, args.tenant_attribute
+    return kw
+
+
 def cmd_forensics(args) -> int:
-    from forensics.api import Forensics
+    from forensics.clickhouse import open_forensics
     from forensics.output import emit
 
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
     if args.start is not None and args.end is not None and args.start > args.end:
         return _die(f"--from {args.start.isoformat()}Z is after --to {args.end.isoformat()}Z: the window would be empty")
-    fx = Forensics(args.store, run=args.run, allow_unverified=args.allow_unverified, anchor=args.anchor)
+    err = _check_engine(args)
+    if err:
+        return _die(err)
+    fx = open_forensics(args.store, args.run, allow_unverified=args.allow_unverified, anchor=args.anchor,
+                        **_engine_args(args, spans=True))
     df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
     note = fx.unverified_note
     if note:
@@ -363,11 +396,14 @@ def cmd_report(args) -> int:
 
     if Path(args.out).exists() and not Path(args.out).is_dir():
         return _die(f"--out {args.out} exists and is not a directory (the report writes several files into one)")
+    err = _check_engine(args)
+    if err:
+        return _die(err)
     try:
         events = [parse_event(e) for e in args.event]
         report = build(args.store, args.start, args.end, events, args.include_excerpts, run=args.run,
                        allow_early_awareness=args.allow_early_awareness, allow_unverified=args.allow_unverified,
-                       anchor=args.anchor)
+                       anchor=args.anchor, engine=_engine_args(args))
     except ValueError as e:
         return _die(str(e))
     for p in write(report, args.out):
@@ -377,6 +413,49 @@ def cmd_report(args) -> int:
           f"{c['donor_tenants']} donor tenant(s); chain {'intact' if report['provenance']['chain_ok'] else 'BROKEN'}",
           file=sys.stderr)
     return 0 if report["provenance"]["chain_ok"] else 1
+
+
+def cmd_export(args) -> int:
+    import signal
+    import threading
+
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from telemetry.clickhouse import connect, ddl, export
+
+    if args.print_ddl:
+        print(";\n\n".join(ddl(args.database, args.cluster)) + ";")
+        return 0
+    if not args.to:
+        return _die("export needs --to clickhouse://HOST:8123/DATABASE (or chdb:PATH for embedded ClickHouse)")
+    if args.interval <= 0:
+        return _die(f"--interval must be > 0 seconds, got {args.interval}")
+    if not (Path(args.store) / "chain").is_dir():
+        return _die(f"no kvledger store at {args.store} (expected {args.store}/chain)")
+    target = connect(args.to)
+    err = Console(stderr=True)
+    stop = threading.Event()
+    old = {s: signal.signal(s, lambda *_: stop.set()) for s in (signal.SIGTERM, signal.SIGINT)} if args.follow else {}
+    cache: dict = {}
+    try:
+        while True:
+            with Progress(TextColumn("export"), BarColumn(), MofNCompleteColumn(), TextColumn("segments"),
+                          TextColumn("{task.fields[rows]:,} rows"), TimeRemainingColumn(), console=err,
+                          transient=True) as bar:
+                task = bar.add_task("export", total=None, rows=0)
+                res = export(args.store, target, anchor=args.anchor, cache=cache,
+                             progress=lambda done, total, rows: bar.update(task, completed=done, total=total, rows=rows))
+            if res["segments"] or not args.follow:
+                print(f"exported {res['segments']} segment(s), {res['rows']:,} rows of store {res['store_id']} to "
+                      f"{target.url} ({res['skipped']} already there; head {res['head'][:16]} at seq {res['seq']})",
+                      file=sys.stderr, flush=True)
+            if not args.follow or stop.wait(args.interval):
+                return 0
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        target.close()
 
 
 def cmd_serve(args) -> int:
@@ -586,6 +665,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     d.add_argument("--port", type=int, default=8501)
     d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
+    d.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
+                   help="SQL engine behind the panels: duckdb (default), chdb (embedded ClickHouse), clickhouse (--dsn)")
+    d.add_argument("--dsn", default=None, metavar="URL", help="--engine clickhouse: clickhouse://HOST:8123/DATABASE")
     d.set_defaults(func=cmd_dashboard)
     v = sub.add_parser("verify", help="verify the store's signed chain against its anchor; non-zero exit naming "
                                       "the first broken link or the truncation; needs no secret, writes nothing")
@@ -608,6 +690,20 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--allow-unverified", action="store_true",
                    help="answer even when the store does not verify (every output then says so)")
     f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+    f.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
+                    help="SQL engine: duckdb over the local store (default); chdb: embedded ClickHouse over the local "
+                         "store (nothing to start); clickhouse: a server `kvledger export` filled (--dsn)")
+    f.add_argument("--dsn", default=None, metavar="URL",
+                    help="--engine clickhouse: clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE (clickhouses:// for "
+                         "HTTPS)")
+    f.add_argument("--chdb-path", default=None, metavar="DIR",
+                    help="--engine chdb: where embedded ClickHouse keeps its copy of the store (default "
+                         "$KVLEDGER_CHDB_PATH or ~/.cache/kvledger/chdb)")
+    f.add_argument("--spans-table", default=None, metavar="[DB.]TABLE",
+                    help="ClickHouse engines: read spans from an OpenTelemetry Collector `otel_traces` table in place "
+                         "(TTFT, usage honesty, impact, fleet queries)")
+    f.add_argument("--tenant-attribute", default="tenant.id",
+                    help="--spans-table: the span or resource attribute naming the tenant (default tenant.id)")
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
     rp.add_argument("--store", default="./kvledger-store")
@@ -628,7 +724,32 @@ def build_parser() -> argparse.ArgumentParser:
                          "usually a wrong time or zone)")
     rp.add_argument("--include-excerpts", action="store_true",
                     help="add the keyed n-gram evidence per exposure (the store holds no plaintext)")
+    rp.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
+                    help="SQL engine: duckdb over the local store (default); chdb: embedded ClickHouse over the local "
+                         "store (nothing to start); clickhouse: a server `kvledger export` filled (--dsn)")
+    rp.add_argument("--dsn", default=None, metavar="URL",
+                    help="--engine clickhouse: clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE (clickhouses:// for "
+                         "HTTPS)")
+    rp.add_argument("--chdb-path", default=None, metavar="DIR",
+                    help="--engine chdb: where embedded ClickHouse keeps its copy of the store (default "
+                         "$KVLEDGER_CHDB_PATH or ~/.cache/kvledger/chdb)")
     rp.set_defaults(func=cmd_report)
+    ex = sub.add_parser("export", help="copy the store into ClickHouse (a server, or embedded chdb), idempotent per "
+                                       "segment; --follow keeps copying a live store")
+    ex.add_argument("--to", default=None, metavar="URL",
+                    help="clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE, clickhouses://... (HTTPS), or "
+                         "chdb:DIR[?db=NAME] (embedded ClickHouse, database kvledger by default)")
+    ex.add_argument("--store", default="./kvledger-store", help="the store to copy (default ./kvledger-store)")
+    ex.add_argument("--follow", action="store_true",
+                    help="keep copying new segments every --interval seconds until SIGTERM/SIGINT")
+    ex.add_argument("--interval", type=float, default=2.0, help="--follow: seconds between passes (default 2)")
+    ex.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+    ex.add_argument("--print-ddl", action="store_true",
+                    help="print the ClickHouse DDL (generated from schema.sql) and exit; nothing is copied")
+    ex.add_argument("--database", default="kvledger", help="--print-ddl: the database name (default kvledger)")
+    ex.add_argument("--cluster", default=None, metavar="NAME",
+                    help="--print-ddl: the cluster variant (ReplicatedMergeTree shards behind Distributed tables)")
+    ex.set_defaults(func=cmd_export)
     return p
 
 

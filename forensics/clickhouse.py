@@ -23,6 +23,7 @@ import datetime as dt
 import itertools
 import os
 import re
+import weakref
 from functools import cache
 from pathlib import Path
 
@@ -141,6 +142,7 @@ class ClickHouseForensics:
             boots = self.target.query_arrow(f"SELECT DISTINCT boot FROM `{self.db}`.config_snapshots").column(0)
             self.boot = resolve_boot(boots.to_pylist(), run)
         self._made: list[str] = []
+        self._drop = weakref.finalize(self, _drop_temporary, self.target, self.uid, self._made)
 
     # ---- SQL binding ----
     def _source(self, table: str) -> str:
@@ -219,14 +221,26 @@ class ClickHouseForensics:
         self._ensure("requests")
         return to_polars(self.target.query_arrow(f"SELECT * FROM {self.uid}_requests", None, SETTINGS))
 
+    def rows(self, table: str) -> int:
+        if table not in arrow_schemas():
+            raise KeyError(f"no table {table!r} in the store schema")
+        text = self._bind(f"SELECT count() FROM {table}")
+        return int(self.target.query_arrow(text, self._params(text, None, None, {}), SETTINGS).column(0)[0].as_py())
+
     def close(self) -> None:
-        for m in self._made:
-            try:
-                self.target.command(f"DROP TEMPORARY TABLE IF EXISTS {self.uid}_{m}")
-            except ClickHouseError:
-                pass
-        self._made = []
+        self._drop()
         self.target.close()
+
+
+def _drop_temporary(target: Target, uid: str, made: list[str]) -> None:
+    """Drop an instance's temporary tables (on close, or when it is garbage collected: a dashboard
+    opens a snapshot per refresh, and chdb's session outlives them all)."""
+    for m in made:
+        try:
+            target.command(f"DROP TEMPORARY TABLE IF EXISTS {uid}_{m}")
+        except ClickHouseError:
+            pass
+    made.clear()
 
 
 def to_polars(t: pa.Table) -> pl.DataFrame:

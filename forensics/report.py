@@ -18,7 +18,8 @@ import jsonschema
 import polars as pl
 from markdown_it import MarkdownIt
 
-from forensics.api import Forensics, query_hashes
+from forensics.api import query_hashes
+from forensics.clickhouse import open_forensics
 from forensics.output import json_rows
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
@@ -68,10 +69,11 @@ class ReportError(ValueError):
 def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime | None = None,
           events: list[Event] = (), include_excerpts: bool = False, run: str | None = None,
           allow_early_awareness: bool = False, allow_unverified: bool = False,
-          anchor: str | Path | None = None) -> dict:
+          anchor: str | Path | None = None, engine: dict | None = None) -> dict:
+    """``engine``: open_forensics's engine arguments (engine, dsn, chdb_path); default DuckDB."""
     if start is not None and end is not None and start > end:
         raise ReportError(f"--from {_iso(start)} is after --to {_iso(end)}: the window would be empty")
-    fx = Forensics(store, run=run, allow_unverified=allow_unverified, anchor=anchor)
+    fx = open_forensics(store, run, allow_unverified=allow_unverified, anchor=anchor, **(engine or {}))
     v = fx.verdict
     runs = fx.query("runs")
     ex = fx.query("exposures", start, end)
@@ -90,7 +92,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
     detectors = fx.query("canary")
     shared_blocks = fx.query("cache_scopes")
     gaps = fx.query("gaps")
-    has_ledger = fx.con.sql("SELECT count(*) FROM page_reads").fetchall()[0][0] > 0
+    has_ledger = fx.rows("page_reads") > 0
     exposed = ex.filter(pl.col("severity") != "blocked")          # blocked reads returned nothing: no exposure
     blocked = ex.filter(pl.col("severity") == "blocked")
     real = exposed.filter(pl.col("donor") != -1)

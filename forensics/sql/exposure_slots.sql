@@ -55,7 +55,7 @@ split AS (     -- reads of a cut group: the run they belong to is the last cut a
 ),
 runs AS (
     SELECT node, boot, reader, page, generation, block_index, bad_mask,
-           max(slots_read) AS slots_read, fsum(attention_mass) AS attention_mass, sum(n_reads) AS n_reads,
+           max(slots_read) AS slots_read, fsum(attention_mass) AS attention_mass, sum(n_reads)::BIGINT AS n_reads,
            min(step_first) AS step_first, max(step_last) AS step_last, min(lclock_first) AS lclock_first,
            min(ts_first) AS ts_first, max(ts_last) AS ts_last, any_value(trace_id) AS trace_id,
            any_value(span_id) AS span_id

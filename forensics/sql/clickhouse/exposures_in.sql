@@ -10,7 +10,7 @@ mass AS (
     SELECT response, donor, sumKahan(attention_mass) AS attention_mass FROM runs GROUP BY response, donor
 )
 SELECT e.response AS response, r.tenant_h AS response_tenant, e.donor AS donor, d.tenant_h AS donor_tenant,
-       coalesce(r.tenant_h = d.tenant_h, false) AS same_tenant,
+       toBool(coalesce(r.tenant_h = d.tenant_h, false)) AS same_tenant,
        any(e.boot) AS boot,
        arraySort(groupUniqArray(e.kind)) AS kinds,
        toInt64(uniqExact(e.node, e.boot, e.page)) AS pages,

@@ -30,8 +30,8 @@ SELECT r.instance AS instance, r.request_id AS request_id, r.tenant_h AS tenant_
        r.uncached_tokens AS uncached_tokens, r.output_tokens AS output_tokens, r.ttft_s AS ttft_s,
        f.base_s + f.s_per_token * r.uncached_tokens AS ttft_expected_s,
        {slack:Float64} * (f.base_s + f.s_per_token * r.uncached_tokens) AS ttft_floor_s, f.fitted_on AS fitted_on,
-       coalesce(f.s_per_token > 0 AND r.ttft_s < {slack:Float64} * (f.base_s + f.s_per_token * r.uncached_tokens), false)
-           AS below_floor,
+       toBool(coalesce(f.s_per_token > 0 AND r.ttft_s < {slack:Float64} * (f.base_s + f.s_per_token * r.uncached_tokens),
+                       false)) AS below_floor,
        r.arrived_at AS arrived_at
 FROM r LEFT JOIN fit AS f ON f.instance = r.instance
 ORDER BY below_floor DESC, arrived_at, instance, request_id

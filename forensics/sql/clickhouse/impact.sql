@@ -9,7 +9,7 @@ pool AS (
 SELECT r.incarnation AS incarnation, r.tenant_h AS tenant_h, r.arrived_at AS arrived_at, p.prefill_node AS prefill_node,
        r.prompt_tokens_billed AS prompt_tokens_billed, pool.pool_tokens AS pool_tokens,
        r.prompt_tokens_prefilled AS prompt_tokens_prefilled, r.finish_reason AS finish_reason,
-       r.error_type AS error_type, r.error IS NOT NULL AND r.error != '' AS errored
+       r.error_type AS error_type, toBool(r.error IS NOT NULL AND r.error != '') AS errored
 FROM requests AS r
 JOIN prefill_node AS p ON p.incarnation = r.incarnation
 JOIN pool ON pool.node = p.prefill_node AND pool.boot = p.boot

@@ -11,7 +11,7 @@ WITH t AS (
     WHERE ts_landed BETWEEN {from:DateTime64(9, 'UTC')} AND {to:DateTime64(9, 'UTC')}
 )
 SELECT transfer_id, seq, incarnation, src_node, dst_node, nr AS reserved, ns AS sent, nl AS landed,
-       lr AS landed_equals_reserved, checksum_ok, checksum_dst IS NOT NULL AS checksum_verified, outcome,
+       lr AS landed_equals_reserved, checksum_ok, toBool(checksum_dst IS NOT NULL) AS checksum_verified, outcome,
        lr AND coalesce(checksum_ok, true) AS integrity_ok,
        ts_submit, ts_landed, (toUnixTimestamp64Nano(ts_landed) - toUnixTimestamp64Nano(ts_submit)) / 1e6 AS transfer_ms
 FROM t

@@ -25,8 +25,8 @@ SELECT r.incarnation AS incarnation, r.node AS node, r.tenant_h AS tenant_h, r.p
        r.prompt_tokens_prefilled AS prompt_tokens_prefilled, r.prompt_tokens_cached AS prompt_tokens_cached,
        r.output_tokens AS output_tokens, r.ttft_s AS ttft_s, r.queue_s AS queue_s, r.service_ttft_s AS service_ttft_s,
        rate.s_per_token * r.uncached_tokens * {slack:Float64} AS ttft_floor_s, rate.healthy_requests AS healthy_requests,
-       coalesce(r.service_ttft_s < rate.s_per_token * r.uncached_tokens * {slack:Float64}, false) AS below_floor,
-       r.prompt_tokens_billed > r.prompt_tokens_prefilled + coalesce(r.prompt_tokens_cached, 0) AS usage_dishonest,
+       toBool(coalesce(r.service_ttft_s < rate.s_per_token * r.uncached_tokens * {slack:Float64}, false)) AS below_floor,
+       toBool(r.prompt_tokens_billed > r.prompt_tokens_prefilled + coalesce(r.prompt_tokens_cached, 0)) AS usage_dishonest,
        r.finish_reason AS finish_reason, r.arrived_at AS arrived_at
 FROM r CROSS JOIN rate
 ORDER BY usage_dishonest DESC, below_floor DESC, arrived_at, incarnation
