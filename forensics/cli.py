@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -290,13 +291,13 @@ def cmd_dashboard(args) -> int:
         return _die(f"--port must be in 1..65535, got {args.port}")
     if args.refresh <= 0:
         return _die(f"--refresh must be > 0 seconds, got {args.refresh}")
+    err = _check_engine(args)
+    if err:
+        return _die(err)
     if not (Path(args.store) / "chain").is_dir():
         print(f"kvledger: note: no store at {args.store} yet; the dashboard shows it once the engine writes there",
               file=sys.stderr)
     app = Path(dashboard.__file__).with_name("app.py")
-    err = _check_engine(args)
-    if err:
-        return _die(err)
     env = {**os.environ, "KVLEDGER_STORE": str(Path(args.store).resolve()), "KVLEDGER_REFRESH_S": str(args.refresh),
            "KVLEDGER_ENGINE": args.engine, "KVLEDGER_DSN": args.dsn or ""}
     print(f"kvledger dashboard on http://{args.host}:{args.port} (store {args.store})", file=sys.stderr)
@@ -350,8 +351,11 @@ def _check_engine(args) -> str | None:
         return "--engine clickhouse needs --dsn clickhouse://HOST:8123/DATABASE (the server `kvledger export` fills)"
     if dsn and engine != "clickhouse":
         return f"--dsn is for --engine clickhouse (got --engine {engine})"
-    if getattr(args, "spans_table", None) and engine == "duckdb":
+    spans = getattr(args, "spans_table", None)
+    if spans and engine == "duckdb":
         return "--spans-table reads a ClickHouse table: use it with --engine chdb or --engine clickhouse"
+    if spans and not re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)?", spans):
+        return f"--spans-table {spans!r}: expected TABLE or DATABASE.TABLE (letters, digits, _)"
     if getattr(args, "chdb_path", None) and engine != "chdb":
         return f"--chdb-path is for --engine chdb (got --engine {engine})"
     return None

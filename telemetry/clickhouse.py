@@ -175,9 +175,10 @@ def chdb_session(path: str | Path):
 
 
 def _literal(v) -> str:
+    """A query parameter's value as ClickHouse reads it (TSV-escaped text)."""
     if isinstance(v, dt.datetime):
         return v.strftime("%Y-%m-%d %H:%M:%S.%f")
-    return str(v)
+    return str(v).replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t")
 
 
 class ChdbTarget(Target):

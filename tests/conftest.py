@@ -25,6 +25,8 @@ import pytest
 # keys and anchors live outside every store, in a per-user state directory: the tests get their own
 # (subprocesses inherit it), never the user's ~/.local/state/kvledger
 os.environ.setdefault("KVLEDGER_STATE_DIR", tempfile.mkdtemp(prefix="kvledger-test-state-"))
+# embedded ClickHouse (chdb) keeps one data directory per process: each test process gets its own
+os.environ["KVLEDGER_CHDB_PATH"] = tempfile.mkdtemp(prefix="kvledger-test-chdb-")
 
 from engine.config import EngineConfig
 from engine.pool import KVPool
@@ -74,6 +76,20 @@ def glm53_hardened(tmp_path_factory):
 @pytest.fixture(scope="session")
 def glm53_unified(tmp_path_factory):
     return _replay(tmp_path_factory, "vulnerable", "unified")
+
+
+# ---- several runs in one store (test_runs, test_clickhouse: @pytest.mark.xdist_group("runs")) ----
+MIXED = [("late_write", "vulnerable"), ("double_free", "vulnerable"), ("late_write", "hardened"),
+         ("offload_race", "vulnerable")]
+
+
+@pytest.fixture(scope="session")
+def mixed(tmp_path_factory):
+    """Four runs, one store: node names (prefill0, decode0), page numbers and logical clocks all
+    restart with every run - exactly what once made reads of one run match writes of another."""
+    from engine.faults import run_fault
+    store = tmp_path_factory.mktemp("mixed")
+    return store, [run_fault(name, policy, store=str(store), flush_interval=0.2) for name, policy in MIXED]
 
 
 # ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine) ----------

@@ -13,10 +13,9 @@ from engine.faults import run_fault
 from engine.scenarios import glm53
 from forensics.api import Forensics
 from forensics.cli import main
+from tests.conftest import MIXED
 
 pytestmark = pytest.mark.xdist_group("runs")
-MIXED = [("late_write", "vulnerable"), ("double_free", "vulnerable"), ("late_write", "hardened"),
-         ("offload_race", "vulnerable")]
 
 
 def slot_set(slots) -> set[tuple]:
@@ -29,14 +28,6 @@ def split_blocked(fx: Forensics) -> tuple[set[tuple], set[tuple]]:
     stopped = set(req.filter(req["error_type"] == "ReadCheckViolation")["incarnation"])
     slots = slot_set(fx.exposure_slots())
     return {s for s in slots if s[0] not in stopped}, {s for s in slots if s[0] in stopped}
-
-
-@pytest.fixture(scope="session")
-def mixed(tmp_path_factory):
-    """Four runs, one store: node names (prefill0, decode0), page numbers and logical clocks all
-    restart with every run - exactly what once made reads of one run match writes of another."""
-    store = tmp_path_factory.mktemp("mixed")
-    return store, [run_fault(name, policy, store=str(store), flush_interval=0.2) for name, policy in MIXED]
 
 
 def test_a_store_of_several_runs_answers_the_union_of_each_runs_answer(mixed):

@@ -1,0 +1,419 @@
+"""The store and every forensic query on ClickHouse (issue 22), through embedded ClickHouse (chdb):
+the same stores the DuckDB tests use, the same answers row for row; the DDL generated from
+schema.sql; the export idempotent and resumable; a two-shard split whose union is the whole; spans
+read in place from a Collector-shaped ``otel_traces`` table."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+import pytest
+from polars.testing import assert_frame_equal
+
+from forensics.api import Forensics, QUERIES
+from forensics.cli import FORENSIC_QUERIES, main
+from forensics.clickhouse import ClickHouseForensics
+from telemetry.chain import read_chain
+from telemetry.clickhouse import ClickHouseError, columns, connect, ddl, export, follow, layouts
+from telemetry.schema import arrow_schemas
+from telemetry.store import SegmentWriter
+
+CHDB = os.environ["KVLEDGER_CHDB_PATH"]          # this test process's embedded ClickHouse (conftest)
+ALL = list(FORENSIC_QUERIES)
+assert set(QUERIES) <= set(ALL)
+
+
+def kind(t: pl.DataType) -> str:
+    """A column type up to width: ClickHouse counts in UInt64 where DuckDB uses BIGINT, etc."""
+    if t == pl.Boolean:
+        return "bool"
+    if t.is_integer():
+        return "int"
+    if t.is_float():
+        return "float"
+    if t == pl.Datetime:
+        return f"datetime[{t.time_unit}]"
+    if t == pl.List:
+        return f"list[{kind(t.inner)}]"
+    return str(t.base_type())
+
+
+def same(a: pl.DataFrame, b: pl.DataFrame, what: str, ordered: bool = True) -> None:
+    assert a.columns == b.columns, f"{what}: columns differ"
+    assert [kind(t) for t in a.dtypes] == [kind(t) for t in b.dtypes], f"{what}: {a.dtypes} vs {b.dtypes}"
+    if not ordered:
+        a, b = a.sort(a.columns, nulls_last=True), b.sort(a.columns, nulls_last=True)
+    assert_frame_equal(a, b, check_dtypes=False, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
+    """Every named query, and the two materialised tables, on DuckDB and on chdb: equal, row for row."""
+    d = Forensics(store, run)
+    c = ClickHouseForensics(store, run)
+    try:
+        rows = {}
+        for name in ALL:
+            a, b = d.query(name), c.query(name)
+            same(a, b, name)
+            rows[name] = a.height
+        same(d.exposure_slots(), c.exposure_slots(), "exposure_slots", ordered=False)
+        same(d.requests(), c.requests(), "requests", ordered=False)
+        return rows
+    finally:
+        c.close()
+
+
+@pytest.mark.xdist_group("glm53")
+@pytest.mark.parametrize("which", ["glm53_vulnerable", "glm53_hardened", "glm53_unified"])
+def test_clickhouse_answers_every_query_as_duckdb_does_on_the_incident(which, request):
+    res, store = request.getfixturevalue(which)
+    rows = assert_engines_agree(store)
+    assert rows["ttft"] > 0 and rows["preflight"] > 0
+    if which == "glm53_vulnerable":
+        assert rows["exposures"] > 0 and rows["impact"] > 0, "the comparison covers real findings"
+
+
+@pytest.mark.xdist_group("runs")
+def test_clickhouse_answers_as_duckdb_on_a_store_of_many_runs_and_on_each_run(mixed):
+    store, results = mixed
+    rows = assert_engines_agree(store)
+    assert rows["runs"] == len(results) and rows["exposures"] > 0
+    boots = Forensics(store).query("runs")["boot"].to_list()
+    for boot in boots[:2]:
+        assert_engines_agree(store, run=boot[:10])      # --run with a prefix, as a person types it
+
+
+@pytest.fixture(scope="session")
+def other_faults(tmp_path_factory):
+    """The bug family's faults the mixed store does not hold, both policies, in one store."""
+    from engine.faults import FAULTS, run_fault
+    from tests.conftest import MIXED
+    store = tmp_path_factory.mktemp("other-faults")
+    names = [n for n in FAULTS if n not in {m for m, _ in MIXED}]
+    for name in names:
+        for policy in ("vulnerable", "hardened"):
+            run_fault(name, policy, store=str(store), flush_interval=0.2)
+    return store, names
+
+
+@pytest.mark.xdist_group("runs")
+def test_clickhouse_answers_as_duckdb_on_the_rest_of_the_bug_family(other_faults):
+    store, names = other_faults
+    rows = assert_engines_agree(store)
+    assert len(names) == 3 and rows["runs"] == 6 and rows["exposures"] > 0
+
+
+# ---- a foreign fleet: spans, KV events, logs, gaps, probes ---------------------------------------
+def _otlp_request(n: int = 44):
+    """vLLM-named request spans as an OTLP export request: healthy TTFT growing with the prompt,
+    and every 11th an over-pool prompt answered at the floor (the incident)."""
+    import random
+
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
+    from opentelemetry.proto.trace.v1.trace_pb2 import ResourceSpans, ScopeSpans, Span
+
+    def kv(k, v):
+        val = AnyValue(int_value=v) if isinstance(v, int) else AnyValue(double_value=v) if isinstance(v, float) \
+            else AnyValue(string_value=v)
+        return KeyValue(key=k, value=val)
+
+    rnd, spans, incident = random.Random(7), [], set()
+    t0 = 1_790_000_000_000_000_000
+    for i in range(n):
+        tokens = rnd.randint(1300, 2000) if i % 11 == 5 else rnd.randint(40, 1100)
+        ttft = 0.012 * rnd.uniform(0.9, 1.1) if tokens > 1200 else (0.01 + 1e-4 * tokens) * rnd.uniform(0.9, 1.1)
+        if tokens > 1200:
+            incident.add(f"cmpl-{i}")
+        start = t0 + i * 50_000_000
+        spans.append(Span(trace_id=i.to_bytes(16, "big"), span_id=(i + 1).to_bytes(8, "big"), name="llm_request",
+                          kind=Span.SPAN_KIND_SERVER, start_time_unix_nano=start, end_time_unix_nano=start + 90_000_000,
+                          attributes=[kv("gen_ai.usage.prompt_tokens", tokens), kv("gen_ai.usage.completion_tokens", 8),
+                                      kv("gen_ai.latency.time_to_first_token", ttft),
+                                      kv("gen_ai.request.id", f"cmpl-{i}")]))
+    res = [kv("service.name", "vllm"), kv("service.instance.id", "gpu-7")]
+    req = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
+        resource={"attributes": res}, scope_spans=[ScopeSpans(scope={"name": "vllm"}, spans=spans)])])
+    return req, incident
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    from telemetry.receivers.otlp import span_rows
+    store = tmp_path_factory.mktemp("fleet") / "store"
+    log = store.parent / "gpu-7.log"
+    log.write_text("INFO 09-01 10:03:02 [kv_cache_utils.py:634] GPU KV cache size: 1,200 tokens\n"
+                   "INFO 09-01 10:03:02 [kv_cache_utils.py:637] Maximum concurrency for 2,048 tokens per request: 0.59x\n")
+    assert main(["ingest-logs", str(log), "--engine", "vllm", "--store", str(store)]) == 0
+    root = Path(__file__).resolve().parent
+    assert main(["ingest-logs", str(root / "fixtures" / "sglang_detectors.log"), "--engine", "sglang",
+                 "--store", str(store), "--instance", "sglang-0"]) == 0
+    req, incident = _otlp_request()
+    w = SegmentWriter(store)
+    w.submit("spans", span_rows(req, w.boot, w.keys.pseudonym, "tenant.id", None))
+    ts = pa.array([1_790_000_000_000_000_000 + i for i in range(4)], pa.timestamp("ns"))
+    w.submit("kv_events", pa.table({
+        "instance": ["gpu-7"] * 4, "topic": ["kv"] * 4, "seq": pa.array([1, 2, 3, 5], pa.int64()), "ts": ts,
+        "dp_rank": pa.array([0] * 4, pa.int32()), "kind": ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored"],
+        "block_hashes": [["aa", "bb"], ["aa"], ["bb"], ["cc"]], "parent_hash": [None, None, None, "aa"],
+        "token_count": pa.array([32, 16, None, 16], pa.int32()), "block_size": pa.array([16] * 4, pa.int32()),
+        "lora": [None] * 4, "medium": ["GPU"] * 4, "group_idx": pa.array([0] * 4, pa.int32()),
+        "scope_h": ["s1", "s2", None, "s1"]}))
+    w.submit("telemetry_gaps", pa.table({
+        "instance": ["gpu-7"], "source": ["kv_events"], "first_missing": pa.array([4], pa.int64()),
+        "last_missing": pa.array([4], pa.int64()), "items": pa.array([1], pa.int64()), "filled": [False],
+        "detected_at": ts[:1], "note": ["no replay socket"]}))
+    w.submit("probe_runs", pa.table({
+        "boot": ["p1", "p1"], "ts": ts[:2], "base_url": ["http://x/v1"] * 2, "model": ["m"] * 2,
+        "tenant_a_h": ["a"] * 2, "tenant_b_h": ["b"] * 2, "pool_tokens": pa.array([1200] * 2, pa.int64()),
+        "context_length": pa.array([2048] * 2, pa.int64()), "discovered_from": ["server_info"] * 2,
+        "check_name": ["limits", "canary"], "verdict": ["finding", "pass"], "detail": ["over pool", "none"],
+        "requests": pa.array([9, 9], pa.int32())}))
+    w.submit("probe_findings", pa.table({
+        "boot": ["p1"], "check_name": ["limits"], "response_id": ["cmpl-1"], "prompt_tokens": pa.array([1900], pa.int64()),
+        "canary_h": [None], "why": ["accepted over pool"], "evidence": ["{}"]}))
+    w.close()
+    return store, req, incident
+
+
+def test_clickhouse_answers_as_duckdb_on_a_foreign_fleet_store(fleet):
+    store, _, incident = fleet
+    rows = assert_engines_agree(store)
+    for name in ("fleet_ttft", "fleet_impact", "canary", "cache_scopes", "gaps", "probes"):
+        assert rows[name] > 0, f"{name}: the comparison covers rows"
+    assert rows["fleet_impact"] == len(incident) == 4
+
+
+def test_span_queries_read_a_collector_otel_traces_table_in_place(fleet):
+    """--spans-table: the same spans as the Collector's ClickHouse exporter stores them (its DDL's
+    columns; attribute values as strings) answer fleet_ttft and fleet_impact exactly as the store's
+    own spans do."""
+    store, req, incident = fleet
+    target = connect(f"chdb:{CHDB}?db=otel")
+    target.command("CREATE DATABASE IF NOT EXISTS otel")
+    target.command("""CREATE TABLE IF NOT EXISTS otel.otel_traces (
+        Timestamp DateTime64(9), TraceId String, SpanId String, ParentSpanId String, TraceState String,
+        SpanName LowCardinality(String), SpanKind LowCardinality(String), ServiceName LowCardinality(String),
+        ResourceAttributes Map(LowCardinality(String), String), ScopeName String, ScopeVersion String,
+        SpanAttributes Map(LowCardinality(String), String), Duration UInt64, StatusCode LowCardinality(String),
+        StatusMessage String,
+        Events Nested (Timestamp DateTime64(9), Name LowCardinality(String), Attributes Map(LowCardinality(String), String)),
+        Links Nested (TraceId String, SpanId String, TraceState String, Attributes Map(LowCardinality(String), String))
+    ) ENGINE = MergeTree PARTITION BY toDate(Timestamp) ORDER BY (ServiceName, SpanName, toDateTime(Timestamp))""")
+    rs = req.resource_spans[0]
+    res = {a.key: a.value.string_value for a in rs.resource.attributes}
+    rows = []
+    for sp in rs.scope_spans[0].spans:
+        attrs = {a.key: str(getattr(a.value, a.value.WhichOneof("value"))) for a in sp.attributes}
+        rows.append({"Timestamp": sp.start_time_unix_nano, "TraceId": sp.trace_id.hex(), "SpanId": sp.span_id.hex(),
+                     "ParentSpanId": "", "TraceState": "", "SpanName": sp.name, "SpanKind": "Server",
+                     "ServiceName": res["service.name"], "ResourceAttributes": list(res.items()), "ScopeName": "vllm",
+                     "ScopeVersion": "", "SpanAttributes": list(attrs.items()),
+                     "Duration": sp.end_time_unix_nano - sp.start_time_unix_nano, "StatusCode": "Unset",
+                     "StatusMessage": ""})
+    m = pa.map_(pa.string(), pa.string())
+    t = pa.Table.from_pylist(rows, schema=pa.schema([
+        ("Timestamp", pa.timestamp("ns")), ("TraceId", pa.string()), ("SpanId", pa.string()), ("ParentSpanId", pa.string()),
+        ("TraceState", pa.string()), ("SpanName", pa.string()), ("SpanKind", pa.string()), ("ServiceName", pa.string()),
+        ("ResourceAttributes", m), ("ScopeName", pa.string()), ("ScopeVersion", pa.string()), ("SpanAttributes", m),
+        ("Duration", pa.uint64()), ("StatusCode", pa.string()), ("StatusMessage", pa.string())]))
+    target.insert_arrow("otel_traces", t, token="otel-fixture")
+    d = Forensics(store)
+    c = ClickHouseForensics(store, spans_table="otel.otel_traces")
+    try:
+        for name in ("fleet_ttft", "fleet_impact"):
+            a, b = d.query(name), c.query(name)
+            same(a.drop("tenant_h"), b.drop("tenant_h"), name)     # the Collector keeps no tenant here: NULL both
+        assert set(b["request_id"]) == incident
+    finally:
+        c.close()
+
+
+# ---- the DDL -----------------------------------------------------------------------------------
+def test_the_ddl_is_generated_from_schema_sql_and_parses_as_clickhouse():
+    assert set(layouts()) == set(arrow_schemas())
+    for table, cols in columns().items():
+        assert [c for c, _ in cols] == arrow_schemas()[table].names
+        types = dict(cols)
+        key = layouts()[table]["ORDER BY"]
+        for col in (c for c in types if f"{c}," in key + "," or f"({c}," in key or f" {c})" in key):
+            assert not types[col].startswith("Nullable"), f"{table}.{col} is in the sorting key and nullable"
+    # a page's reads and writes land on one shard: the exposure join never crosses shards
+    assert layouts()["page_reads"]["SHARD BY"] == layouts()["page_writes"]["SHARD BY"] == "cityHash64(node, boot, page)"
+    single, cluster = ddl("kv"), ddl("kv", cluster="prod")
+    assert all("ON CLUSTER" not in s for s in single) and all("ON CLUSTER `prod`" in s for s in cluster)
+    assert "ENGINE = Distributed(`prod`, `kv`, `page_reads_local`, cityHash64(node, boot, page))" in "\n".join(cluster)
+    assert "'/clickhouse/tables/all/kv/config_snapshots'" in "\n".join(cluster)     # whole on every shard
+    t = connect(f"chdb:{CHDB}?db=ddl_check")
+    for stmt in cluster:            # the cluster variant needs a cluster to run; ClickHouse's parser checks it
+        t.query_arrow("SELECT formatQuery({q:String})", params={"q": stmt})
+    for stmt in single:
+        t.command(stmt.replace("`kv`", "`ddl_check`"))
+    got = t.query_arrow("SELECT name, engine FROM system.tables WHERE database = 'ddl_check'").to_pylist()
+    assert {r["name"] for r in got} == set(arrow_schemas()) | {"kvledger_segments"}
+    assert {r["engine"] for r in got} == {"MergeTree", "ReplacingMergeTree"}
+
+
+# ---- export ------------------------------------------------------------------------------------
+def _counts(target, tables) -> dict[str, int]:
+    return {t: target.query_arrow(f"SELECT count() AS n FROM `{target.database}`.`{t}`").column(0)[0].as_py()
+            for t in tables}
+
+
+@pytest.mark.xdist_group("glm53")
+def test_export_is_idempotent_resumes_after_a_crash_and_refuses_another_store(glm53_hardened):
+    _, store = glm53_hardened
+    fx = Forensics(store)
+    want = {t: fx.rows(t) for t in arrow_schemas()}
+    chain = read_chain(store)
+    target = connect(f"chdb:{CHDB}?db=exp_resume")
+
+    class Crash(Exception):
+        pass
+
+    def crash_at_fifth(seq: int) -> None:
+        if seq == chain[4].seq:
+            raise Crash()
+    with pytest.raises(Crash):
+        export(store, target, after_insert=crash_at_fifth)      # the 5th segment's rows are in, its record is not
+    res = export(store, target)                                  # the re-run inserts it again: ClickHouse drops it
+    assert res["segments"] == len(chain) - 4 and res["skipped"] == 4
+    assert _counts(target, want) == want
+    again = export(store, target)
+    assert again["segments"] == 0 and again["skipped"] == len(chain)
+    assert _counts(target, want) == want
+    # a record of this store's segment 0 with another digest: a different store under the same id
+    target.insert_arrow("kvledger_segments", pa.table({
+        "store_id": [res["store_id"]], "seq": pa.array([chain[0].seq], pa.int64()), "table": [chain[0].table],
+        "file": [chain[0].file], "rows": pa.array([1], pa.int64()), "sha256": ["0" * 64],
+        "exported_at": pa.array([time.time_ns()], pa.timestamp("ns", "UTC"))}), token="forged")
+    with pytest.raises(ClickHouseError, match="not the store that was exported"):
+        export(store, target)
+
+
+def test_export_follow_copies_a_live_store_as_it_grows(tmp_path):
+    store = tmp_path / "live"
+    w = SegmentWriter(store, flush_interval=0.05)
+    target = connect(f"chdb:{CHDB}?db=exp_follow")
+    stop, passes = threading.Event(), []
+    th = threading.Thread(target=follow, args=(store, target, 0.05, stop), kwargs={"on_batch": passes.append})
+    w.submit("ngrams", pa.table({"incarnation": pa.array([1] * 10, pa.int64()), "role": ["prompt"] * 10,
+                                 "n": pa.array([4] * 10, pa.int16()), "hash": pa.array(range(10), pa.int64())}))
+    w.flush()
+    th.start()
+    for i in range(1, 4):
+        w.submit("ngrams", pa.table({"incarnation": pa.array([i + 1] * 5, pa.int64()), "role": ["output"] * 5,
+                                     "n": pa.array([4] * 5, pa.int16()), "hash": pa.array(range(5), pa.int64())}))
+        w.flush()
+        time.sleep(0.1)
+    w.close()
+    deadline = time.monotonic() + 30
+    while _counts(target, ["ngrams"])["ngrams"] < 25 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stop.set()
+    th.join(10)
+    assert not th.is_alive() and _counts(target, ["ngrams"]) == {"ngrams": 25}
+    assert sum(p["segments"] for p in passes) == len(read_chain(store)) and len(passes) >= 2
+
+
+# ---- shards ------------------------------------------------------------------------------------
+@pytest.mark.xdist_group("glm53")
+def test_two_shards_split_by_the_sharding_key_answer_the_whole_as_a_union(glm53_vulnerable):
+    """The store's rows split into two databases by each table's sharding key (as the cluster
+    variant's Distributed tables route them; `everywhere` tables whole in both): the exposure join
+    and the per-request table, run on each shard alone, together equal the whole store's answer."""
+    _, store = glm53_vulnerable
+    whole = ClickHouseForensics(store)
+    src = whole.db
+    shards = []
+    for k in (0, 1):
+        t = connect(f"chdb:{CHDB}?db=shard{k}")
+        for stmt in ddl(t.database):
+            t.command(stmt)
+        for table, lay in layouts().items():
+            cond = "1" if lay["SHARD BY"] == "everywhere" else f"{lay['SHARD BY']} % 2 = {k}"
+            t.command(f"INSERT INTO shard{k}.`{table}` SELECT * FROM `{src}`.`{table}` WHERE {cond}")
+        shards.append(ClickHouseForensics(engine="clickhouse", dsn=f"chdb:{CHDB}?db=shard{k}"))
+    try:
+        for what in ("exposure_slots", "requests"):
+            parts = [getattr(s, what)() for s in shards]
+            assert all(p.height for p in parts), f"{what}: both shards hold some of it"
+            same(getattr(whole, what)(), pl.concat(parts), what, ordered=False)
+        reads = [s.rows("page_reads") for s in shards]
+        assert sum(reads) == whole.rows("page_reads") and min(reads) > 0
+    finally:
+        for s in shards + [whole]:
+            s.close()
+
+
+# ---- the command line --------------------------------------------------------------------------
+@pytest.mark.xdist_group("glm53")
+def test_cli_export_and_forensics_on_chdb_print_what_duckdb_prints(glm53_vulnerable, capsys):
+    _, store = glm53_vulnerable
+    assert main(["export", "--to", f"chdb:{CHDB}?db=cli_export", "--store", str(store)]) == 0
+    err = capsys.readouterr().err
+    assert f"segment(s)" in err and "0 already there" in err
+    assert main(["export", "--to", f"chdb:{CHDB}?db=cli_export", "--store", str(store)]) == 0
+    assert "exported 0 segment(s), 0 rows" in capsys.readouterr().err
+    outs = {}
+    for engine in ("duckdb", "chdb"):
+        assert main(["forensics", "scores", "--store", str(store), "--format", "json", "--engine", engine]) == 0
+        outs[engine] = json.loads(capsys.readouterr().out)
+    assert outs["chdb"] == outs["duckdb"] and outs["duckdb"]
+    assert main(["forensics", "tenants", "--engine", "clickhouse", "--dsn", f"chdb:{CHDB}?db=cli_export",
+                 "--format", "json"]) == 0
+    by_server = json.loads(capsys.readouterr().out)
+    assert main(["forensics", "tenants", "--store", str(store), "--format", "json"]) == 0
+    assert by_server == json.loads(capsys.readouterr().out)
+    assert main(["export", "--print-ddl", "--cluster", "prod"]) == 0
+    assert "ENGINE = Distributed(`prod`" in capsys.readouterr().out
+
+
+BAD = [
+    (["forensics", "runs", "--engine", "clickhouse"], "--engine clickhouse needs --dsn"),
+    (["forensics", "runs", "--dsn", "clickhouse://h:8123/db"], "--dsn is for --engine clickhouse"),
+    (["forensics", "runs", "--engine", "clickhouse", "--dsn", "mysql://h/db"], "expected clickhouse://"),
+    (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse://h:8123/bad-name"], "letters, digits"),
+    (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse://h:99999/db"], "port must be"),
+    (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse:///db"], "no host"),
+    (["forensics", "runs", "--spans-table", "otel_traces"], "--spans-table reads a ClickHouse table"),
+    (["forensics", "runs", "--engine", "chdb", "--spans-table", "x; DROP TABLE y"], "expected TABLE or DATABASE.TABLE"),
+    (["forensics", "runs", "--chdb-path", "/tmp/x"], "--chdb-path is for --engine chdb"),
+    (["forensics", "runs", "--engine", "chdb", "--store", "{tmp}/nothing"], "no kvledger store"),
+    (["report", "--out", "{tmp}/r", "--engine", "clickhouse"], "--engine clickhouse needs --dsn"),
+    (["dashboard", "--engine", "duckdb", "--dsn", "clickhouse://h/db"], "--dsn is for --engine clickhouse"),
+    (["export", "--store", "{tmp}/nothing"], "export needs --to"),
+    (["export", "--to", "chdb:{tmp}/ch", "--store", "{tmp}/nothing"], "no kvledger store"),
+    (["export", "--to", "chdb:{tmp}/ch", "--interval", "0"], "--interval must be > 0"),
+    (["export", "--to", "ftp://h/db", "--store", "{store}"], "expected clickhouse://"),
+    (["export", "--to", "chdb:", "--store", "{store}"], "chdb needs a data directory"),
+]
+
+
+@pytest.mark.parametrize("argv,error", BAD, ids=[" ".join(a[:3]) + f" #{i}" for i, (a, _) in enumerate(BAD)])
+def test_bad_engine_and_export_options_are_refused_with_a_clear_error(argv, error, tmp_path, capsys, fleet):
+    store, _, _ = fleet
+    before = {p.name for p in Path(CHDB).iterdir()}
+    argv = [a.replace("{tmp}", str(tmp_path)).replace("{store}", str(store)) for a in argv]
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: ") and error in err and "Traceback" not in err, err
+    assert {p.name for p in Path(CHDB).iterdir()} == before and not (tmp_path / "ch").exists()
+
+
+def test_export_refuses_a_store_that_does_not_verify(tmp_path, fleet, capsys):
+    import shutil
+    store = tmp_path / "copy"
+    shutil.copytree(fleet[0], store)
+    seg = next(store.glob("segments/spans/*.parquet"))
+    seg.write_bytes(seg.read_bytes()[:-9] + b"tampered!")
+    assert main(["export", "--to", f"chdb:{CHDB}?db=exp_broken", "--store", str(store)]) != 0
+    err = capsys.readouterr().err
+    assert "does not verify" in err and "refusing to export" in err
+    assert main(["forensics", "runs", "--engine", "chdb", "--store", str(store)]) != 0
+    assert "does not verify" in capsys.readouterr().err
