@@ -1,7 +1,9 @@
 """The exposure as-of join over ~100 million page_reads rows made by the engine's own ledger
-writer (replicated, bench/_bigstore.py), in DuckDB (the shipped exposure_slots query) and the same
-computation in polars beside it, in one run. Both answers are checked against copies x the base
-store's answer. Writes bench/results/forensics.json.
+writer (replicated, bench/_bigstore.py), in DuckDB (the shipped exposure_slots query), the same
+computation in polars, and ClickHouse (embedded: chdb, the shipped ClickHouse SQL, after
+`kvledger export` copied the store into it) beside them, in one run. Every answer is checked
+against copies x the base store's answer. Writes bench/results/forensics.json; ``--scale`` also
+runs smaller stores (how the cost grows with rows) into its "scaling" list.
 """
 from __future__ import annotations
 
@@ -69,6 +71,29 @@ def polars_join(store: Path) -> tuple[int, int]:
     return j.height, j.select("reader", "donor", "node", "page").unique().height
 
 
+def _chdb_dir(store: Path) -> Path:
+    return store.parent / f"chdb-{store.name}"
+
+
+def chdb_export(store: Path) -> tuple[int, int]:
+    """`kvledger export` of the store into embedded ClickHouse (verify, then every segment not yet
+    there): (segments, rows) copied."""
+    from telemetry.clickhouse import connect, export
+    res = export(store, connect(f"chdb:{_chdb_dir(store)}?db=bench"))
+    return res["segments"], res["rows"]
+
+
+def chdb_join(store: Path) -> tuple[int, int]:
+    """The shipped ClickHouse SQL: exposure_x (the as-of join) and exposure_slots, materialised."""
+    from forensics.clickhouse import ClickHouseForensics
+    fx = ClickHouseForensics(engine="clickhouse", dsn=f"chdb:{_chdb_dir(store)}?db=bench")
+    fx._ensure("exposure_x")
+    fx._ensure("exposure_slots")
+    t = fx.target.query_arrow(f"SELECT count() AS n, uniqExact(response, donor, node, page) AS u "
+                              f"FROM {fx.uid}_exposure_slots")
+    return t.column(0)[0].as_py(), t.column(1)[0].as_py()
+
+
 def _isolated(fn, store: Path):
     """Run fn(store) in a forked child: if the kernel kills it for memory, that is the result."""
     import multiprocessing as mp
@@ -90,37 +115,57 @@ def _isolated(fn, store: Path):
     return q.get() if not q.empty() else (f"killed (exit {proc.exitcode})", None, None)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--rows", type=int, default=100_000_000, help="page_reads rows to build (default 100M)")
-    ap.add_argument("--dir", default="/tmp/kvledger-bench-store", help="where the big store lives (reused)")
-    args = ap.parse_args()
-    root = Path(args.dir) / f"sparse-{args.rows}"
+def run(rows: int, directory: str, engines: list[str]) -> dict:
+    root = Path(directory) / f"sparse-{rows}"
     t0 = time.perf_counter()
-    m = build(root, args.rows)
+    m = build(root, rows)
     built = time.perf_counter() - t0
     base_d = duckdb_join(Path(m["base"]))
     k = m["exposed_copies"]
     failing = Forensics(root).con.sql("SELECT count(*), sum(bit_count(bad_mask) * n_reads) FROM page_reads "
                                       "WHERE bad_mask <> 0").fetchall()[0]
     want = (base_d[0] * k, base_d[1] * k)
-    d_status, d, t_duck = _isolated(duckdb_join, root)
-    print(f"DuckDB: {d_status} {t_duck if t_duck is None else round(t_duck, 2)} s", flush=True)
-    p_status, p, t_pol = _isolated(polars_join, root)
-    print(f"polars: {p_status} {t_pol if t_pol is None else round(t_pol, 2)} s", flush=True)
-    res = {"config": {"read_rows": m["read_rows"], "write_rows": m["write_rows"], "copies": m["copies"],
-                      "exposed_copies": k},
-           "status": {"duckdb": d_status, "polars": p_status}, "seconds": {"duckdb": t_duck, "polars": t_pol},
-           "ratio_polars_over_duckdb": t_pol / t_duck if t_duck and t_pol else None,
-           "failing_read_rows": failing[0], "failing_slot_reads": int(failing[1]), "exposure_slot_rows": want[0], "duckdb_equals_copies_x_base": tuple(d) == want if d else False,
-           "polars_equals_copies_x_base": tuple(p) == want if p else False, "goal_seconds": 10,
-           "store_build_seconds": built}
+    fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb_export": chdb_export, "chdb": chdb_join}
+    status, seconds, answers = {}, {}, {}
+    for name in [e for e in fns if e in engines or (e == "chdb_export" and "chdb" in engines)]:
+        st, ans, sec = _isolated(fns[name], root)
+        status[name], seconds[name], answers[name] = st, sec, ans
+        print(f"{rows / 1e6:.0f} M rows, {name}: {st} {sec if sec is None else round(sec, 2)} s {ans}", flush=True)
+    return {"config": {"read_rows": m["read_rows"], "write_rows": m["write_rows"], "copies": m["copies"],
+                       "exposed_copies": k},
+            "status": status, "seconds": seconds,
+            "ratio_polars_over_duckdb": (seconds["polars"] / seconds["duckdb"]
+                                         if seconds.get("duckdb") and seconds.get("polars") else None),
+            "ratio_chdb_over_duckdb": (seconds["chdb"] / seconds["duckdb"]
+                                       if seconds.get("duckdb") and seconds.get("chdb") else None),
+            "failing_read_rows": failing[0], "failing_slot_reads": int(failing[1]), "exposure_slot_rows": want[0],
+            "chdb_export_rows_per_s": (answers["chdb_export"][1] / seconds["chdb_export"]
+                                       if answers.get("chdb_export") and answers["chdb_export"][1] else None),
+            **{f"{e}_equals_copies_x_base": tuple(answers[e]) == want if answers.get(e) else False
+               for e in ("duckdb", "polars", "chdb") if e in answers},
+            "goal_seconds": 10, "store_build_seconds": built}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--rows", type=int, default=100_000_000, help="page_reads rows to build (default 100M)")
+    ap.add_argument("--dir", default="/tmp/kvledger-bench-store", help="where the big store lives (reused)")
+    ap.add_argument("--engines", default="duckdb,polars,chdb", help="which to run (default duckdb,polars,chdb)")
+    ap.add_argument("--scale", type=int, nargs="*", default=[], metavar="ROWS",
+                    help="also run these smaller row counts (DuckDB and chdb) for the growth table")
+    args = ap.parse_args()
+    res = run(args.rows, args.dir, args.engines.split(","))
+    res["scaling"] = [{"read_rows": r["config"]["read_rows"], "write_rows": r["config"]["write_rows"],
+                       "seconds": r["seconds"], "exposure_slot_rows": r["exposure_slot_rows"]}
+                      for r in [run(n, args.dir, ["duckdb", "chdb"]) for n in args.scale]]
+    res["scaling"].append({"read_rows": res["config"]["read_rows"], "write_rows": res["config"]["write_rows"],
+                           "seconds": res["seconds"], "exposure_slot_rows": res["exposure_slot_rows"]})
     out = write("forensics", res)
-    print(f"as-of join over {m['read_rows'] / 1e6:.0f} M read rows x {m['write_rows'] / 1e6:.0f} M write rows "
-          f"({failing[0] / 1e6:.1f} M failing read rows, {failing[1] / 1e6:.0f} M failing slot reads, "
-          f"{want[0] / 1e3:.0f} K exposure slot rows after merging runs): DuckDB {d_status} {t_duck} s, polars {p_status} "
-          f"{t_pol} s (goal <= 10 s); answers equal {k} x the incident's: DuckDB {res['duckdb_equals_copies_x_base']}, "
-          f"polars {res['polars_equals_copies_x_base']}")
+    sec, st = res["seconds"], res["status"]
+    print(f"as-of join over {res['config']['read_rows'] / 1e6:.0f} M read rows x {res['config']['write_rows'] / 1e6:.0f} "
+          f"M write rows: " + ", ".join(f"{e} {st[e]} {sec[e]} s" for e in sec)
+          + f"; answers equal copies x the incident's: "
+          + ", ".join(f"{e} {res.get(e + '_equals_copies_x_base')}" for e in ("duckdb", "polars", "chdb")))
     print(f"wrote {out}")
 
 

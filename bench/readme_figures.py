@@ -3,9 +3,11 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
 
 def engine_table(r: dict) -> str:
@@ -124,8 +126,34 @@ def forensics_table(r: dict) -> str:
         "| --- | --- | --- |",
         f"| DuckDB (the shipped SQL) | {fmt('duckdb')} | {r['duckdb_equals_copies_x_base']} |",
         f"| polars (same computation, `join_asof`) | {fmt('polars')} | {r['polars_equals_copies_x_base']} |",
+        *([f"| ClickHouse, embedded (chdb; the shipped ClickHouse SQL) | {fmt('chdb')} | "
+           f"{r.get('chdb_equals_copies_x_base')} |"] if "chdb" in sec else []),
         f"| goal | <= {r['goal_seconds']} s | |",
+        *([f"", f"Before ClickHouse can answer, `kvledger export` copies the store into it: "
+           f"{fmt('chdb_export')} for {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows plus the rest "
+           f"({r['chdb_export_rows_per_s'] / 1e6:.2f} M rows/s, chain verified first), once; later exports copy only "
+           f"new segments."] if sec.get("chdb_export") else []),
+        *(["", "How the join's cost grows with the store (same machine, same run):", "",
+           "| page_reads rows | page_writes rows | exposure slot rows | DuckDB | ClickHouse (chdb) |",
+           "| --- | --- | --- | --- | --- |"]
+          + [f"| {x['read_rows'] / 1e6:.0f} M | {x['write_rows'] / 1e6:.0f} M | {x['exposure_slot_rows'] / 1e3:.0f} K | "
+             f"{_s(x['seconds'].get('duckdb'))} | {_s(x['seconds'].get('chdb'))} |" for x in r["scaling"]]
+          if len(r.get("scaling", [])) > 1 else []),
     ])
+
+
+def _s(v) -> str:
+    return "-" if v is None else f"{v:.1f} s"
+
+
+def clickhouse_layout(_: dict) -> str:
+    from telemetry.clickhouse import layouts
+    rows = ["| table | ORDER BY | PARTITION BY | cluster: sharded by |", "| --- | --- | --- | --- |"]
+    for table, lay in layouts().items():
+        shard = "every shard holds it whole" if lay["SHARD BY"] == "everywhere" else f"`{lay['SHARD BY']}`"
+        rows.append(f"| `{table}` | `{lay['ORDER BY']}` | {'`' + lay['PARTITION BY'] + '`' if 'PARTITION BY' in lay else '-'} "
+                    f"| {shard} |")
+    return "\n".join(rows)
 
 
 def dashboard_table(r: dict) -> str:
@@ -199,6 +227,8 @@ def main() -> None:
                       lambda m: m.group(1) + "\n" + body + "\n" + m.group(2), text, flags=re.S)
     text = re.sub(r"(<!-- schema -->).*?(<!-- /schema -->)",
                   lambda m: m.group(1) + "\n" + schema_block({}) + "\n" + m.group(2), text, flags=re.S)
+    text = re.sub(r"(<!-- clickhouse-layout -->).*?(<!-- /clickhouse-layout -->)",
+                  lambda m: m.group(1) + "\n" + clickhouse_layout({}) + "\n" + m.group(2), text, flags=re.S)
     readme.write_text(text)
 
 

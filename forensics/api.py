@@ -41,12 +41,16 @@ def sql(name: str) -> str:
     return path.read_text()
 
 
-def query_hashes() -> dict[str, str]:
-    """SHA-256 of every SQL file (report provenance: which queries produced the numbers)."""
-    return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(SQL_DIR.glob("*.sql"))}
+def query_hashes(directory: Path = SQL_DIR) -> dict[str, str]:
+    """SHA-256 of every SQL file (report provenance: which queries produced the numbers); the
+    ClickHouse engines' files are in SQL_DIR / "clickhouse"."""
+    return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.sql"))}
 
 
 class Forensics:
+    engine = "duckdb"
+    source = "the local store"
+
     def __init__(self, store: str | Path, run: str | None = None, *, allow_unverified: bool = False,
                  anchor: str | Path | None = None, cache: dict | None = None):
         """Verify the store first (its signed chain, and its anchor when one is found) and refuse a

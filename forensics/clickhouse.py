@@ -134,6 +134,7 @@ class ClickHouseForensics:
         else:
             raise ClickHouseError(f"unknown engine {engine!r}: expected chdb or clickhouse")
         self.db = self.target.database
+        self.source = self.target.url + (f" (spans from {spans_table})" if spans_table else "")
         self.tenant_attribute = tenant_attribute
         if spans_table and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)?", spans_table):
             raise ClickHouseError(f"--spans-table {spans_table!r}: expected TABLE or DATABASE.TABLE")

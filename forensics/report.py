@@ -18,7 +18,7 @@ import jsonschema
 import polars as pl
 from markdown_it import MarkdownIt
 
-from forensics.api import query_hashes
+from forensics.api import SQL_DIR, query_hashes
 from forensics.clickhouse import open_forensics
 from forensics.output import json_rows
 
@@ -207,7 +207,8 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                        "signing_key": v.fingerprint, "anchor": v.anchor, "anchored_seq": v.anchor_seq,
                        "sealed": v.sealed, "segments": v.segments,
                        "rows": v.rows, "first_broken_link": v.broken, "unverified": fx.unverified_note, "kvledger_version": _version(),
-                       "query_sha256": query_hashes()},
+                       "engine": fx.engine, "answered_from": fx.source,
+                       "query_sha256": query_hashes(SQL_DIR if fx.engine == "duckdb" else SQL_DIR / "clickhouse")},
     }
     if include_excerpts:
         report["excerpts"] = {"note": "the store holds no plaintext; evidence is the count of keyed n-grams of the "
@@ -321,10 +322,17 @@ Upstream fixes: {'; '.join(r['remediation']['upstream_fixes'])}.
 {chr(10).join('- ' + x for x in r['recommendations'])}
 
 ## Provenance
-Store `{p['store']}`: chain {'intact and signed by key ' + p['signing_key'] if p['chain_ok'] else 'BROKEN: ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows; computed on head `{p['chain_head']}` (seq {p['chain_seq']}), {'anchored at seq ' + str(p['anchored_seq']) + ' in ' + str(p['anchor']) if p['anchored_seq'] is not None else 'not checked against an anchor'}.
+{f"Answered by {p['engine']} from {p['answered_from']}" + (": rows `kvledger export` copied there after verifying each store's signed chain; the stores themselves were not re-verified for this report." if p['engine'] == 'clickhouse' else ", a verified mirror of the store below.") if p['engine'] != 'duckdb' else ''}
+{_store_line(p)}
 Queries (SHA-256): {', '.join(f'{k} `{v[:12]}`' for k, v in p['query_sha256'].items())}.
 """
 
+
+
+def _store_line(p: dict) -> str:
+    if p.get("engine") == "clickhouse":
+        return ""
+    return f"Store `{p['store']}`: chain {'intact and signed by key ' + p['signing_key'] if p['chain_ok'] else 'BROKEN: ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows; computed on head `{p['chain_head']}` (seq {p['chain_seq']}), {'anchored at seq ' + str(p['anchored_seq']) + ' in ' + str(p['anchor']) if p['anchored_seq'] is not None else 'not checked against an anchor'}."
 
 def write(report: dict, out: str | Path) -> list[Path]:
     out = Path(out)

@@ -417,3 +417,21 @@ def test_export_refuses_a_store_that_does_not_verify(tmp_path, fleet, capsys):
     assert "does not verify" in err and "refusing to export" in err
     assert main(["forensics", "runs", "--engine", "chdb", "--store", str(store)]) != 0
     assert "does not verify" in capsys.readouterr().err
+
+
+@pytest.mark.xdist_group("glm53")
+def test_the_report_and_the_dashboard_say_the_same_on_chdb(glm53_vulnerable, tmp_path):
+    from dashboard.data import Panels
+    from forensics.report import build
+    _, store = glm53_vulnerable
+    by = {e: build(store, engine={"engine": e}) for e in ("duckdb", "chdb")}
+    for r in by.values():
+        r.pop("generated_at")
+    prov = {e: r.pop("provenance") for e, r in by.items()}
+    assert by["chdb"] == by["duckdb"] and by["duckdb"]["counts"]["affected_responses"] > 0
+    assert prov["chdb"]["engine"] == "chdb" and prov["chdb"]["chain_head"] == prov["duckdb"]["chain_head"]
+    assert prov["chdb"]["query_sha256"].keys() > {"exposure_x", "exposures", "tenants"}
+    d, c = Panels(store), Panels(store, engine={"engine": "chdb"})
+    assert c.totals() == d.totals() and c.totals()["affected_responses"] > 0
+    same(d.exposures(), c.exposures(), "dashboard exposures")
+    assert c.tenants() == d.tenants() and c.time_range() == d.time_range()
