@@ -50,11 +50,19 @@ def cmd_generate(args) -> int:
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed)
     for flag, value in (("--max-tokens", args.max_tokens), ("--context-length", args.context_length),
                         ("--page-size", args.page_size)):
-        if value < 1:
+        if value is not None and value < 1:
             return _die(f"{flag} must be >= 1, got {value}")
+    from engine.preflight import pool_tokens_for
+    budget = parse_bytes(args.memory_budget)
     model, tok = load_model(args.model)
-    cfg = EngineConfig(kv_memory_budget=parse_bytes(args.memory_budget), context_length=args.context_length,
-                       page_size=args.page_size, check_reads=not args.no_check)
+    pool = pool_tokens_for(model, EngineConfig(kv_memory_budget=budget, page_size=args.page_size))
+    context = args.context_length or pool          # by default the context is what the pool holds
+    if context > pool:
+        print(f"kvledger: warning: --context-length {context} is longer than the KV pool ({pool} tokens from "
+              f"--memory-budget {args.memory_budget}): a prompt longer than the pool is the GLM-5.3 incident's "
+              "precondition (`kvledger preflight`); raise the budget or lower the context", file=sys.stderr)
+    cfg = EngineConfig(kv_memory_budget=budget, context_length=context, page_size=args.page_size,
+                       check_reads=not args.no_check)
     eng = LLMEngine(model, tok, cfg)
     t0 = time.perf_counter()
     req = eng.add_request(args.prompt, sp, tenant=args.tenant)
@@ -563,21 +571,24 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     g = sub.add_parser("generate", help="run the engine on one prompt, print the text and per-request stats")
     g.add_argument("--model", required=True, help="'recall' or an HF-format directory (config.json, safetensors, tokenizer.json)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--prompt", required=True, help="the prompt text")
+    g.add_argument("--max-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--tenant", default="default")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0: off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (default: none; greedy needs none)")
+    g.add_argument("--tenant", default="default", help="tenant the request runs as (default 'default')")
     g.add_argument("--memory-budget", default="64MiB", help="KV pool memory budget; capacity in tokens is derived (default 64MiB)")
-    g.add_argument("--context-length", type=int, default=4096)
-    g.add_argument("--page-size", type=int, default=16)
+    g.add_argument("--context-length", type=int, default=None,
+                   help="longest prompt + output served (default: the KV pool's capacity in tokens, so a prompt "
+                        "never outgrows the pool; a longer one is warned about)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
     g.set_defaults(func=cmd_generate)
     r = sub.add_parser("replay", help="run a scenario (glm53 or a fault of its bug family) and print what happened")
     r.add_argument("scenario", nargs="?", help="scenario name; --list names them")
     r.add_argument("--list", action="store_true", help="list the scenarios")
-    r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable")
+    r.add_argument("--policy", choices=["vulnerable", "hardened"], default="vulnerable",
+                   help="vulnerable (default: the incident's engine, guards off) or hardened (every guard on)")
     r.add_argument("--mode", choices=["disaggregated", "unified"], default=None,
                    help="glm53: disaggregated (default) or unified; each fault scenario has its own mode")
     r.add_argument("--processes", action="store_true",
@@ -652,8 +663,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "without extension)")
     il.set_defaults(func=cmd_ingest_logs)
     pf = sub.add_parser("preflight", help="each node's KV pool in tokens against the context length; non-zero exit when smaller")
-    pf.add_argument("--model", default="recall", help="'recall' or an HF-format directory")
-    pf.add_argument("--context-length", type=int, default=1_048_576)
+    pf.add_argument("--model", default="recall", help="'recall' (default) or an HF-format directory")
+    pf.add_argument("--context-length", type=int, default=2048,
+                    help="the context each pool must hold (default 2048, the engine's default; GLM-5.3 advertised "
+                         "1048576 on a pool of a few thousand tokens)")
     pf.add_argument("--memory-budget", action="append", metavar="SIZE",
                     help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
     pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
@@ -665,9 +678,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="judge SGLang instances from their start-up log (max_total_num_tokens=..., context_len=...)")
     pf.set_defaults(func=cmd_preflight)
     d = sub.add_parser("dashboard", help="the live Streamlit exposure dashboard (loopback by default)")
-    d.add_argument("--store", default="./kvledger-store")
+    d.add_argument("--store", default="./kvledger-store", help="the store to show (default ./kvledger-store)")
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
-    d.add_argument("--port", type=int, default=8501)
+    d.add_argument("--port", type=int, default=8501, help="port (default 8501, Streamlit's)")
     d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
     d.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
                    help="SQL engine behind the panels: duckdb (default), chdb (embedded ClickHouse), clickhouse (--dsn)")
@@ -682,9 +695,10 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
     f = sub.add_parser("forensics", help="forensic queries over the store")
     f.add_argument("query", choices=FORENSIC_QUERIES, help="; ".join(f"{k}: {v}" for k, v in FORENSIC_QUERIES.items()))
-    f.add_argument("--store", default="./kvledger-store")
+    f.add_argument("--store", default="./kvledger-store", help="the store to query (default ./kvledger-store)")
     f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
-                   help="json: one array of objects on stdout; parquet: binary on stdout (redirect it)")
+                   help="table (default), csv, json (one array of objects on stdout) or parquet (binary on stdout: "
+                        "redirect it)")
     f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
@@ -710,7 +724,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="--spans-table: the span or resource attribute naming the tenant (default tenant.id)")
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
-    rp.add_argument("--store", default="./kvledger-store")
+    rp.add_argument("--store", default="./kvledger-store", help="the store to report on (default ./kvledger-store)")
     rp.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     rp.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     rp.add_argument("--out", required=True, help="output directory")

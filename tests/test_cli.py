@@ -1,0 +1,42 @@
+"""The command line as a newcomer meets it (issue 23): every option says what it does and its
+default, and the defaults are coherent - preflight with no arguments passes, generate never
+serves a context longer than its pool without saying so."""
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from forensics.cli import build_parser, main
+
+
+def _options():
+    p = build_parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction))
+    for name, sp in sub.choices.items():
+        for a in sp._actions:
+            if not isinstance(a, argparse._HelpAction):
+                yield name, a
+
+
+@pytest.mark.parametrize("command,action", list(_options()),
+                         ids=[f"{n} {a.option_strings[0] if a.option_strings else a.dest}" for n, a in _options()])
+def test_every_option_has_help_naming_its_default(command, action):
+    assert action.help, f"{command} {action.option_strings}: no help text"
+    if action.default not in (None, False, [], argparse.SUPPRESS) and action.option_strings:
+        assert "default" in action.help, f"{command} {action.option_strings}: help does not state the default"
+
+
+def test_preflight_with_no_arguments_checks_a_context_the_default_pool_holds(capsys):
+    assert main(["preflight"]) == 0
+    assert "fits" in capsys.readouterr().out
+
+
+def test_generate_sizes_its_context_to_the_pool_and_warns_when_told_to_outgrow_it(capsys):
+    assert main(["generate", "--model", "recall", "--prompt", "hello there", "--max-tokens", "2"]) == 0
+    out = capsys.readouterr()
+    assert "kvledger: warning" not in out.err and "= 2720 tokens" in out.err     # 64 MiB: a 2720-token pool
+    assert main(["generate", "--model", "recall", "--prompt", "hello there", "--max-tokens", "2",
+                 "--context-length", "4096"]) == 0
+    err = capsys.readouterr().err
+    assert "kvledger: warning: --context-length 4096 is longer than the KV pool (2720 tokens" in err
