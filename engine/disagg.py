@@ -367,7 +367,7 @@ class DisaggCluster:
         if len(dreq.prompt_ids) > self.decode.pool.capacity_tokens:
             return self._reject(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", OutOfPages(
                 f"decode node's pool of {self.decode.pool.capacity_tokens} tokens can never hold {len(dreq.prompt_ids)}"))
-        self.backlog.append(Half(node, preq, dreq, rid or f"{dreq.incarnation:x}"))
+        self.backlog.append(Half(node, preq, dreq, rid or str(dreq.incarnation)))
         self._bootstrap()
         return dreq
 
@@ -473,7 +473,7 @@ class DisaggCluster:
         if outcome.startswith("abandoned"):
             return
         if outcome.startswith("rejected"):
-            error = TransferError(f"request {dreq.incarnation:#x}: {outcome.removeprefix('rejected: ')}")
+            error = TransferError(f"request {dreq.incarnation}: {outcome.removeprefix('rejected: ')}")
             self.rec.rejected(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", error)
             return self._release_decode(half, error, in_flight=c.status == "failed", link_failed=c.status == "failed")
         # decode trusts "transfer complete": the whole reserved prompt counts as computed
@@ -505,10 +505,10 @@ class DisaggCluster:
     def abort(self, dreq: Request, reason: str = "client disconnected") -> None:
         """The client went away mid-flight."""
         if not any(r is dreq for r in self.responses):
-            raise InputError(f"request {dreq.incarnation:#x} was not submitted to this cluster")
+            raise InputError(f"request {dreq.incarnation} was not submitted to this cluster")
         if dreq.is_finished:
             return
-        error = InputError(f"request {dreq.incarnation:#x} aborted: {reason}")
+        error = InputError(f"request {dreq.incarnation} aborted: {reason}")
         for half in self.backlog:
             if half.dreq is dreq:              # nothing reserved yet
                 self.backlog.remove(half)

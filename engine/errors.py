@@ -33,7 +33,7 @@ class ReadCheckViolation(KvledgerError):
         self.bad_pages = bad_pages
         self.bad_slots = bad_slots
         super().__init__(
-            f"read check failed for request {incarnation:#x}: {bad_slots} slot(s) on page(s) "
+            f"read check failed for request {incarnation}: {bad_slots} slot(s) on page(s) "
             f"{bad_pages[:8]}{'...' if len(bad_pages) > 8 else ''} do not carry this request's "
             "generation and content tags; the request was failed, no foreign KV was used for its output"
         )

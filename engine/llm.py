@@ -199,7 +199,7 @@ class LLMEngine:
             if self.scheduler.has_work() and not self.pages_held_outside() and not self.blocks.held:
                 stuck = (self.scheduler.waiting or self.scheduler.swapped)[0]
                 self._finish(stuck, error=InputError(
-                    f"request {stuck.incarnation:#x} needs more KV pages than the pool can ever free "
+                    f"request {stuck.incarnation} needs more KV pages than the pool can ever free "
                     f"({self.allocator.total} pages of {self.cfg.page_size} tokens)"))
                 return [stuck]
             return []

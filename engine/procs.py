@@ -316,7 +316,7 @@ class ProcessCluster(DisaggCluster):
             return
         if kind == "failed":
             self.halves.pop(inc)
-            error = TransferError(f"request {inc:#x}: prefill node {node.cfg.node_id} failed: {msg[2]}")
+            error = TransferError(f"request {inc}: prefill node {node.cfg.node_id} failed: {msg[2]}")
             self.rec.rejected(self.decode, half.dreq, f"prefill:{node.cfg.node_id}", error)
             self._release_decode(half, error, in_flight=False)
             return

@@ -152,7 +152,7 @@ class Request:
 
     def transition(self, new: Status) -> None:
         if new not in _ALLOWED.get(self.status, ()):
-            raise IllegalTransition(f"request {self.incarnation:#x}: {self.status.name} -> {new.name} is not allowed")
+            raise IllegalTransition(f"request {self.incarnation}: {self.status.name} -> {new.name} is not allowed")
         self.status = new
         if new in TERMINAL:
             self.finished_at = time.perf_counter()

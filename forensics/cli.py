@@ -76,7 +76,7 @@ def cmd_generate(args) -> int:
     t = Table(title="request", show_header=False)
     n_out = len(req.output_ids)
     decode_s = (req.finished_at - req.first_token_at) if req.first_token_at else 0.0
-    for k, v in [("incarnation", f"{req.incarnation:#x}"), ("tenant / cache scope", f"{req.tenant} / {req.scope}"),
+    for k, v in [("incarnation", str(req.incarnation)), ("tenant / cache scope", f"{req.tenant} / {req.scope}"),
                  ("prompt tokens", len(req.prompt_ids)), ("completion tokens", n_out),
                  ("finish reason", req.finish_reason), ("time to first token", f"{req.ttft * 1e3:.1f} ms"),
                  ("decode tokens/s", f"{(n_out - 1) / decode_s:.1f}" if n_out > 1 and decode_s > 0 else "-"),
@@ -157,13 +157,14 @@ def cmd_replay(args) -> int:
               f"longer than their prefill pool: {len(res.over_pool)}  "
               f"pool free counts back to initial: {res.pages_balanced}")
     rt = Table(title="requests longer than their prefill node's pool")
-    for c in ("incarnation", "prompt tokens (billed)", "outcome", "foreign slots read (oracle)", "donors"):
+    rt.add_column("incarnation", no_wrap=True, min_width=19)       # decimal, as in the store: never cut short
+    for c in ("prompt tokens (billed)", "outcome", "foreign slots read (oracle)", "donors"):
         rt.add_column(c)
     for r in res.over_pool:
         ex = res.exposures.get(r.incarnation, [])
         foreign = [e for e in ex if e.donor != r.incarnation]
         outcome = f"[red]error: {r.error}" if r.error else f"HTTP 200, {len(r.output_ids)} tokens, TTFT {r.ttft * 1e3:.0f} ms"
-        rt.add_row(f"{r.incarnation:#x}", str(r.prompt_tokens_billed), outcome, str(len(foreign)),
+        rt.add_row(str(r.incarnation), str(r.prompt_tokens_billed), outcome, str(len(foreign)),
                    str(len({e.donor for e in foreign})))
     con.print(rt)
     readers = res.foreign_readers
@@ -174,11 +175,11 @@ def cmd_replay(args) -> int:
     con.print(f"canaries planted: {len(res.canaries)}; surfaced in another tenant's output: {len(res.surfaced)} "
               f"(surfacing rate {rate:.0%} of served over-pool responses)")
     for inc, tenant, canary in res.surfaced:
-        con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc:#x} of tenant {tenant}")
+        con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc} of tenant {tenant}")
     if res.telemetry is not None:
         tm = res.telemetry
         con.print(f"store {args.store}: {tm['segments']} segments, {sum(tm['rows'].values())} rows "
-                  f"({tm['rows']['page_reads']} page-read runs, {tm['rows']['page_writes']} slot writes, "
+                  f"({tm['rows']['page_reads']} page-read runs, {tm['rows']['page_writes']} page-write runs, "
                   f"{tm['spans_exported']} spans, {tm['spans_dropped']} dropped); "
                   f"next: kvledger forensics exposures --store {args.store}")
     return 0
@@ -199,13 +200,14 @@ def _replay_fault(args, con) -> int:
     con.print(f"policy={res.policy}, mode={res.mode}, triggering event: {'yes' if res.triggered else 'no (--no-trigger)'}")
     readers = res.readers_of_foreign
     t = Table(title="requests (foreign slots judged by the oracle: clean re-run of each response's own tokens)")
-    for c in ("incarnation", "tenant", "prompt tokens", "outcome", "foreign slots read", "donors"):
+    t.add_column("incarnation", no_wrap=True, min_width=19)        # decimal, as in the store: never cut short
+    for c in ("tenant", "prompt tokens", "outcome", "foreign slots read", "donors"):
         t.add_column(c)
     for r in res.requests:
         ex = [e for e in res.exposures.get(r.incarnation, []) if e.donor != r.incarnation]
         outcome = f"[red]{r.finish_reason}: {r.error}" if r.error else f"{r.finish_reason}, {len(r.output_ids)} tokens"
         mark = " [yellow](event)" if r in res.affected else ""
-        t.add_row(f"{r.incarnation:#x}{mark}", r.tenant, str(len(r.prompt_ids)), outcome,
+        t.add_row(f"{r.incarnation}{mark}", r.tenant, str(len(r.prompt_ids)), outcome,
                   ("[red]" if ex else "") + str(len(ex)), str(len({e.donor for e in ex})))
     con.print(t)
     pools = ", ".join(f"{n} {f}/{tot}" for n, (f, tot) in res.free_pages.items())

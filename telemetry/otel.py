@@ -318,7 +318,7 @@ class Telemetry(Recorder):
         root = self._node(engine).tracer.start_span(
             f"{OPERATION} {model}", kind=trace.SpanKind.SERVER, start_time=_perf_to_unix_ns(req.arrival),
             attributes={GA.GEN_AI_OPERATION_NAME: OPERATION, GA.GEN_AI_PROVIDER_NAME: PROVIDER,
-                        GA.GEN_AI_REQUEST_MODEL: model, GA.GEN_AI_RESPONSE_ID: f"{req.incarnation:x}",
+                        GA.GEN_AI_REQUEST_MODEL: model, GA.GEN_AI_RESPONSE_ID: str(req.incarnation),
                         "kvledger.operation": "request", "kvledger.incarnation": req.incarnation,
                         "kvledger.node": engine.cfg.node_id, "kvledger.tenant": self.keys.pseudonym(req.tenant),
                         "kvledger.cache_scope": self.keys.pseudonym(req.scope),

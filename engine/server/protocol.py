@@ -87,8 +87,9 @@ def usage(req) -> dict:
 
 
 def response_id(prefix: str, incarnation: int) -> str:
-    """One id format everywhere: the incarnation in hex, as the span's gen_ai.response.id."""
-    return f"{prefix}-{incarnation:x}"
+    """One id format everywhere: the incarnation in decimal, as the store's `incarnation` column,
+    every forensic query and the span's gen_ai.response.id show it."""
+    return f"{prefix}-{incarnation}"
 
 
 def completion(req, model: str, text: str) -> dict:
