@@ -384,7 +384,7 @@ def _engine_args(args, spans: bool = False) -> dict:
 
 def cmd_forensics(args) -> int:
     from forensics.clickhouse import open_forensics
-    from forensics.output import emit
+    from forensics.output import emit, pick_columns
 
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
@@ -400,7 +400,12 @@ def cmd_forensics(args) -> int:
     if note:
         print(f"kvledger: warning: {note}", file=sys.stderr)
     title = f"kvledger forensics {args.query} ({args.store})"
-    return emit(df, args.format, title=f"{note} - {title}" if note else title)
+    width = None
+    if args.format == "table":
+        df = pick_columns(df, args.query, args.wide, args.columns)
+        if args.wide:                       # every column, as wide as it needs (a pager with -S reads it)
+            width = 0
+    return emit(df, args.format, title=f"{note} - {title}" if note else title, width=width)
 
 
 def cmd_report(args) -> int:
@@ -704,6 +709,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--from", dest="start", type=_timestamp, default=None, help="window start (ISO 8601, UTC)")
     f.add_argument("--to", dest="end", type=_timestamp, default=None, help="window end (ISO 8601, UTC)")
     f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
+    f.add_argument("--wide", action="store_true",
+                   help="table format: every column (default: the columns that fit 80 characters; csv/json/parquet "
+                        "always carry every column)")
+    f.add_argument("--columns", default=None, metavar="A,B,...", help="table format: these columns, in this order")
     f.add_argument("--run", metavar="BOOT", default=None,
                    help="answer for one run only: a boot id from `kvledger forensics runs`, or a unique prefix of one "
                         "(default: every run the store holds)")

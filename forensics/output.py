@@ -1,6 +1,7 @@
 """Printing a result: a rich table for people, or CSV / JSON / Parquet on stdout for programs."""
 from __future__ import annotations
 
+import datetime as dt
 import io
 import json
 import sys
@@ -8,7 +9,58 @@ import sys
 import polars as pl
 
 
+# what a person at an 80-column terminal sees of each wide query by default (--wide: every column;
+# --columns: a chosen set; csv, json and parquet always carry every column)
+COMPACT = {
+    "exposures": ["response", "donor", "kinds", "foreign_tokens", "severity"],
+    "ttft": ["incarnation", "prompt_tokens_billed", "prompt_tokens_prefilled", "ttft_s", "ttft_floor_s",
+             "below_floor", "usage_dishonest"],
+    "transfers": ["incarnation", "reserved", "landed", "checksum_ok", "integrity_ok", "outcome"],
+    "impact": ["incarnation", "prefill_node", "prompt_tokens_billed", "pool_tokens", "prompt_tokens_prefilled",
+               "errored"],
+    "preflight": ["node", "role", "pool_tokens", "advertised_context", "pool_fits_context", "policy",
+                  "preflight_action"],
+    "runs": ["boot", "policy", "requests", "exposed_responses", "started_at"],
+    "fleet_ttft": ["instance", "request_id", "prompt_tokens_billed", "ttft_s", "ttft_expected_s", "below_floor"],
+    "fleet_impact": ["instance", "request_id", "prompt_tokens_billed", "pool_tokens", "ttft_s"],
+    "probes": ["probe_run", "check", "verdict", "findings", "detail"],
+    "canary": ["instance", "kind", "logged_at", "line"],
+    "scores": ["response", "tenant", "foreign_tokens", "donors", "surfaced", "score"],
+    "tenant_scores": ["window_start", "tenant", "responses", "foreign_tokens", "score"],
+    "tenants": ["donor_tenant", "recipient_tenant", "same_tenant", "responses", "foreign_tokens",
+                "surfaced_responses"],
+}
+
+
+def pick_columns(df: pl.DataFrame, query: str, wide: bool, columns: str | None) -> pl.DataFrame:
+    """The table format's columns: --columns, else every column with --wide, else the compact set."""
+    if columns:
+        want = [c.strip() for c in columns.split(",") if c.strip()]
+        unknown = [c for c in want if c not in df.columns]
+        if unknown:
+            from engine.errors import InputError
+            raise InputError(f"--columns: {', '.join(unknown)} not in {query}'s columns ({', '.join(df.columns)})")
+        return df.select(want)
+    if wide or query not in COMPACT:
+        return df
+    return df.select([c for c in COMPACT[query] if c in df.columns])
+
+
+IDS = {"response", "donor", "incarnation", "transfer_id"}          # 19-digit decimal ids: never wrapped
+HEX_IDS = {"boot", "tenant_h", "donor_tenant", "recipient_tenant", "response_tenant", "tenant", "probe_run"}
+
+
+def _flat(v) -> str:
+    if isinstance(v, dict):
+        return ";".join(f"{k}={v[k]}" for k in v)
+    return v
+
+
 def _cell(v) -> str:
+    if isinstance(v, dt.datetime):
+        return v.strftime("%Y-%m-%d %H:%M:%S.%f")[:23]       # people read milliseconds; csv/json keep all
+    if isinstance(v, dict):
+        return ", ".join(f"{k}={'on' if x is True else 'off' if x is False else x}" for k, x in v.items())
     if isinstance(v, list):
         return ", ".join(map(str, v[:4])) + (f", ... ({len(v)})" if len(v) > 4 else "")
     if isinstance(v, float):
@@ -21,15 +73,16 @@ def json_rows(df: pl.DataFrame) -> str:
     return json.dumps(df.to_dicts(), default=lambda o: o.isoformat() if hasattr(o, "isoformat") else str(o))
 
 
-def emit(df: pl.DataFrame, fmt: str, title: str = "", out=None) -> int:
+def emit(df: pl.DataFrame, fmt: str, title: str = "", out=None, width: int | None = None) -> int:
+    """``width``: the table's width (default: the terminal's, at least 80; 0: as wide as it needs)."""
     out = out or sys.stdout
     if fmt == "json":
         out.write(json_rows(df) + "\n")
     elif fmt == "csv":
         flat = df.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(";")
                                 for c, t in df.schema.items() if isinstance(t, pl.List)])
-        flat = flat.with_columns([pl.col(c).cast(pl.String) for c, t in flat.schema.items()
-                                  if isinstance(t, (pl.Map, pl.Struct)) or str(t).startswith("Map")])
+        flat = flat.with_columns([pl.col(c).map_elements(_flat, return_dtype=pl.String) for c, t in flat.schema.items()
+                                  if isinstance(t, pl.Struct) or str(t).startswith("Map")])
         out.write(flat.write_csv())
     elif fmt == "parquet":
         buf = io.BytesIO()
@@ -40,8 +93,14 @@ def emit(df: pl.DataFrame, fmt: str, title: str = "", out=None) -> int:
         from rich.table import Table
         t = Table(title=f"{title} - {df.height} row(s)")
         for c in df.columns:
-            t.add_column(c, overflow="fold")
+            ident = c in IDS and df.schema[c] != pl.String or c in HEX_IDS
+            t.add_column(c, no_wrap=ident, min_width=19 if ident and df.schema[c] != pl.String else None,
+                         overflow="fold")
         for row in df.iter_rows():
             t.add_row(*map(_cell, row))
-        Console(file=out, width=max(160, Console().width)).print(t)
+        if width == 0:                      # as wide as the columns need (--wide): nothing folded
+            from rich.measure import Measurement
+            probe = Console(file=io.StringIO(), width=100_000)
+            width = Measurement.get(probe, probe.options, t).maximum
+        Console(file=out, width=width or max(80, Console().width)).print(t)
     return 0

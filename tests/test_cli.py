@@ -40,3 +40,31 @@ def test_generate_sizes_its_context_to_the_pool_and_warns_when_told_to_outgrow_i
                  "--context-length", "4096"]) == 0
     err = capsys.readouterr().err
     assert "kvledger: warning: --context-length 4096 is longer than the KV pool (2720 tokens" in err
+
+
+@pytest.mark.xdist_group("glm53")
+def test_forensics_tables_fit_80_columns_and_never_cut_an_id(glm53_vulnerable, capsys, monkeypatch):
+    """At 80 columns the table shows a compact set: every id whole on one line. --wide and
+    --columns choose more; csv and json always carry every column (maps as key=value lists)."""
+    _, store = glm53_vulnerable
+    monkeypatch.setenv("COLUMNS", "80")
+    for query, ids in (("exposures", ("response", "donor")), ("ttft", ("incarnation",)), ("scores", ("response",))):
+        assert main(["forensics", query, "--store", str(store), "--format", "json"]) == 0
+        rows = __import__("json").loads(capsys.readouterr().out)
+        assert main(["forensics", query, "--store", str(store)]) == 0
+        out = capsys.readouterr().out
+        assert max(len(line) for line in out.splitlines()) <= 80
+        for r in rows:
+            for col in ids:
+                assert str(r[col]) in out, f"{query}: {col} {r[col]} not shown whole"
+    assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,severity"]) == 0
+    out = capsys.readouterr().out
+    head = out[out.index("┏"):out.index("┡")]
+    assert "donor" in head and "severity" in head and "response" not in head
+    assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,nope"]) == 2
+    assert "kvledger: error: --columns: nope not in exposures's columns" in capsys.readouterr().err
+    assert main(["forensics", "exposures", "--store", str(store), "--wide"]) == 0
+    assert "attention_mass" in capsys.readouterr().out
+    assert main(["forensics", "preflight", "--store", str(store), "--format", "csv"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "guards" in lines[0] and "read_check=" in lines[1]
