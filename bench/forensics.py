@@ -115,11 +115,14 @@ def _isolated(fn, store: Path):
     return q.get() if not q.empty() else (f"killed (exit {proc.exitcode})", None, None)
 
 
-def run(rows: int, directory: str, engines: list[str]) -> dict:
+def run(rows: int, directory: str, engines: list[str], keep_mirror: bool = False) -> dict:
     root = Path(directory) / f"sparse-{rows}"
     t0 = time.perf_counter()
     m = build(root, rows)
     built = time.perf_counter() - t0
+    if not keep_mirror and "chdb" in engines:      # the export is timed from empty, every run
+        import shutil
+        shutil.rmtree(_chdb_dir(root), ignore_errors=True)
     base_d = duckdb_join(Path(m["base"]))
     k = m["exposed_copies"]
     failing = Forensics(root).con.sql("SELECT count(*), sum(bit_count(bad_mask) * n_reads) FROM page_reads "
@@ -153,11 +156,13 @@ def main() -> None:
     ap.add_argument("--engines", default="duckdb,polars,chdb", help="which to run (default duckdb,polars,chdb)")
     ap.add_argument("--scale", type=int, nargs="*", default=[], metavar="ROWS",
                     help="also run these smaller row counts (DuckDB and chdb) for the growth table")
+    ap.add_argument("--keep-mirror", action="store_true",
+                    help="reuse embedded ClickHouse's copy of a store (default: export it again, timed)")
     args = ap.parse_args()
-    res = run(args.rows, args.dir, args.engines.split(","))
+    res = run(args.rows, args.dir, args.engines.split(","), args.keep_mirror)
     res["scaling"] = [{"read_rows": r["config"]["read_rows"], "write_rows": r["config"]["write_rows"],
                        "seconds": r["seconds"], "exposure_slot_rows": r["exposure_slot_rows"]}
-                      for r in [run(n, args.dir, ["duckdb", "chdb"]) for n in args.scale]]
+                      for r in [run(n, args.dir, ["duckdb", "chdb"], args.keep_mirror) for n in args.scale]]
     res["scaling"].append({"read_rows": res["config"]["read_rows"], "write_rows": res["config"]["write_rows"],
                            "seconds": res["seconds"], "exposure_slot_rows": res["exposure_slot_rows"]})
     out = write("forensics", res)

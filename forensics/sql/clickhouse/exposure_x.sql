@@ -1,6 +1,9 @@
 -- The first half of ../exposure_slots.sql (read it for the why): every failing slot of every read
 -- run, joined AS OF the run's first logical clock to the last write of that (node, boot, page,
--- slot). Materialised on its own: exposure_slots reads it twice.
+-- slot). Materialised on its own: exposure_slots reads it twice. Where DuckDB splits the reads of
+-- groups with cuts from the rest (semi and anti joins), every failing read is joined AS OF to its
+-- group's cuts here: a read with no cut before it gets NULL either way, and ClickHouse's ASOF
+-- LEFT JOIN against the (small) cuts is cheaper than two tuple IN lists over all failing reads.
 WITH f AS (
     SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask, slots_read, attention_mass,
            n_reads, step_first, step_last, lclock_first, ts_first, ts_last, trace_id, span_id
@@ -26,36 +29,24 @@ cuts AS (      -- a write that changed one of a group's failing slots between it
       AND bitAnd(bitShiftRight(reinterpretAsUInt64(g.bad_mask), w.slot_first),
                  if(w.n_slots >= 64, toUInt64(18446744073709551615), bitShiftLeft(toUInt64(1), w.n_slots) - 1)) != 0
 ),
-split AS (
+split AS (     -- each failing read and the last cut of its group at or before it (NULL: none, or no cuts)
     SELECT f.node AS node, f.boot AS boot, f.reader AS reader, f.page AS page, f.generation AS generation,
            f.block_index AS block_index, f.found_generation AS found_generation, f.bad_mask AS bad_mask,
            f.slots_read AS slots_read, f.attention_mass AS attention_mass, f.n_reads AS n_reads,
            f.step_first AS step_first, f.step_last AS step_last, f.lclock_first AS lclock_first,
            f.ts_first AS ts_first, f.ts_last AS ts_last, f.trace_id AS trace_id, f.span_id AS span_id, c.cut AS epoch
-    FROM (SELECT * FROM f
-          WHERE (node, boot, reader, page, generation, block_index, found_generation, bad_mask) IN
-                (SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask FROM cuts)) AS f
+    FROM f
     ASOF LEFT JOIN cuts AS c
         ON f.node = c.node AND f.boot = c.boot AND f.reader = c.reader AND f.page = c.page AND f.generation = c.generation
        AND f.block_index = c.block_index AND f.found_generation = c.found_generation AND f.bad_mask = c.bad_mask
        AND f.lclock_first >= c.cut
 ),
-runs AS (
+runs AS (      -- a run: the reads of one group between two cuts
     SELECT node, boot, reader, page, generation, block_index, bad_mask,
            max(slots_read) AS slots_read, sumKahan(attention_mass) AS attention_mass, sum(n_reads) AS n_reads,
            min(step_first) AS step_first, max(step_last) AS step_last, min(lclock_first) AS lclock_first,
            min(ts_first) AS ts_first, max(ts_last) AS ts_last, min(trace_id) AS trace_id, min(span_id) AS span_id
-    FROM (SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask, slots_read,
-                 attention_mass, n_reads, step_first, step_last, lclock_first, ts_first, ts_last, trace_id, span_id,
-                 CAST(NULL AS Nullable(Int64)) AS epoch
-          FROM f
-          WHERE (node, boot, reader, page, generation, block_index, found_generation, bad_mask) NOT IN
-                (SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask FROM cuts)
-          UNION ALL
-          SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask, slots_read,
-                 attention_mass, n_reads, step_first, step_last, lclock_first, ts_first, ts_last, trace_id, span_id,
-                 epoch
-          FROM split)
+    FROM split
     GROUP BY node, boot, reader, page, generation, block_index, found_generation, bad_mask, epoch
 ),
 bad AS (
