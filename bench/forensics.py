@@ -169,7 +169,7 @@ def main() -> None:
     sec, st = res["seconds"], res["status"]
     print(f"as-of join over {res['config']['read_rows'] / 1e6:.0f} M read rows x {res['config']['write_rows'] / 1e6:.0f} "
           f"M write rows: " + ", ".join(f"{e} {st[e]} {sec[e]} s" for e in sec)
-          + f"; answers equal copies x the incident's: "
+          + "; answers equal copies x the incident's: "
           + ", ".join(f"{e} {res.get(e + '_equals_copies_x_base')}" for e in ("duckdb", "polars", "chdb")))
     print(f"wrote {out}")
 

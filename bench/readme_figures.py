@@ -130,9 +130,10 @@ def forensics_table(r: dict) -> str:
            f"{r.get('chdb_equals_copies_x_base')} |"] if "chdb" in sec else []),
         f"| goal | <= {r['goal_seconds']} s | |",
         *([f"", f"Before ClickHouse can answer, `kvledger export` copies the store into it: "
-           f"{fmt('chdb_export')} for {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows plus the rest "
-           f"({r['chdb_export_rows_per_s'] / 1e6:.2f} M rows/s, chain verified first), once; later exports copy only "
-           f"new segments."] if sec.get("chdb_export") else []),
+           f"{r['chdb_export_rows_per_s'] * sec['chdb_export'] / 1e6:.0f} M rows in {fmt('chdb_export')} "
+           f"({r['chdb_export_rows_per_s'] / 1e6:.2f} M rows/s, the chain verified first; "
+           f"{(c['read_rows'] + c['write_rows']) / 1e6:.0f} M of them the page ledger, most of the rest n-gram "
+           f"hashes), once; later exports copy only new segments."] if sec.get("chdb_export") else []),
         *(["", "How the join's cost grows with the store (same machine, same run):", "",
            "| page_reads rows | page_writes rows | exposure slot rows | DuckDB | ClickHouse (chdb) |",
            "| --- | --- | --- | --- | --- |"]

@@ -140,6 +140,14 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
              "deadline": _iso(aware + dt.timedelta(hours=72)) if aware else None,
              "note": "GDPR Art. 33(1): notify the supervisory authority within 72 hours of becoming aware"}
     small_pools = [r for r in pre.iter_rows(named=True) if not r["pool_fits_context"]]
+    status = _status_now(runs, pre)
+    req = fx.requests()
+    scopes = lambda ids: req.filter(pl.col("incarnation").is_in(list(ids)))["scope_h"].drop_nulls().n_unique()  # noqa: E731
+    measures = [{"time": _iso(r["snapshot_at"]), "measure": f"node {r['node']} (run {r['boot']}) running under policy "
+                 f"{r['policy']}; guards on: {', '.join(g for g, on in _guard_items(r['guards']) if on) or 'none'}"}
+                for r in pre.iter_rows(named=True)]
+    measures += [{"time": _iso(e.time), "measure": e.what} for e in events]
+    measures.sort(key=lambda m: m["time"])
     report = {
         "title": "KV cache cross-request exposure - disclosure report",
         "generated_at": _iso(dt.datetime.now(dt.timezone.utc).replace(tzinfo=None, microsecond=0)),
@@ -162,7 +170,15 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
             "config_snapshots": _rows(pre),
             "over_pool_requests": _rows(impact),
         },
+        "notification": {"controller": "[controller: legal name and address - fill in]",
+                         "dpo_contact": "[data protection officer: name, email, phone - fill in]",
+                         "supervisory_authority": "[lead supervisory authority - fill in]",
+                         "note": "Placeholders to complete before this report is sent; kvledger does not know them."},
+        "status_now": status,
+        "measures": measures,
         "counts": {"affected_responses": scores.height,
+                   "donor_scopes": scopes(cross["donor"].to_list()) if cross.height else 0,
+                   "recipient_scopes": scopes(cross["response"].to_list()) if cross.height else 0,
                    "surfaced_responses": int(scores["surfaced"].sum()) if scores.height else 0,
                    "recipient_tenants": len(recipients), "donor_tenants": len(donors),
                    "cross_tenant_responses": cross["response"].n_unique(),
@@ -211,8 +227,10 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                        "query_sha256": query_hashes(SQL_DIR if fx.engine == "duckdb" else SQL_DIR / "clickhouse")},
     }
     if include_excerpts:
-        report["excerpts"] = {"note": "the store holds no plaintext; evidence is the count of keyed n-grams of the "
-                                      "donor's prompt found in the recipient's output",
+        report["excerpts"] = {"note": "Redacted by construction: the store holds no plaintext, so an excerpt is "
+                                      "the count of keyed n-grams (12 tokens each) of the donor's prompt found in "
+                                      "the recipient's output, per response and donor; the text itself can be "
+                                      "recovered only by the prompt's owner, who holds the n-gram key",
                               "pairs": _rows(ex.select("response", "donor", "severity", "shared_ngrams"))}
     jsonschema.validate(report, json.loads(SCHEMA.read_text()))
     return report
@@ -237,6 +255,37 @@ def _version() -> str:
         return "0+unknown"
 
 
+
+def _guard_items(guards) -> list[tuple[str, bool]]:
+    """A guards map as DuckDB (dict) or ClickHouse (list of pairs) returns it."""
+    if isinstance(guards, dict):
+        return list(guards.items())
+    return [(d["key"], d["value"]) if isinstance(d, dict) else tuple(d) for d in guards or []]
+
+
+def _status_now(runs: pl.DataFrame, pre: pl.DataFrame) -> dict:
+    """Whether the exposure is contained now: in the latest run the store holds, every node runs the
+    read check (a read of KV its reader did not write fails that one request) and no response read
+    foreign KV. Protections in force are that run's switched-on guards."""
+    if not runs.height:
+        return {"latest_run": None, "contained": None, "protections": [], "exposed_responses_in_latest_run": None,
+                "statement": "This store holds no run of kvledger's engine: containment cannot be judged from it."}
+    latest = runs.sort("started_at").row(-1, named=True)
+    nodes = pre.filter(pl.col("boot") == latest["boot"])
+    per_node = {r["node"]: dict(_guard_items(r["guards"])) for r in nodes.iter_rows(named=True)}
+    on = sorted({g for gs in per_node.values() for g, v in gs.items() if v})
+    checked = bool(per_node) and all(gs.get("read_check") for gs in per_node.values())
+    exposed = int(latest["exposed_responses"])
+    contained = checked and exposed == 0
+    why = ("the read check is on on every node of the latest run and no response of that run read foreign KV"
+           if contained else
+           "the read check is off on " + ", ".join(n for n, gs in per_node.items() if not gs.get("read_check"))
+           if not checked else f"{exposed} response(s) of the latest run still read foreign KV")
+    return {"latest_run": latest["boot"], "policy": latest["policy"], "since": _iso(latest["started_at"]),
+            "contained": contained, "protections": on, "exposed_responses_in_latest_run": exposed,
+            "statement": f"{'Contained' if contained else 'NOT contained'} as of the latest run "
+                         f"({latest['boot']}, policy {latest['policy']}, started {_iso(latest['started_at'])}): {why}."}
+
 def _md_table(rows: list[dict], cols: list[str]) -> str:
     if not rows:
         return "_none_\n"
@@ -248,11 +297,27 @@ def _md_table(rows: list[dict], cols: list[str]) -> str:
 def markdown(r: dict) -> str:
     c, w, p = r["counts"], r["window"], r["provenance"]
     warn = f"> **{p['unverified']}**\n\n" if p.get("unverified") else ""
+    n, st = r["notification"], r["status_now"]
+    excerpts = r.get("excerpts")
     return f"""# {r['title']}
 
-{warn}
-Generated {r['generated_at']} by kvledger {p['kvledger_version']}. All times are UTC.
+{warn}| notification | |
+| --- | --- |
+| controller | {n['controller']} |
+| data protection officer | {n['dpo_contact']} |
+| supervisory authority | {n['supervisory_authority']} |
+| generated | {r['generated_at']} by kvledger {p['kvledger_version']} (all times UTC) |
+| evidence | store head `{p['chain_head'][:16]}` (seq {p['chain_seq']}), chain {'intact' if p['chain_ok'] else 'BROKEN'} |
 
+## Summary
+{r['what_happened']['summary']}
+
+**{st['statement']}** Protections in force now: {', '.join(st['protections']) or 'none recorded'}.
+
+{c['affected_responses']} affected response(s); {c['cross_tenant_responses']} read another customer's data, from {c['donor_tenants']} donor tenant(s) ({c['donor_scopes']} donor cache scope(s): each scope is one tenant, user and organisation, so at most that many data subjects) to {c['recipient_tenants']} recipient tenant(s). The evidence follows.
+
+## Measures taken
+{_md_table(r['measures'], ['time', 'measure'])}
 ## Runs covered
 {_md_table(r['runs'], ['boot', 'policy', 'nodes', 'requests', 'exposed_responses', 'started_at', 'last_seen'])}
 ## What happened and why
@@ -268,7 +333,7 @@ Weakness classes: {', '.join(f"{x['id']} ({x['name']})" for x in r['what_happene
 First foreign read: {w['first_exposure'] or '-'}; last: {w['last_exposure'] or '-'} (report window {w['from'] or 'start of store'} to {w['to'] or 'end of store'}).
 
 ## Counts
-| | |
+| measure | count |
 | --- | --- |
 | affected responses | {c['affected_responses']} |
 | responses where donor content surfaced | {c['surfaced_responses']} |
@@ -281,6 +346,10 @@ First foreign read: {w['first_exposure'] or '-'}; last: {w['last_exposure'] or '
 | foreign KV tokens read | {c['foreign_tokens']} |
 | responses billed for more prompt than was prefilled | {c['usage_dishonest_responses']} |
 | KV transfers failing integrity | {c['transfers_with_integrity_failures']} |
+| donor cache scopes (at most this many data subjects) | {c['donor_scopes']} |
+| recipient cache scopes | {c['recipient_scopes']} |
+
+"Surfaced" means the response's output repeats donor-specific text: a keyed 12-token n-gram of the donor's prompt that is neither in the response's own prompt nor common across tenants. It counts responses and any donor text; `kvledger replay` counts only the canary strings it planted, so its "canaries surfaced" is a narrower, smaller number.
 
 ## Data categories
 {chr(10).join('- ' + d for d in r['data_categories'])}
@@ -298,7 +367,7 @@ Tenants are store-keyed pseudonyms; map them to customers with the store secret'
 ## Foreign fleet telemetry (spans, KV events, logs)
 {r['foreign_fleet']['note']}
 
-| | |
+| measure | count |
 | --- | --- |
 | requests billed for more prompt than their instance's KV pool | {c['fleet_over_pool_requests']} |
 | requests answered under the TTFT floor of their length | {c['fleet_below_ttft_floor_requests']} |
@@ -318,7 +387,7 @@ Guards (on, checks run, failures; idle_but_on means protection that was not happ
 {_md_table(r['remediation']['guards'], ['guard', 'enabled', 'checks', 'failed', 'idle_but_on'])}
 Upstream fixes: {'; '.join(r['remediation']['upstream_fixes'])}.
 
-## Recommendations to other operators
+{_excerpts_md(excerpts)}## Recommendations to other operators
 {chr(10).join('- ' + x for x in r['recommendations'])}
 
 ## Provenance
@@ -334,21 +403,35 @@ def _store_line(p: dict) -> str:
         return ""
     return f"Store `{p['store']}`: chain {'intact and signed by key ' + p['signing_key'] if p['chain_ok'] else 'BROKEN: ' + str(p['first_broken_link'])}, {p['segments']} segments, {p['rows']} rows; computed on head `{p['chain_head']}` (seq {p['chain_seq']}), {'anchored at seq ' + str(p['anchored_seq']) + ' in ' + str(p['anchor']) if p['anchored_seq'] is not None else 'not checked against an anchor'}."
 
+def _excerpts_md(ex: dict | None) -> str:
+    if not ex:
+        return ""
+    return ("## Evidence excerpts (--include-excerpts)\n" + ex["note"] + ".\n\n"
+            + _md_table(ex["pairs"], ["response", "donor", "severity", "shared_ngrams"]) + "\n")
+
+
 def write(report: dict, out: str | Path) -> list[Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(report)
     files = {"report.md": md, "report.json": json.dumps(report, indent=2) + "\n",
              "report.html": "<!doctype html><meta charset='utf-8'><title>kvledger disclosure report</title>"
-                            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}table{border-collapse:collapse}"
-                            "td,th{border:1px solid #ccc;padding:2px 6px}</style>\n"
+                            "<style>body{font-family:Georgia,'DejaVu Serif',serif;max-width:60em;margin:2em auto;"
+                            "padding:0 1em;line-height:1.45;color:#111}h1{border-bottom:2px solid #111}"
+                            "h2{border-bottom:1px solid #bbb;margin-top:1.6em}table{border-collapse:collapse;"
+                            "margin:.6em 0;font-size:.85em;max-width:100%}td,th{border:1px solid #ccc;padding:2px 6px;"
+                            "text-align:left;vertical-align:top;overflow-wrap:anywhere}th{background:#f2f2f2}"
+                            "code{font-size:.9em}@media print{body{margin:0}}</style>\n"
                             + MarkdownIt("commonmark", {"html": False}).enable("table").render(md)}
     paths = []
     for name, text in files.items():
         (out / name).write_text(text)
         paths.append(out / name)
-    for name, rows in (("notifications.csv", report["notifications"]), ("responses.csv", report["responses"]),
-                       ("tenant_matrix.csv", report["tenant_matrix"])):
+    tables = [("notifications.csv", report["notifications"]), ("responses.csv", report["responses"]),
+              ("tenant_matrix.csv", report["tenant_matrix"])]
+    if "excerpts" in report:
+        tables.append(("excerpts.csv", report["excerpts"]["pairs"]))
+    for name, rows in tables:
         df = pl.DataFrame(rows) if rows else pl.DataFrame({"empty": []})
         df = df.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(";") for c, t in df.schema.items()
                               if isinstance(t, pl.List)])

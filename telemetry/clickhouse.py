@@ -35,7 +35,7 @@ import threading
 import time
 from functools import cache
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable
 from urllib.parse import parse_qs, unquote, urlparse
 
 import duckdb
@@ -56,18 +56,15 @@ class ClickHouseError(KvledgerError):
     pass
 
 
-class Layout(dict):
-    """A table's ``-- clickhouse:`` line: ORDER BY, PARTITION BY (optional), SHARD BY."""
-
-
 @cache
-def layouts() -> dict[str, Layout]:
+def layouts() -> dict[str, dict[str, str]]:
+    """table -> its ``-- clickhouse:`` line: ORDER BY, PARTITION BY (optional), SHARD BY."""
     text = SCHEMA_SQL.read_text()
     out = {}
     for m in re.finditer(r"^-- clickhouse: (.*)\nCREATE TABLE (\w+) \(", text, re.M):
         spec, table = m.group(1), m.group(2)
         parts = re.split(r"\s*\b(ORDER BY|PARTITION BY|SHARD BY)\s+", " " + spec)
-        out[table] = Layout(zip(parts[1::2], (p.strip() for p in parts[2::2])))
+        out[table] = dict(zip(parts[1::2], (p.strip() for p in parts[2::2])))
     missing = set(arrow_schemas()) - set(out)
     if missing:
         raise ValueError(f"schema.sql: no `-- clickhouse:` line above {sorted(missing)}")
@@ -221,7 +218,10 @@ class ServerTarget(Target):
     """A ClickHouse server over HTTP (clickhouse-connect, Arrow inserts)."""
 
     def __init__(self, host: str, port: int, database: str, username: str, password: str, secure: bool):
+        import logging
+
         import clickhouse_connect
+        logging.getLogger("clickhouse_connect").setLevel(logging.CRITICAL)   # its errors reach the user as ours
         self.database = database
         self.url = f"clickhouse{'s' if secure else ''}://{host}:{port}/{database}"
         try:
@@ -235,13 +235,15 @@ class ServerTarget(Target):
 
     def command_params(self, sql: str, params: dict | None, settings: dict | None) -> None:
         try:
-            self.client.command(sql, parameters=params, settings=settings)
+            self.client.command(sql, parameters={k: _literal(v) for k, v in (params or {}).items()} or None,
+                                settings=settings)
         except Exception as e:
             raise ClickHouseError(f"{self.url}: {e}") from None
 
     def query_arrow(self, sql: str, params: dict | None = None, settings: dict | None = None) -> pa.Table:
-        try:
-            return self.client.query_arrow(sql, parameters=params, settings=settings)
+        try:     # parameters as ClickHouse text (DateTime64(9) keeps its fraction); String columns as strings
+            return self.client.query_arrow(sql, parameters={k: _literal(v) for k, v in (params or {}).items()},
+                                           settings=settings, use_strings=True)
         except Exception as e:
             raise ClickHouseError(f"{self.url}: {e}") from None
 
@@ -358,7 +360,7 @@ def export(store: str | Path, target: Target, *, anchor=None, cache: dict | None
 
 
 def follow(store: str | Path, target: Target, interval: float, stop: threading.Event, *, anchor=None,
-           on_batch: Callable[[ExportResult], None] | None = None) -> Iterable[ExportResult]:
+           on_batch: Callable[[ExportResult], None] | None = None) -> None:
     """Export a live store every ``interval`` seconds until ``stop`` is set (incremental
     verification: each pass hashes only the segments added since the last)."""
     cache: dict = {}

@@ -357,7 +357,7 @@ def test_cli_export_and_forensics_on_chdb_print_what_duckdb_prints(glm53_vulnera
     _, store = glm53_vulnerable
     assert main(["export", "--to", f"chdb:{CHDB}?db=cli_export", "--store", str(store)]) == 0
     err = capsys.readouterr().err
-    assert f"segment(s)" in err and "0 already there" in err
+    assert "segment(s)" in err and "0 already there" in err
     assert main(["export", "--to", f"chdb:{CHDB}?db=cli_export", "--store", str(store)]) == 0
     assert "exported 0 segment(s), 0 rows" in capsys.readouterr().err
     outs = {}
@@ -381,6 +381,8 @@ BAD = [
     (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse://h:8123/bad-name"], "letters, digits"),
     (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse://h:99999/db"], "port must be"),
     (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse:///db"], "no host"),
+    (["forensics", "runs", "--engine", "clickhouse", "--dsn", "clickhouse://127.0.0.1:1/db"], "cannot reach ClickHouse"),
+    (["export", "--to", "clickhouse://127.0.0.1:1/db", "--store", "{store}"], "cannot reach ClickHouse"),
     (["forensics", "runs", "--spans-table", "otel_traces"], "--spans-table reads a ClickHouse table"),
     (["forensics", "runs", "--engine", "chdb", "--spans-table", "x; DROP TABLE y"], "expected TABLE or DATABASE.TABLE"),
     (["forensics", "runs", "--chdb-path", "/tmp/x"], "--chdb-path is for --engine chdb"),

@@ -218,3 +218,54 @@ def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulner
     now, then = Forensics(store).query("transfers"), fx.query("transfers")
     assert now.height > 0 and not now["landed_equals_reserved"].all()      # the incident's transfers differ
     assert then.sort("transfer_id").equals(now.sort("transfer_id"))
+
+
+def test_the_report_reads_as_a_breach_notification(glm53_vulnerable, glm53_hardened, tmp_path):
+    """Title block with the controller and DPO placeholders, the summary first with whether the
+    exposure is contained now and which protections are in force, data subjects as cache scopes,
+    the measures with their times; --include-excerpts in every format, the redaction explained."""
+    from forensics.report import build, parse_event, write
+    _, store = glm53_vulnerable
+    rep = build(store, events=[parse_event("2099-01-01T00:00 read check switched on fleet-wide")], include_excerpts=True)
+    st = rep["status_now"]
+    assert st["contained"] is False and st["protections"] == [] and "NOT contained" in st["statement"]
+    assert rep["counts"]["donor_scopes"] >= rep["counts"]["donor_tenants"] > 0
+    assert rep["measures"][-1] == {"time": "2099-01-01T00:00:00Z", "measure": "read check switched on fleet-wide"}
+    assert "fill in" in rep["notification"]["controller"] and "fill in" in rep["notification"]["dpo_contact"]
+    paths = {p.name: p for p in write(rep, tmp_path / "r")}
+    md, html = paths["report.md"].read_text(), paths["report.html"].read_text()
+    assert md.index("## Summary") < md.index("## Measures taken") < md.index("## Runs covered") < md.index("## Counts")
+    assert md.index("data protection officer") < md.index("## Summary")
+    assert "| measure | count |" in md and "<th></th><th></th>" not in html.replace("\n", "")
+    assert "## Evidence excerpts" in md and "Redacted by construction" in md and "keyed n-grams" in html
+    excerpts = paths["excerpts.csv"].read_text().splitlines()
+    assert excerpts[0] == "response,donor,severity,shared_ngrams" and len(excerpts) == len(rep["excerpts"]["pairs"]) + 1
+    assert "narrower" in md          # report "surfaced" vs the replay's "canaries surfaced", explained
+    hardened = build(glm53_hardened[1])["status_now"]
+    assert hardened["contained"] is True and "read_check" in hardened["protections"]
+    plain = write(build(store), tmp_path / "plain")
+    assert "excerpts.csv" not in {p.name for p in plain} and "Evidence excerpts" not in (tmp_path / "plain" / "report.md").read_text()
+
+
+def test_the_html_report_renders_as_a_document_in_a_browser(glm53_vulnerable, tmp_path):
+    """Rendered by Chromium at 1200 px, as a person opens it: the title block and summary come
+    first, nothing is wider than the page, no table has an empty header row (screenshot kept)."""
+    from playwright.sync_api import sync_playwright
+
+    from forensics.report import build, write
+    from tests.test_dashboard import CHROMIUM, CHROMIUM_ARGS
+    write(build(glm53_vulnerable[1], include_excerpts=True), tmp_path / "r")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page.goto((tmp_path / "r" / "report.html").as_uri())
+        page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        heads = page.locator("h1, h2").all_inner_texts()
+        wide = page.evaluate("document.documentElement.scrollWidth")
+        empty_headers = page.evaluate("[...document.querySelectorAll('thead tr')].filter("
+                                      "tr => [...tr.cells].every(c => !c.innerText.trim())).length")
+        first_table = page.locator("table").first.inner_text()
+        browser.close()
+    assert heads[:3] == ["KV cache cross-request exposure - disclosure report", "Summary", "Measures taken"]
+    assert "data protection officer" in first_table and wide <= 1200 and empty_headers == 0
+    assert (tmp_path / "report.png").stat().st_size > 50_000
