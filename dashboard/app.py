@@ -19,16 +19,24 @@ import polars as pl
 import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dashboard.data import Filters, Panels  # noqa: E402
+from dashboard.data import TIERS, Filters, Panels  # noqa: E402
 
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
 REFRESH = float(os.environ.get("KVLEDGER_REFRESH_S", "2"))
 ENGINE = {"engine": os.environ.get("KVLEDGER_ENGINE", "duckdb"), "dsn": os.environ.get("KVLEDGER_DSN") or None}
-RED, GREEN = "#d62728", "#2ca02c"
+RED, GREEN, AMBER = "#d62728", "#2ca02c", "#ff9f0e"
 
 st.set_page_config(page_title="kvledger - KV exposure", layout="wide")
 st.title("kvledger: who read whose KV")
-st.caption(f"store `{STORE}` - refreshes every {REFRESH:g} s - tenants are store-keyed pseudonyms")
+# refresh adapts: never faster than the page renders (a slower page gets a longer interval)
+EVERY = st.session_state.setdefault("refresh_every", REFRESH)
+st.caption(f"store `{STORE}` - refreshes every {EVERY:g} s (at least {REFRESH:g} s, never faster than the page "
+           "renders) - tenants are store-keyed pseudonyms")
+st.markdown(f"""<style>
+[class*="st-key-kpi-red"] {{border-left: 6px solid {RED}; background: {RED}14; padding-left: .6em; border-radius: 4px}}
+[class*="st-key-kpi-amber"] {{border-left: 6px solid {AMBER}; background: {AMBER}14; padding-left: .6em; border-radius: 4px}}
+[class*="st-key-kpi-ok"] {{border-left: 6px solid {GREEN}; padding-left: .6em; border-radius: 4px}}
+</style>""", unsafe_allow_html=True)
 
 if not (Path(STORE) / "chain").is_dir():
     @st.fragment(run_every=REFRESH)
@@ -42,6 +50,8 @@ if not (Path(STORE) / "chain").is_dir():
     wait_for_store()
     st.stop()
 
+SCORE_HELP = ("exposure score = KV tokens of other requests the response read, x10 if any of it surfaced in its "
+              "output (README: Exposure score)")
 WINDOWS = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
 
 
@@ -93,7 +103,26 @@ def _switches(v) -> str:
     return ", ".join(f"{k}={'on' if on else 'off'}" for k, on in items)
 
 
-@st.fragment(run_every=REFRESH)
+def banner(p: Panels, t: dict) -> None:
+    """The page's one-line state, loudest first: exposure, then lost telemetry, else all clear."""
+    n, crit, high = t["affected_responses"], t["critical_responses"], t["high_responses"]
+    window = "in this window" if p.f.start else "in the store"
+    if crit or high:
+        st.error(f"EXPOSURE {window}: {crit + high} response(s) read another customer's KV ({crit} critical: the "
+                 f"donor's text surfaced in the output; {high} high). {t['donor_tenants']} donor and "
+                 f"{t['recipient_tenants']} recipient tenant(s). Notify them (`kvledger report`).", icon=":material/error:")
+    elif n:
+        st.warning(f"{n} response(s) read KV that was not their own chain {window}, none of it another "
+                   "customer's (same-tenant or unwritten slots).", icon=":material/warning:")
+    else:
+        st.success(f"No exposure {window}: no response read KV it did not write.", icon=":material/check_circle:")
+    gaps = p.gaps()
+    if gaps.height:
+        st.warning(f"Telemetry gaps: {int(gaps['items'].sum())} item(s) lost in {gaps.height} gap(s) not filled - "
+                   "missing data is not a clean bill (`kvledger forensics gaps`).", icon=":material/warning:")
+
+
+@st.fragment(run_every=EVERY)
 def live() -> None:
     global _T0
     snap = _THIS_RUN.pop("snapshot", None)
@@ -102,13 +131,20 @@ def live() -> None:
     p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap, engine=ENGINE)
     p.prefetch()
     if p.fx.unverified_note:
-        st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon="🚨")
+        st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon=":material/error:")
     t = p.totals()
+    banner(p, t)
+    cross = t["critical_responses"] + t["high_responses"]
     cols = st.columns(6)
-    for c, (label, key) in zip(cols, [("Affected responses", "affected_responses"), ("Surfaced", "surfaced_responses"),
-                                      ("Foreign KV tokens read", "foreign_tokens"), ("Recipient tenants", "recipient_tenants"),
-                                      ("Donor tenants", "donor_tenants"), ("Exposure score", "exposure_score")]):
-        c.metric(label, t[key])
+    for c, (label, key, alert) in zip(cols, [
+            ("Affected responses", "affected_responses", "red" if cross else "amber" if t["affected_responses"] else "ok"),
+            ("Surfaced", "surfaced_responses", "red" if t["critical_responses"] else "ok"),
+            ("Foreign KV tokens read", "foreign_tokens", "red" if cross else "amber" if t["foreign_tokens"] else "ok"),
+            ("Recipient tenants", "recipient_tenants", "red" if t["recipient_tenants"] else "ok"),
+            ("Donor tenants", "donor_tenants", "red" if t["donor_tenants"] else "ok"),
+            ("Exposure score", "exposure_score", "red" if cross else "ok")]):
+        with c.container(key=f"kpi-{alert}-{key}"):
+            st.metric(label, t[key], help=SCORE_HELP if key == "exposure_score" else None)
 
     left, right = st.columns(2)
     with left:
@@ -118,10 +154,15 @@ def live() -> None:
             st.info("No exposure recorded in this window.")
         else:
             st.altair_chart(alt.Chart(sot.to_pandas()).mark_line(point=True, color=RED).encode(
-                x="time:T", y=alt.Y("cumulative_score:Q", title="cumulative exposure score")), width="stretch")
+                x=alt.X("time:T", title="first foreign read (UTC)", axis=alt.Axis(format="%H:%M:%S")),
+                y=alt.Y("cumulative_score:Q", title="cumulative exposure score")), width="stretch")
     with right:
         st.subheader("Donor -> recipient tenants")
-        tm = p.tenant_matrix()
+        tm, own = p.tenant_matrix(), p.same_tenant_reads()
+        if own.height:
+            st.caption(f"{int(own['responses'].sum())} response(s) read KV of their own tenant's other requests: not "
+                       "another customer's data, left out of this map (the Affected responses table has them, tier "
+                       "medium)")
         if tm.is_empty():
             st.info("No tenant read another tenant's KV in this window.")
         else:
@@ -133,7 +174,9 @@ def live() -> None:
 
     st.subheader("Affected responses")
     sc = p.scores()
-    table(sc)
+    st.caption("Tier, most severe first: " + "; ".join(f"**{k}** - {v}" for k, v in TIERS.items())
+               + ". The score ranks responses within a tier: " + SCORE_HELP)
+    table(sc.with_columns(urgent=pl.col("tier").is_in(["critical", "high"])), "urgent")
     if sc.height:
         pick = st.selectbox("Drill down into response", sc["response"].to_list(), key="drill")
         st.caption("Pages it read, who wrote them, read vs surfaced")
@@ -161,17 +204,16 @@ def live() -> None:
                                                                                              y="ttft_floor_s:Q")
         st.altair_chart(dots + line, width="stretch")
 
-    a, b = st.columns(2)
-    with a:
-        st.subheader("Usage honesty")
-        uh = p.usage_honesty()
-        st.metric("Billed for more prompt than prefilled", uh.height)
-        table(uh)
-    with b:
-        st.subheader("Transfer integrity")
-        tr = p.transfers()
-        st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
-        table(tr.with_columns(failing=~pl.col("integrity_ok")), "failing")
+    st.subheader("Usage honesty")      # full width: these tables are wide
+    uh = p.usage_honesty()
+    st.metric("Billed for more prompt than prefilled", uh.height)
+    table(uh)
+    st.subheader("Transfer integrity")
+    tr = p.transfers()
+    st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
+    table(tr.select("transfer_id", "incarnation", "src_node", "dst_node", "reserved", "sent", "landed",
+                    "landed_equals_reserved", "checksum_ok", "integrity_ok", "outcome", "transfer_ms")
+          .with_columns(failing=~pl.col("integrity_ok")) if tr.height else tr, "failing" if tr.height else None)
 
     c, d = st.columns(2)
     with c:
@@ -208,7 +250,16 @@ def live() -> None:
     else:
         table(pr.select("ts", "base_url", "check", "verdict", "findings", "detail")
               .with_columns(finding=pl.col("verdict") == "finding"), "finding")
-    st.caption(f"refreshed {dt.datetime.now():%H:%M:%S} - rendered in {time.perf_counter() - _T0:.2f} s")
+    took = time.perf_counter() - _T0
+    st.caption(f"data as of {dt.datetime.now(dt.timezone.utc):%H:%M:%S} UTC - rendered in {took:.2f} s - next "
+               f"refresh in {EVERY:g} s")
+    need = max(REFRESH, round(1.5 * took + 0.5, 1))     # room to render, then to read it
+    if need > EVERY or (EVERY > REFRESH and need < 0.5 * EVERY):
+        st.session_state["refresh_every"] = need
+    # the fragment's interval is fixed when the whole app runs: a timed rerun that finds it changed
+    # reruns the app (never a run a person started: that would drop what they clicked)
+    if snap is None and st.session_state["refresh_every"] != EVERY:
+        st.rerun()
 
 
 live()

@@ -26,7 +26,16 @@ VERIFIED: dict = {}
 
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
-        "fleet_ttft", "fleet_impact", "canary")
+        "fleet_ttft", "fleet_impact", "canary", "gaps")
+
+# Severity tiers of an affected response, most severe first: what the on-call engineer does about it.
+# The raw exposure score still ranks responses inside a tier.
+TIERS = {
+    "critical": "another customer's prompt text appeared in the response's output: notify both tenants now",
+    "high": "the response attended over another customer's KV: notify both tenants",
+    "medium": "it read KV of its own tenant's other requests only: tell that tenant; no other customer involved",
+    "low": "it read KV slots nobody wrote: no one's data left; an integrity fault to fix",
+}
 
 
 class Panels:
@@ -89,8 +98,21 @@ class Panels:
         return df
 
     def scores(self) -> pl.DataFrame:
+        """The affected responses with their severity tier (TIERS), most severe first, then by score."""
         ex = self.exposures()
-        return self._q("scores").filter(pl.col("response").is_in(ex["response"].unique().to_list()))
+        sc = self._q("scores").filter(pl.col("response").is_in(ex["response"].unique().to_list()))
+        real = ex.filter(pl.col("severity") != "blocked")
+        other = (pl.col("donor") != -1) & ~pl.col("same_tenant")
+        per = real.group_by("response").agg(
+            crit=(other & (pl.col("severity") == "surfaced")).any(), cross=other.any(),
+            own=((pl.col("donor") != -1) & pl.col("same_tenant")).any())
+        tier = (pl.when(pl.col("crit")).then(pl.lit("critical")).when(pl.col("cross")).then(pl.lit("high"))
+                .when(pl.col("own")).then(pl.lit("medium")).otherwise(pl.lit("low")))
+        rank = {t: i for i, t in enumerate(TIERS)}
+        out = sc.join(per.select("response", tier=tier), on="response", how="left")
+        return (out.with_columns(_rank=pl.col("tier").replace_strict(rank, default=len(rank)))
+                .sort(["_rank", "score"], descending=[False, True], maintain_order=True).drop("_rank")
+                .select("response", "tier", *[c for c in sc.columns if c != "response"]))
 
     def totals(self) -> dict[str, int]:
         ex, sc = self.exposures(), self.scores()
@@ -101,7 +123,13 @@ class Panels:
                 "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
                 "recipient_tenants": cross["response_tenant"].n_unique() if cross.height else 0,
                 "donor_tenants": cross["donor_tenant"].drop_nulls().n_unique() if cross.height else 0,
-                "exposure_score": int(sc["score"].sum()) if sc.height else 0}
+                "exposure_score": int(sc["score"].sum()) if sc.height else 0,
+                **{f"{t}_responses": int((sc["tier"] == t).sum()) if sc.height else 0 for t in TIERS}}
+
+    def gaps(self) -> pl.DataFrame:
+        """Telemetry the collector knows it lost and could not fill: missing data, not a clean bill."""
+        g = self._q("gaps")
+        return g.filter(~pl.col("filled")) if g.height else g
 
     def score_over_time(self, every: str = "1s") -> pl.DataFrame:
         sc = self.scores()
@@ -117,7 +145,14 @@ class Panels:
             "attention_mass", "first_step", "last_step")
 
     def tenant_matrix(self) -> pl.DataFrame:
-        return self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
+        """Donor -> recipient tenants, cross-tenant only: a tenant's own requests reading each other's
+        KV is not another customer's data (same_tenant_reads() has those)."""
+        tm = self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
+        return tm.filter(~pl.col("same_tenant")) if tm.height else tm
+
+    def same_tenant_reads(self) -> pl.DataFrame:
+        tm = self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
+        return tm.filter(pl.col("same_tenant")) if tm.height else tm
 
     def ttft(self) -> pl.DataFrame:
         return self._node(self._tenant(self._q("ttft"), "tenant_h"), "node")

@@ -286,11 +286,19 @@ def _status_now(runs: pl.DataFrame, pre: pl.DataFrame) -> dict:
             "statement": f"{'Contained' if contained else 'NOT contained'} as of the latest run "
                          f"({latest['boot']}, policy {latest['policy']}, started {_iso(latest['started_at'])}): {why}."}
 
+def _md_cell(v) -> str:
+    if isinstance(v, list):
+        return ", ".join(map(str, v))
+    if isinstance(v, str) and len(v) >= 19 and v[10:11] == "T" and v[:4].isdigit() and not v.endswith("Z"):
+        return v + "Z"                                  # a time from the store: UTC, and say so
+    return "" if v is None else str(v)
+
+
 def _md_table(rows: list[dict], cols: list[str]) -> str:
     if not rows:
         return "_none_\n"
     out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    out += ["| " + " | ".join(str(r.get(c, "")).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(_md_cell(r.get(c, "")).replace("|", "\\|") for c in cols) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 

@@ -151,8 +151,15 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
                 if replay.poll() is not None and len(seen) > 3 and seen[-1] == seen[-2] and seen[-1] > 0:
                     break
                 time.sleep(1)
-            page.screenshot(path=str(tmp_path / "dashboard.png"))
+            page.get_by_text("EXPOSURE in the store").first.wait_for(timeout=30_000)    # the red banner
+            overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
+            keep = os.environ.get("KVLEDGER_KEEP_SCREENSHOTS")       # to look at it, as a person would
+            if keep:
+                import shutil
+                shutil.copy(tmp_path / "dashboard.png", Path(keep) / "dashboard.png")
             browser.close()
+        assert overflow <= 0, f"the page is {overflow} px wider than a 1400 px window"
         assert replay.wait(timeout=60) == 0
         assert seen and seen[-1] > 0, seen                  # the exposure count appears...
         assert seen == sorted(seen) and len(set(seen)) >= 2, seen   # ...and grows, live, while the replay writes

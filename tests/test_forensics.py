@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import shutil
 
 import pytest
@@ -260,6 +261,9 @@ def test_the_html_report_renders_as_a_document_in_a_browser(glm53_vulnerable, tm
         page = browser.new_page(viewport={"width": 1200, "height": 900})
         page.goto((tmp_path / "r" / "report.html").as_uri())
         page.screenshot(path=str(tmp_path / "report.png"), full_page=True)
+        if os.environ.get("KVLEDGER_KEEP_SCREENSHOTS"):             # to look at it, as a person would
+            import shutil
+            shutil.copy(tmp_path / "report.png", os.environ["KVLEDGER_KEEP_SCREENSHOTS"])
         heads = page.locator("h1, h2").all_inner_texts()
         wide = page.evaluate("document.documentElement.scrollWidth")
         empty_headers = page.evaluate("[...document.querySelectorAll('thead tr')].filter("
