@@ -784,7 +784,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 FORENSIC_QUERIES = {
     "runs": "the runs the store holds: boot id, policy, nodes, requests, exposed responses, first/last time",
-    "exposures": "responses that read KV slots not written by their own chain, per donor",
+    "exposures": "responses that read KV slots not written by their own chain, per donor (attention_mass: softmax "
+                 "mass on the donor's pages summed over read steps; 1.0 = one step attending to nothing else)",
     "scores": "exposure score per response (README: Exposure score)",
     "tenant_scores": "exposure score per recipient tenant and --bucket window",
     "tenants": "donor -> recipient tenant matrix (pseudonyms)",

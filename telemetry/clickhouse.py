@@ -30,6 +30,7 @@ not the one exported.
 from __future__ import annotations
 
 import datetime as dt
+import os
 import re
 import threading
 import time
@@ -165,6 +166,9 @@ def chdb_session(path: str | Path):
                 raise ClickHouseError(f"chdb is not installed ({e}); pip install chdb") from None
             Path(path).mkdir(parents=True, exist_ok=True)
             _chdb_session = (path, session.Session(path))
+            threads = os.environ.get("KVLEDGER_CHDB_THREADS")      # e.g. 1 beside other work on a small machine
+            if threads:
+                _chdb_session[1].query(f"SET max_threads = {int(threads)}")
         elif _chdb_session[0] != path:
             raise ClickHouseError(f"embedded ClickHouse (chdb) is already open at {_chdb_session[0]} in this process; "
                                   f"it runs one data directory per process, so {path} cannot be opened beside it")

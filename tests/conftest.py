@@ -27,6 +27,7 @@ import pytest
 os.environ.setdefault("KVLEDGER_STATE_DIR", tempfile.mkdtemp(prefix="kvledger-test-state-"))
 # embedded ClickHouse (chdb) keeps one data directory per process: each test process gets its own
 os.environ["KVLEDGER_CHDB_PATH"] = tempfile.mkdtemp(prefix="kvledger-test-chdb-")
+os.environ["KVLEDGER_CHDB_THREADS"] = "1"        # as torch: one thread per xdist worker on two cores
 
 from engine.config import EngineConfig
 from engine.pool import KVPool

@@ -8,6 +8,9 @@
 --   surfaced  the response's output holds an n-gram of the donor's prompt that is neither in its own
 --             prompt nor common across the store (exposure_ngrams.sql)
 --   read      it attended over the donor's slots
+-- attention_mass: the softmax mass the response put on the donor's pages, summed over its read
+-- steps (each step's mass averaged over layers): 1.0 = one step attending to nothing else, so 46.5
+-- is about 46 steps' worth of attention on the donor's KV (NULL where a read was not measured).
 -- Window: failing reads whose first time is in [t0, t1].
 CREATE OR REPLACE MACRO exposures_in(t0, t1) AS TABLE
 WITH e AS (
@@ -24,7 +27,8 @@ SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_t
        any_value(e.boot) AS boot,
        list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
        count(DISTINCT (e.node, e.boot, e.page)) AS pages,
-       list(DISTINCT e.node || ':' || e.page::VARCHAR ORDER BY e.node || ':' || e.page::VARCHAR) AS node_pages,
+       list_transform(list_sort(list(DISTINCT {'n': e.node, 'p': e.page})), lambda x: x.n || ':' || x.p::VARCHAR)
+           AS node_pages,     -- node:page, by node then page number
        count(DISTINCT (e.node, e.boot, e.position)) AS foreign_tokens,
        any_value(m.attention_mass) AS attention_mass,
        CASE WHEN any_value(r.error_type) = 'ReadCheckViolation' THEN 'blocked'

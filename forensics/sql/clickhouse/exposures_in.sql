@@ -14,7 +14,7 @@ SELECT e.response AS response, r.tenant_h AS response_tenant, e.donor AS donor, 
        any(e.boot) AS boot,
        arraySort(groupUniqArray(e.kind)) AS kinds,
        toInt64(uniqExact(e.node, e.boot, e.page)) AS pages,
-       arraySort(groupUniqArray(concat(e.node, ':', toString(e.page)))) AS node_pages,
+       arrayMap(x -> concat(x.1, ':', toString(x.2)), arraySort(groupUniqArray((e.node, e.page)))) AS node_pages,
        toInt64(uniqExact(e.node, e.boot, e.position)) AS foreign_tokens,
        any(m.attention_mass) AS attention_mass,
        CASE WHEN any(r.error_type) = 'ReadCheckViolation' THEN 'blocked'
