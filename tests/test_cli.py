@@ -68,3 +68,32 @@ def test_forensics_tables_fit_80_columns_and_never_cut_an_id(glm53_vulnerable, c
     assert main(["forensics", "preflight", "--store", str(store), "--format", "csv"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert "guards" in lines[0] and "read_check=" in lines[1]
+
+
+@pytest.mark.xdist_group("glm53")
+def test_the_readme_examples_run_and_say_what_their_comments_claim(glm53_vulnerable, tmp_path, capsys, monkeypatch):
+    """Every command of the README's "After the quick start" block, run as written (against the
+    session's replay store, in a scratch directory), exits 0; the ttft comment's claim holds."""
+    import json
+    import re
+    import shlex
+    from pathlib import Path
+    _, store = glm53_vulnerable
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    block = readme.split("After the quick start, for example:", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)
+    ran = 0
+    for line in block.strip().splitlines():
+        cmd, _, comment = line.partition("   #")
+        cmd = re.sub(r"\$\(date -u \+%FT%T\)", "2099-01-01T00:00:00", cmd)
+        argv = shlex.split(cmd)
+        assert argv[0] == ".venv/bin/kvledger", line
+        assert main(argv[1:] + ["--store", str(store)]) == 0, line
+        ran += 1
+        if argv[1:3] == ["forensics", "ttft"]:
+            assert "billed for the whole prompt, 1 token prefilled" in comment      # checked below
+    capsys.readouterr()
+    assert ran == 5 and (tmp_path / "report" / "report.json").exists()
+    assert main(["forensics", "ttft", "--store", str(store), "--format", "json"]) == 0
+    rows = [r for r in json.loads(capsys.readouterr().out) if r["usage_dishonest"]]
+    assert rows and all(r["prompt_tokens_prefilled"] == 1 and r["prompt_tokens_billed"] > 1 for r in rows)

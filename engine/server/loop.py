@@ -126,6 +126,10 @@ class EngineLoop:
                 if time.monotonic() > drain_deadline:
                     for s in list(self._live.values()):
                         self._abort(s, "server shutting down")
+                if time.monotonic() > drain_deadline + 5:     # aborted, and still not done: never hang the exit
+                    log.warning("shutdown: work still in the engine %.0f s after the drain deadline (%d live "
+                                "stream(s)); stopping without it", 5, len(self._live))
+                    return
             if self._has_work():
                 try:
                     self.backend.step()
