@@ -211,19 +211,15 @@ def live() -> None:
     st.subheader("Transfer integrity")
     tr = p.transfers()
     st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
-    table(tr.select("transfer_id", "incarnation", "src_node", "dst_node", "reserved", "sent", "landed",
-                    "landed_equals_reserved", "checksum_ok", "integrity_ok", "outcome", "transfer_ms")
-          .with_columns(failing=~pl.col("integrity_ok")) if tr.height else tr, "failing" if tr.height else None)
+    table(tr.select("incarnation", "src_node", "dst_node", "reserved", "landed", "checksum_ok", "integrity_ok",
+                    "outcome", failing=~pl.col("integrity_ok")) if tr.height else tr, "failing" if tr.height else None)
 
-    c, d = st.columns(2)
-    with c:
-        st.subheader("Deferred releases and held capacity")
-        rel = p.releases()
-        table(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out")
-    with d:
-        st.subheader("Guard liveness")
-        g = p.guards()
-        table(g, "idle_but_on")
+    st.subheader("Deferred releases and held capacity")
+    rel = p.releases()
+    table(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out")
+    st.subheader("Guard liveness")
+    g = p.guards()
+    table(g, "idle_but_on")
 
     st.subheader("Preflight per node")
     pre = p.preflight()
