@@ -47,6 +47,13 @@ def query_hashes(directory: Path = SQL_DIR) -> dict[str, str]:
     return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.sql"))}
 
 
+def unverified_note(verdict) -> str | None:
+    """What every output must say when it was computed on a store that did not verify."""
+    if verdict.ok:
+        return None
+    return f"UNVERIFIED STORE - {verdict.broken}; these answers may be wrong or incomplete"
+
+
 class Forensics:
     engine = "duckdb"
     source = "the local store"
@@ -110,10 +117,7 @@ class Forensics:
 
     @property
     def unverified_note(self) -> str | None:
-        """What every output must say when it was computed on a store that did not verify."""
-        if self.verdict.ok:
-            return None
-        return f"UNVERIFIED STORE - {self.verdict.broken}; these answers may be wrong or incomplete"
+        return unverified_note(self.verdict)
 
     def exposure_slots(self) -> pl.DataFrame:
         self.materialise()

@@ -573,6 +573,25 @@ def cmd_probe(args) -> int:
     return exit_code(results)
 
 
+def _engine_options(p: argparse.ArgumentParser, spans: bool = False) -> None:
+    """--engine, --dsn, --chdb-path (and --spans-table, --tenant-attribute): which SQL engine answers."""
+    p.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
+                   help="SQL engine: duckdb over the local store (default); chdb: embedded ClickHouse over the local "
+                        "store (nothing to start); clickhouse: a server `kvledger export` filled (--dsn)")
+    p.add_argument("--dsn", default=None, metavar="URL",
+                   help="--engine clickhouse: clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE (clickhouses:// "
+                        "for HTTPS)")
+    p.add_argument("--chdb-path", default=None, metavar="DIR",
+                   help="--engine chdb: where embedded ClickHouse keeps its copy of the store (default "
+                        "$KVLEDGER_CHDB_PATH or ~/.cache/kvledger/chdb)")
+    if spans:
+        p.add_argument("--spans-table", default=None, metavar="[DB.]TABLE",
+                       help="ClickHouse engines: read spans from an OpenTelemetry Collector `otel_traces` table in "
+                            "place (TTFT, usage honesty, impact, fleet queries)")
+        p.add_argument("--tenant-attribute", default="tenant.id",
+                       help="--spans-table: the span or resource attribute naming the tenant (default tenant.id)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -719,20 +738,7 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--allow-unverified", action="store_true",
                    help="answer even when the store does not verify (every output then says so)")
     f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
-    f.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
-                    help="SQL engine: duckdb over the local store (default); chdb: embedded ClickHouse over the local "
-                         "store (nothing to start); clickhouse: a server `kvledger export` filled (--dsn)")
-    f.add_argument("--dsn", default=None, metavar="URL",
-                    help="--engine clickhouse: clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE (clickhouses:// for "
-                         "HTTPS)")
-    f.add_argument("--chdb-path", default=None, metavar="DIR",
-                    help="--engine chdb: where embedded ClickHouse keeps its copy of the store (default "
-                         "$KVLEDGER_CHDB_PATH or ~/.cache/kvledger/chdb)")
-    f.add_argument("--spans-table", default=None, metavar="[DB.]TABLE",
-                    help="ClickHouse engines: read spans from an OpenTelemetry Collector `otel_traces` table in place "
-                         "(TTFT, usage honesty, impact, fleet queries)")
-    f.add_argument("--tenant-attribute", default="tenant.id",
-                    help="--spans-table: the span or resource attribute naming the tenant (default tenant.id)")
+    _engine_options(f, spans=True)
     f.set_defaults(func=cmd_forensics)
     rp = sub.add_parser("report", help="disclosure report: Markdown, HTML, JSON (schema-validated), CSV")
     rp.add_argument("--store", default="./kvledger-store", help="the store to report on (default ./kvledger-store)")
@@ -753,15 +759,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "usually a wrong time or zone)")
     rp.add_argument("--include-excerpts", action="store_true",
                     help="add the keyed n-gram evidence per exposure (the store holds no plaintext)")
-    rp.add_argument("--engine", choices=["duckdb", "chdb", "clickhouse"], default="duckdb",
-                    help="SQL engine: duckdb over the local store (default); chdb: embedded ClickHouse over the local "
-                         "store (nothing to start); clickhouse: a server `kvledger export` filled (--dsn)")
-    rp.add_argument("--dsn", default=None, metavar="URL",
-                    help="--engine clickhouse: clickhouse://[USER[:PASSWORD]@]HOST[:8123]/DATABASE (clickhouses:// for "
-                         "HTTPS)")
-    rp.add_argument("--chdb-path", default=None, metavar="DIR",
-                    help="--engine chdb: where embedded ClickHouse keeps its copy of the store (default "
-                         "$KVLEDGER_CHDB_PATH or ~/.cache/kvledger/chdb)")
+    _engine_options(rp)
     rp.set_defaults(func=cmd_report)
     ex = sub.add_parser("export", help="copy the store into ClickHouse (a server, or embedded chdb), idempotent per "
                                        "segment; --follow keeps copying a live store")

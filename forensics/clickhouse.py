@@ -30,7 +30,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
-from forensics.api import DEFAULTS, EPOCH, FAR, SQL_DIR
+from forensics.api import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.chain import Verdict, verify
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
 from telemetry.schema import arrow_schemas
@@ -207,9 +207,7 @@ class ClickHouseForensics:
 
     @property
     def unverified_note(self) -> str | None:
-        if self.verdict.ok:
-            return None
-        return f"UNVERIFIED STORE - {self.verdict.broken}; these answers may be wrong or incomplete"
+        return unverified_note(self.verdict)
 
     def exposure_slots(self) -> pl.DataFrame:
         self.materialise()
