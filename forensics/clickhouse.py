@@ -111,6 +111,8 @@ class ClickHouseForensics:
                  cache: dict | None = None, progress=None):
         self.engine, self.run, self.spans_table = engine, run, spans_table
         self.uid = f"kvl{os.getpid()}_{next(_ids)}"
+        if spans_table and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)?", spans_table):
+            raise ClickHouseError(f"--spans-table {spans_table!r}: expected TABLE or DATABASE.TABLE")
         if engine == "chdb":
             if store is None:
                 raise StoreError("--engine chdb answers over a local store: give --store")
@@ -123,7 +125,15 @@ class ClickHouseForensics:
                                  "(--allow-unverified answers anyway, and says so in every output)")
             self.target: Target = ChdbTarget(chdb_path or default_chdb_path(), f"store_{self.verdict.store_id}")
             # the verified prefix only: a broken tail is never copied
-            export(self.store, self.target, anchor=anchor, cache=cache, progress=progress, allow_unverified=True)
+            try:
+                export(self.store, self.target, anchor=anchor, cache=cache, progress=progress, allow_unverified=True)
+            except ClickHouseError as e:
+                if "not the store that was exported" not in str(e):
+                    raise
+                # a mirror of an earlier history of this store (e.g. restored from a backup): it is only
+                # a cache, so it is rebuilt from the store in hand
+                self.target.command(f"DROP DATABASE IF EXISTS `{self.target.database}`")
+                export(self.store, self.target, anchor=anchor, cache=cache, progress=progress, allow_unverified=True)
         elif engine == "clickhouse":
             if not dsn:
                 raise ClickHouseError("--engine clickhouse needs --dsn clickhouse://HOST:8123/DATABASE")
@@ -136,8 +146,6 @@ class ClickHouseForensics:
         self.db = self.target.database
         self.source = self.target.url + (f" (spans from {spans_table})" if spans_table else "")
         self.tenant_attribute = tenant_attribute
-        if spans_table and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)?", spans_table):
-            raise ClickHouseError(f"--spans-table {spans_table!r}: expected TABLE or DATABASE.TABLE")
         self.boot = None
         if run is not None:
             boots = self.target.query_arrow(f"SELECT DISTINCT boot FROM `{self.db}`.config_snapshots").column(0)

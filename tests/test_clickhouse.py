@@ -436,3 +436,23 @@ def test_the_report_and_the_dashboard_say_the_same_on_chdb(glm53_vulnerable, tmp
     assert c.totals() == d.totals() and c.totals()["affected_responses"] > 0
     same(d.exposures(), c.exposures(), "dashboard exposures")
     assert c.tenants() == d.tenants() and c.time_range() == d.time_range()
+
+
+def test_a_stale_chdb_mirror_is_rebuilt_from_the_store_in_hand(fleet):
+    """--engine chdb's copy is a cache: one holding another history of the store (a record whose
+    sha256 is not the store's) is dropped and rebuilt, never mixed with the store's rows."""
+    store = fleet[0]
+    fx = ClickHouseForensics(store)
+    want = fx.query("fleet_impact")
+    seg = read_chain(store)[0]
+    fx.target.insert_arrow("kvledger_segments", pa.table({
+        "store_id": [fx.verdict.store_id], "seq": pa.array([seg.seq], pa.int64()), "table": [seg.table],
+        "file": [seg.file], "rows": pa.array([seg.rows], pa.int64()), "sha256": ["f" * 64],
+        "exported_at": pa.array([time.time_ns()], pa.timestamp("ns", "UTC"))}), token="stale-history")
+    fx.close()
+    again = ClickHouseForensics(store)
+    try:
+        same(want, again.query("fleet_impact"), "fleet_impact after the rebuild")
+        assert again.rows("capacity") == Forensics(store).rows("capacity")
+    finally:
+        again.close()
