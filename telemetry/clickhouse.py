@@ -4,7 +4,7 @@
     ddl("kvledger", cluster="prod")       the cluster variant: ReplicatedMergeTree ``<table>_local`` on
                                           every shard, a ``Distributed`` table in front of it
     target = connect("clickhouse://host:8123/kvledger")    a server, through clickhouse-connect
-    target = connect("chdb:/var/lib/kvledger-chdb/kvledger")  embedded ClickHouse (chdb): nothing to start
+    target = connect("chdb:/var/lib/kvledger-chdb?db=kvledger")  embedded ClickHouse (chdb): nothing to start
     export(store, target)                 verify the chain, then copy every segment not yet copied
 
 One source of truth: the columns and their types come from ``schema.sql`` as DuckDB parses it; the
@@ -41,6 +41,7 @@ from urllib.parse import parse_qs, unquote, urlparse
 
 import duckdb
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.errors import KvledgerError
@@ -263,8 +264,8 @@ NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]{0,63}$")
 
 def connect(url: str) -> Target:
     """``clickhouse://[user[:password]@]host[:port]/database`` (HTTP, port 8123; ``clickhouses://``:
-    HTTPS, 8443) or ``chdb:PATH[/DATABASE]`` - embedded ClickHouse with its data in PATH (database
-    ``kvledger`` unless PATH ends in ``/NAME`` of an existing-or-new database, given as ``?db=NAME``)."""
+    HTTPS, 8443) or ``chdb:PATH[?db=NAME]`` - embedded ClickHouse keeping its data in PATH, database
+    NAME (default ``kvledger``)."""
     u = urlparse(url)
     if u.scheme == "chdb":
         path = u.netloc + u.path if u.netloc else u.path
@@ -301,7 +302,6 @@ def segment_table(table: str, data: pa.Table) -> pa.Table:
         else:
             col = pa.nulls(data.num_rows, f.type)
         if f.name == "boot":
-            import pyarrow.compute as pc
             col = pc.fill_null(col, "")
         cols.append(col)
     return pa.Table.from_arrays(cols, schema=schema)
