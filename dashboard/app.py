@@ -233,6 +233,20 @@ def live() -> None:
         st.warning("These engines keep no page ledger: which pages a response read, and whose they were, cannot "
                    "be shown. Below: their requests over the instance's KV pool or under the TTFT floor of their "
                    "length, and their own KV canary / checksum lines.")
+    fr = p.fleet_requests()
+    if fr.height:          # the incident's signal on any engine: TTFT that does not grow with the prompt
+        pts = fr.select("instance", "request_id", "tenant_h", "uncached_tokens", "ttft_s", "ttft_expected_s",
+                        flag=pl.col("below_floor") | pl.col("over_pool"))
+        dots = alt.Chart(pts.to_pandas()).mark_circle(size=60).encode(
+            x=alt.X("uncached_tokens:Q", title="billed uncached prompt tokens"), y=alt.Y("ttft_s:Q", title="TTFT (s)"),
+            color=alt.condition("datum.flag", alt.value(RED), alt.value(GREEN)), shape="instance:N",
+            tooltip=["instance", "request_id", "tenant_h", "uncached_tokens", "ttft_s", "ttft_expected_s"])
+        fit = alt.Chart(pts.to_pandas()).mark_line(strokeDash=[4, 4], color="gray").encode(
+            x="uncached_tokens:Q", y="ttft_expected_s:Q", detail="instance:N")
+        st.altair_chart(dots + fit, width="stretch")
+        st.caption("Foreign requests: TTFT against uncached prompt tokens, each instance's robust (Theil-Sen) fit "
+                   "dashed; red: under the floor of its length or billed over the instance's pool. Per tenant:")
+        table(p.fleet_tenants().with_columns(flagged=(pl.col("below_floor") + pl.col("over_pool")) > 0), "flagged")
     if flagged.is_empty() and lines.is_empty():
         st.info("No foreign request flagged and no detector line (`kvledger collect`, `kvledger ingest-logs`).")
     else:

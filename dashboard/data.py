@@ -185,6 +185,24 @@ class Panels:
         ledger = self.fx.rows("page_reads") > 0
         return flagged, self._q("canary"), ledger
 
+    def fleet_requests(self) -> pl.DataFrame:
+        """Every foreign request span of the window with its flags (the TTFT chart's points)."""
+        ttft, impact = self._q("fleet_ttft"), self._q("fleet_impact")
+        over = impact["request_id"].to_list()
+        return self._tenant(ttft, "tenant_h").with_columns(over_pool=pl.col("request_id").is_in(over))
+
+    def fleet_tenants(self) -> pl.DataFrame:
+        """Per tenant of the foreign fleet: requests, and how many were answered under the TTFT floor
+        of their length or billed over their instance's pool (a tenant-level view of the incident's
+        two signals, as `tenants` is for the page ledger)."""
+        r = self.fleet_requests()
+        if r.is_empty():
+            return pl.DataFrame(schema={"tenant_h": pl.String, "instances": pl.UInt32, "requests": pl.UInt32,
+                                        "below_floor": pl.UInt32, "over_pool": pl.UInt32})
+        return (r.group_by("tenant_h").agg(instances=pl.col("instance").n_unique(), requests=pl.len(),
+                                           below_floor=pl.col("below_floor").sum(), over_pool=pl.col("over_pool").sum())
+                .sort(["over_pool", "below_floor", "tenant_h"], descending=[True, True, False], nulls_last=True))
+
     def probes(self) -> pl.DataFrame:
         """External probe runs recorded in the store (not windowed: a probe is a test, not traffic)."""
         return self._q("probes")

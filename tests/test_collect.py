@@ -327,6 +327,19 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
     from dashboard.data import Panels
     flagged, lines, ledger = Panels(store).fleet()
     assert set(flagged["request_id"]) == incident and lines.height == 2 and not ledger
+    per_tenant = Panels(store).fleet_tenants()          # no tenant attribute on these spans: one row, tenant NULL
+    assert per_tenant.select("requests", "below_floor", "over_pool").rows() == [(44, 4, 4)]
+    import os
+
+    from streamlit.testing.v1 import AppTest
+    os.environ["KVLEDGER_STORE"] = str(store)
+    try:
+        at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+        at.run()
+    finally:
+        del os.environ["KVLEDGER_STORE"]
+    assert not at.exception, [e.message for e in at.exception]
+    assert any("Theil-Sen" in c.value for c in at.caption)       # the foreign TTFT chart and its per-tenant table
 
 
 def test_a_sender_faster_than_the_store_gets_503_not_unbounded_memory(tmp_path):
