@@ -35,11 +35,12 @@ COMPACT = {
 def pick_columns(df: pl.DataFrame, query: str, wide: bool, columns: str | None) -> pl.DataFrame:
     """The table format's columns: --columns, else every column with --wide, else the compact set."""
     if columns:
+        from engine.errors import InputError
         want = [c.strip() for c in columns.split(",") if c.strip()]
         unknown = [c for c in want if c not in df.columns]
-        if unknown:
-            from engine.errors import InputError
-            raise InputError(f"--columns: {', '.join(unknown)} not in {query}'s columns ({', '.join(df.columns)})")
+        if unknown or not want:
+            raise InputError(f"--columns: {', '.join(unknown) or 'no column named'}"
+                             f"{' not' if unknown else ''} in {query}'s columns ({', '.join(df.columns)})")
         return df.select(want)
     if wide or query not in COMPACT:
         return df

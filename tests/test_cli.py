@@ -63,6 +63,8 @@ def test_forensics_tables_fit_80_columns_and_never_cut_an_id(glm53_vulnerable, c
     assert "donor" in head and "severity" in head and "response" not in head
     assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,nope"]) == 2
     assert "kvledger: error: --columns: nope not in exposures's columns" in capsys.readouterr().err
+    assert main(["forensics", "exposures", "--store", str(store), "--columns", ","]) == 2
+    assert "kvledger: error: --columns: no column named in exposures's columns" in capsys.readouterr().err
     assert main(["forensics", "exposures", "--store", str(store), "--wide"]) == 0
     assert "attention_mass" in capsys.readouterr().out
     assert main(["forensics", "preflight", "--store", str(store), "--format", "csv"]) == 0
