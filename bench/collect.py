@@ -43,32 +43,50 @@ def otlp_body(n: int, base: int) -> bytes:
     return req.SerializeToString()
 
 
-def bench_otlp(tmp: Path, posts: int, per: int) -> dict:
+def bench_otlp(tmp: Path, posts: int, per: int, senders: int = 1, workers: int = 0) -> dict:
+    """``senders`` instances post concurrently (each an httpx client on its own thread, as a fleet's
+    exporters would); ``workers`` decoder processes (0: decode on the receiver's event loop). One
+    warm-up post first, so a pool's spawn is not timed."""
     import httpx
 
     from tests.test_collect import Receiver
     from telemetry.store import SegmentWriter
-    w = SegmentWriter(tmp / "otlp")
-    rx = Receiver(w)
+    w = SegmentWriter(tmp / f"otlp-{senders}-{workers}")
+    rx = Receiver(w, decode_workers=workers)
     bodies = [otlp_body(per, k * per) for k in range(4)]
-    throttled = 0
+    throttled = [0] * senders
+    headers = {"content-type": "application/x-protobuf"}
     with httpx.Client() as c:
-        t0 = time.perf_counter()
-        sent = 0
-        while sent < posts:
-            r = c.post(rx.url + "/v1/traces", content=bodies[sent % 4], headers={"content-type": "application/x-protobuf"})
-            if r.status_code == 503:
-                throttled += 1
-                time.sleep(float(r.headers.get("retry-after", "1")) / 20)
-                continue
-            assert r.status_code == 200, r.text
-            sent += 1
-        w.flush()
-        dt = time.perf_counter() - t0
+        assert c.post(rx.url + "/v1/traces", content=bodies[0], headers=headers, timeout=60).status_code == 200
+
+    def send(k: int) -> None:
+        with httpx.Client() as c:
+            sent = 0
+            while sent < posts // senders:
+                r = c.post(rx.url + "/v1/traces", content=bodies[(k + sent) % 4], headers=headers, timeout=60)
+                if r.status_code == 503:
+                    throttled[k] += 1
+                    time.sleep(float(r.headers.get("retry-after", "1")) / 20)
+                    continue
+                assert r.status_code == 200, r.text
+                sent += 1
+    w.flush()
+    before = w.rows_written["spans"]
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=send, args=(k,)) for k in range(senders)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    w.flush()
+    dt = time.perf_counter() - t0
+    offloaded = rx.app.state.decoders.offloaded
     rx.stop()
     w.close()
-    return {"spans": posts * per, "seconds": dt, "spans_per_s": posts * per / dt, "throttled_posts": throttled,
-            "rows_written": w.rows_written["spans"]}
+    n = w.rows_written["spans"] - before
+    return {"senders": senders, "decode_workers": workers, "spans": n, "seconds": dt, "spans_per_s": n / dt,
+            "throttled_posts": sum(throttled),
+            "posts_decoded_in_workers": offloaded}
 
 
 def bench_kv(tmp: Path, batches: int) -> dict:
@@ -85,42 +103,49 @@ def bench_kv(tmp: Path, batches: int) -> dict:
     sub = KVEventSubscriber(w, ep, instance="gpu-0", ctx=ctx).start()
     time.sleep(0.5)
 
-    def payload(k: int) -> bytes:
+    def payload(k: int) -> bytes:         # every block hash distinct, as in real traffic (none dictionary-encodes)
         evs = [{"type": "BlockStored", "block_hashes": [os.urandom(32) for _ in range(16)], "parent_block_hash": None,
                 "token_ids": list(range(256)), "block_size": 16, "lora_id": None, "medium": "GPU", "lora_name": None,
                 "extra_keys": None} for _ in range(64)]
         return msgspec.msgpack.encode({"ts": time.time(), "events": evs, "data_parallel_rank": 0})
-    pre = [payload(k) for k in range(8)]
+    pre = [payload(k) for k in range(batches)]
     t0 = time.perf_counter()
     for seq in range(batches):
-        pub.send_multipart((b"kv", seq.to_bytes(8, "big"), pre[seq % 8]))
+        pub.send_multipart((b"kv", seq.to_bytes(8, "big"), pre[seq]))
     while sub.batches < batches and time.perf_counter() - t0 < 300:
         time.sleep(0.01)
+    sub.stop()                            # hands its last buffered rows to the writer
     w.flush()
     dt = time.perf_counter() - t0
-    sub.stop()
     w.close()
     pub.close(linger=0)
     ctx.destroy(linger=0)
     return {"batches": sub.batches, "hashes": sub.hashes, "seconds": dt, "block_hashes_per_s": sub.hashes / dt,
-            "gaps": len(sub.gaps)}
+            "gaps": len(sub.gaps), "rows_written": w.rows_written["kv_events"]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--posts", type=int, default=60, help="OTLP requests of --spans-per-post spans (default 60)")
+    ap.add_argument("--posts", type=int, default=120, help="OTLP requests of --spans-per-post spans (default 120)")
     ap.add_argument("--spans-per-post", type=int, default=1000, help="spans per OTLP request (default 1000)")
-    ap.add_argument("--batches", type=int, default=400, help="KV event batches of 64 x 16 hashes (default 400)")
+    ap.add_argument("--senders", type=int, default=4, help="concurrent OTLP senders in the fleet run (default 4)")
+    ap.add_argument("--decode-workers", type=int, default=os.cpu_count() or 1,
+                    help="decoder processes in the fleet run (default: the cores)")
+    ap.add_argument("--batches", type=int, default=1000, help="KV event batches of 64 x 16 hashes (default 1000)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
-    o = bench_otlp(tmp, args.posts, args.spans_per_post)
-    print(f"OTLP: {o['spans']} spans in {o['seconds']:.2f} s -> {o['spans_per_s']:.0f} spans/s "
-          f"({o['throttled_posts']} posts answered 503 and retried)", flush=True)
+    runs = [bench_otlp(tmp, args.posts, args.spans_per_post, 1, 0),
+            bench_otlp(tmp, args.posts, args.spans_per_post, args.senders, args.decode_workers)]
+    for o in runs:
+        print(f"OTLP, {o['senders']} sender(s), {o['decode_workers'] or 'no'} decoder process(es): {o['spans']} spans "
+              f"in {o['seconds']:.2f} s -> {o['spans_per_s']:.0f} spans/s ({o['throttled_posts']} posts answered 503 "
+              "and retried)", flush=True)
+    o = runs[-1]
     k = bench_kv(tmp, args.batches)
     print(f"KV events: {k['hashes']} block hashes in {k['seconds']:.2f} s -> {k['block_hashes_per_s']:.0f} hashes/s",
           flush=True)
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    out = write("collect", {"otlp": o, "kv_events": k, "max_rss_mib": rss,
+    out = write("collect", {"otlp": o, "otlp_single_sender_inline": runs[0], "kv_events": k, "max_rss_mib": rss,
                             "goals": {"spans_per_s": 50_000, "block_hashes_per_s": 1_000_000}})
     print(f"max RSS {rss:.0f} MiB; wrote {out}")
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 
 from forensics.clickhouse import open_forensics
+from forensics.fleet import fleet_requests, fleet_tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,21 +188,12 @@ class Panels:
 
     def fleet_requests(self) -> pl.DataFrame:
         """Every foreign request span of the window with its flags (the TTFT chart's points)."""
-        ttft, impact = self._q("fleet_ttft"), self._q("fleet_impact")
-        over = impact["request_id"].to_list()
-        return self._tenant(ttft, "tenant_h").with_columns(over_pool=pl.col("request_id").is_in(over))
+        return self._tenant(fleet_requests(self._q("fleet_ttft"), self._q("fleet_impact")), "tenant_h")
 
     def fleet_tenants(self) -> pl.DataFrame:
-        """Per tenant of the foreign fleet: requests, and how many were answered under the TTFT floor
-        of their length or billed over their instance's pool (a tenant-level view of the incident's
-        two signals, as `tenants` is for the page ledger)."""
+        """forensics.fleet.fleet_tenants over this window and tenant filter."""
         r = self.fleet_requests()
-        if r.is_empty():
-            return pl.DataFrame(schema={"tenant_h": pl.String, "instances": pl.UInt32, "requests": pl.UInt32,
-                                        "below_floor": pl.UInt32, "over_pool": pl.UInt32})
-        return (r.group_by("tenant_h").agg(instances=pl.col("instance").n_unique(), requests=pl.len(),
-                                           below_floor=pl.col("below_floor").sum(), over_pool=pl.col("over_pool").sum())
-                .sort(["over_pool", "below_floor", "tenant_h"], descending=[True, True, False], nulls_last=True))
+        return fleet_tenants(r.drop("over_pool"), r.filter(pl.col("over_pool")))
 
     def probes(self) -> pl.DataFrame:
         """External probe runs recorded in the store (not windowed: a probe is a test, not traffic)."""

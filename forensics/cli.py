@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 import time
 from pathlib import Path
 
 from engine.errors import KvledgerError
+from forensics.fleet import FOLDED, SOURCES
 
 
 def _die(msg: str) -> int:
@@ -384,8 +386,12 @@ def _engine_args(args, spans: bool = False) -> dict:
 
 def cmd_forensics(args) -> int:
     from forensics.clickhouse import open_forensics
+    from forensics.fleet import folded
     from forensics.output import emit, pick_columns
 
+    if args.query not in FOLDED and args.source != "auto":
+        return _die(f"--source applies to {', '.join(FOLDED)} only (their page-ledger and foreign-span views), "
+                    f"not to {args.query}")
     if args.bucket <= 0:
         return _die(f"--bucket must be a positive number of seconds, got {args.bucket}")
     if args.start is not None and args.end is not None and args.start > args.end:
@@ -395,14 +401,16 @@ def cmd_forensics(args) -> int:
         return _die(err)
     fx = open_forensics(args.store, args.run, allow_unverified=args.allow_unverified, anchor=args.anchor,
                         **_engine_args(args, spans=True))
-    df = fx.query(args.query, start=args.start, end=args.end, bucket_s=args.bucket)
+    df, answered, fold_note = folded(fx, args.query, args.source, args.start, args.end, bucket_s=args.bucket)
     note = fx.unverified_note
     if note:
         print(f"kvledger: warning: {note}", file=sys.stderr)
-    title = f"kvledger forensics {args.query} ({args.store})"
+    if fold_note:
+        print(f"kvledger: note: {fold_note}", file=sys.stderr)
+    title = f"kvledger forensics {answered} ({args.store})"
     width = None
     if args.format == "table":
-        df = pick_columns(df, args.query, args.wide, args.columns)
+        df = pick_columns(df, answered, args.wide, args.columns)
         if args.wide:                       # every column, as wide as it needs (a pager with -S reads it)
             width = 0
     return emit(df, args.format, title=f"{note} - {title}" if note else title, width=width)
@@ -679,6 +687,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="span or resource attribute naming the tenant (default tenant.id; stored pseudonymised)")
     co.add_argument("--tenant-header", default=None,
                     help="HTTP header on the OTLP request naming the tenant of all its spans (default: none)")
+    co.add_argument("--decode-workers", type=int, default=min(4, os.cpu_count() or 1),
+                    help="processes decoding OTLP bodies of 64 KiB or more, started on the first one (default: "
+                         "the cores, at most 4; 0 decodes everything in the receiver's own process)")
     co.set_defaults(func=cmd_collect)
     il = sub.add_parser("ingest-logs", help="a vLLM/SGLang log's capacity, KV canary and KV checksum lines into a store")
     il.add_argument("file", help="the engine's log file")
@@ -735,6 +746,10 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--run", metavar="BOOT", default=None,
                    help="answer for one run only: a boot id from `kvledger forensics runs`, or a unique prefix of one "
                         "(default: every run the store holds)")
+    f.add_argument("--source", choices=SOURCES, default="auto",
+                   help="ttft, impact, tenants: 'ledger' (kvledger's own requests and page ledger), 'spans' (a "
+                        "foreign fleet's request spans: fleet_ttft, fleet_impact, fleet_tenants) or 'auto' (default: "
+                        "the ledger when the store has kvledger requests, else the spans)")
     f.add_argument("--allow-unverified", action="store_true",
                    help="answer even when the store does not verify (every output then says so)")
     f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
@@ -796,6 +811,7 @@ FORENSIC_QUERIES = {
     "preflight": "per node: KV pool tokens vs context length, policy, guards",
     "fleet_ttft": "foreign request spans: TTFT vs prompt tokens, Theil-Sen fit per instance, below_floor",
     "fleet_impact": "foreign request spans billed for more prompt than their instance's reported KV pool",
+    "fleet_tenants": "foreign request spans per tenant: requests, below the TTFT floor, over the pool",
     "canary": "KV canary and KV checksum lines from foreign engines' logs, by instance and time",
     "cache_scopes": "block hashes a foreign engine stored under more than one cache scope (salt ignored)",
     "gaps": "telemetry known lost: KV event sequence gaps (filled from replay or not)",

@@ -23,6 +23,7 @@ COMPACT = {
     "runs": ["boot", "policy", "requests", "exposed_responses", "started_at"],
     "fleet_ttft": ["instance", "request_id", "prompt_tokens_billed", "ttft_s", "ttft_expected_s", "below_floor"],
     "fleet_impact": ["instance", "request_id", "prompt_tokens_billed", "pool_tokens", "ttft_s"],
+    "fleet_tenants": ["tenant_h", "instances", "requests", "below_floor", "over_pool"],
     "probes": ["probe_run", "check", "verdict", "findings", "detail"],
     "canary": ["instance", "kind", "logged_at", "line"],
     "scores": ["response", "tenant", "foreign_tokens", "donors", "surfaced", "score"],

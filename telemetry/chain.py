@@ -269,7 +269,7 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
         warnings.append(f"anchor {apath} holds nothing for store {ident.store_id}")
         return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), None, sealed, unlinked=tuple(unlinked), **base)
     top = max(entries, key=lambda e: e["seq"])
-    heads = {ln.seq: ln.link for cf in files for ln in cf.links}
+    heads = {-1: GENESIS, **{ln.seq: ln.link for cf in files for ln in cf.links}}   # -1: a store closed empty
     if seq < top["seq"]:
         return Verdict(False, n, rows, prev, f"truncated: store ends at seq {seq}, anchor says {top['seq']} "
                        f"(the newest {top['seq'] - seq} segment(s) and their links were removed)", warnings, seq,

@@ -13,7 +13,7 @@ segments, so a reader never sees a half-written file.
     (no secret: the writer's keys live outside the store, telemetry/keys.py)
 
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
-seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` are buffered, and on close. After
+seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` or ``max_bytes`` are buffered, and on close. After
 ``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
 are lost; a segment written but not yet linked is named by the writer's signed intent, reported by
 ``verify`` as an unlinked tail, ignored by readers, and linked by the next writer (``adopted``). A
@@ -138,7 +138,7 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     return pa.table(out)
 
 
-NO_DICTIONARY = {"tag_h", "hash"}      # keyed content hashes: they do not repeat, a dictionary only costs
+NO_DICTIONARY = {"tag_h", "hash", "block_hashes", "parent_hash"}   # content hashes: they do not repeat, a dictionary only costs
 
 
 def _parquet_options(schema: pa.Schema) -> dict:
@@ -162,7 +162,7 @@ class SegmentWriter:
     """
 
     def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
-                 queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None):
+                 max_bytes: int = 32 << 20, queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None):
         from engine.request import new_boot_id
         self.root = Path(root)
         # the run this writer records: every row of a table with a ``boot`` column that its producer
@@ -183,7 +183,10 @@ class SegmentWriter:
             fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
             os.close(self._lock_fd)
             raise
-        self.flush_interval, self.max_rows = flush_interval, max_rows
+        # a table is written once it holds max_rows rows or max_bytes of Arrow buffers, else every
+        # flush_interval: memory stays bounded, and a fast producer's rows are written while it sends
+        self.flush_interval, self.max_rows, self.max_bytes = flush_interval, max_rows, max_bytes
+        self._bytes: dict[str, int] = {}
         self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
         self.schemas = arrow_schemas()
         self._parquet = {t: _parquet_options(s) for t, s in self.schemas.items()}
@@ -281,7 +284,8 @@ class SegmentWriter:
                     if _num_rows(d):
                         self._buf[t].append(d)
                         self._rows[t] += _num_rows(d)
-                        if self._rows[t] >= self.max_rows:
+                        self._bytes[t] = self._bytes.get(t, 0) + (d.nbytes if isinstance(d, pa.Table) else 0)
+                        if self._rows[t] >= self.max_rows or self._bytes[t] >= self.max_bytes:
                             self._write([t])
                 if time.monotonic() - last >= self.flush_interval:
                     self._write_all()
@@ -370,7 +374,7 @@ class SegmentWriter:
                 self._seq = seq + 1              # taken only once the segment is in place: no gap on a failed write
                 self.rows_written[table] += rows
                 self.segments_written += 1
-                self._buf[table], self._rows[table] = [], 0
+                self._buf[table], self._rows[table], self._bytes[table] = [], 0, 0
                 self._unlinked.append((seq, table, rel, rows, sha))
         finally:
             self._link_unlinked()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -118,7 +119,11 @@ def _give_memory_back():
     """After each test: collect cycles and hand freed heap back to the OS (glibc keeps it
     otherwise), so a worker's resident memory is the live set, not the sum of every test's peak
     (two workers at 8-12 GB each were OOM-killed on a 24 GB machine)."""
+    main = sys.modules.get("__main__")
     yield
+    # streamlit's AppTest leaves the dashboard script as __main__: a process spawned later (the
+    # receiver's decoders) would run it again on start-up
+    sys.modules["__main__"] = main
     import ctypes
     import gc
     gc.collect()

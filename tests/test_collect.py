@@ -263,6 +263,7 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
     (["collect", "--kv-events", "localhost:5557"], "must be a ZMQ address"),
     (["collect", "--kv-events", "tcp://127.0.0.1:5557,replay"], "options are replay=URL"),
     (["collect", "--otlp-port", "70000"], "--otlp-port must be in [0, 65535]"),
+    (["collect", "--decode-workers", "-1"], "--decode-workers must be in [0, 64]"),
     (["ingest-logs", "/nonexistent/vllm.log", "--engine", "vllm"], "/nonexistent/vllm.log: no such log file"),
 ])
 def test_bad_collect_input_is_refused_before_the_store_is_taken(tmp_path, capsys, argv, error):
@@ -272,7 +273,7 @@ def test_bad_collect_input_is_refused_before_the_store_is_taken(tmp_path, capsys
     assert not (tmp_path / "store").exists()
 
 
-def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
+def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsys):
     """vLLM-named spans through the real SDK exporter: 40 healthy requests whose TTFT grows with the
     prompt, and 4 over-pool prompts answered at the short-prompt floor (the incident); the
     instance's start-up log gives its pool. fleet_impact and fleet_ttft flag exactly those 4; the
@@ -329,6 +330,22 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path):
     assert set(flagged["request_id"]) == incident and lines.height == 2 and not ledger
     per_tenant = Panels(store).fleet_tenants()          # no tenant attribute on these spans: one row, tenant NULL
     assert per_tenant.select("requests", "below_floor", "over_pool").rows() == [(44, 4, 4)]
+    # ttft, impact and tenants under their own names: a store of foreign spans only answers from them
+    capsys.readouterr()
+    for name, source, rows, note in (("ttft", "auto", 44, "answers from the foreign fleet's request spans (fleet_ttft)"),
+                                     ("impact", "auto", 4, "(fleet_impact)"), ("tenants", "auto", 1, "(fleet_tenants)"),
+                                     ("ttft", "ledger", 0, None), ("tenants", "spans", 1, None)):
+        assert main(["forensics", name, "--store", str(store), "--source", source, "--format", "json"]) == 0
+        out, err = capsys.readouterr()
+        got = json.loads(out)
+        assert len(got) == rows, (name, source, got)
+        assert (note in err) if note else "note:" not in err, err
+        if name == "impact" or (name == "ttft" and rows):
+            assert {r["request_id"] for r in got if name == "impact" or r["below_floor"]} == incident
+        if name == "tenants":
+            assert (got[0]["requests"], got[0]["below_floor"], got[0]["over_pool"]) == (44, 4, 4)
+    assert main(["forensics", "runs", "--store", str(store), "--source", "spans"]) == 2
+    assert "--source applies to ttft, impact, tenants only" in capsys.readouterr().err
     import os
 
     from streamlit.testing.v1 import AppTest
@@ -370,3 +387,126 @@ def test_a_sender_faster_than_the_store_gets_503_not_unbounded_memory(tmp_path):
         rx.stop()
         w.close()
     assert Forensics(tmp_path / "store").con.sql("SELECT count(*) FROM spans").fetchall()[0][0] == 3
+
+
+def _rich_request(spans: int):
+    """Spans that exercise every column path: kinds in and out of range, parents, statuses, events and
+    links, a repeated key (a dict's way: first place, last value), a token count sent as a string,
+    arrays, bytes, a span with no attributes, tenants from the span or else the resource."""
+    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
+    from opentelemetry.proto.common.v1.common_pb2 import AnyValue, ArrayValue, KeyValue
+    req = ExportTraceServiceRequest()
+    rs = req.resource_spans.add()
+    for k, v in (("service.name", "vllm"), ("service.instance.id", "gpu-3"), ("tenant.id", "res-tenant")):
+        rs.resource.attributes.append(KeyValue(key=k, value=AnyValue(string_value=v)))
+    ss = rs.scope_spans.add()
+    ss.scope.name = "vllm.llm_engine"
+    for i in range(spans):
+        j = i % 5
+        sp = ss.spans.add(trace_id=i.to_bytes(16, "big"), span_id=(i + 1).to_bytes(8, "big"), name="llm_request",
+                          kind=9 if j == 4 else j, start_time_unix_nano=10**18 + i,
+                          end_time_unix_nano=10**18 + i + (-5 if j == 1 else 1000))
+        if j == 2:
+            sp.parent_span_id = b"\x01" * 8
+            sp.status.code, sp.status.message = 2, "boom"
+        if j == 3:
+            sp.events.add(time_unix_nano=5, name="first_token")
+            sp.links.add(trace_id=b"\x07" * 16, span_id=b"\x08" * 8)
+        kv = [("gen_ai.usage.prompt_tokens", AnyValue(int_value=100 + i)),
+              ("gen_ai.usage.input_tokens", AnyValue(string_value="7") if j == 4 else AnyValue(int_value=5 + i)),
+              ("gen_ai.latency.time_to_first_token", AnyValue(double_value=0.25)),
+              ("gen_ai.response.id", AnyValue(string_value=f"cmpl-{i}")), ("flag", AnyValue(bool_value=True)),
+              ("arr", AnyValue(array_value=ArrayValue(values=[AnyValue(int_value=1), AnyValue(string_value="x")]))),
+              ("raw", AnyValue(bytes_value=b"\xff\x00"))]
+        if j % 2:
+            kv.append(("tenant.id", AnyValue(string_value=f"t{j}")))
+        if j == 0:
+            kv = kv[:2] + [("gen_ai.usage.prompt_tokens", AnyValue(int_value=999))]
+        if j == 1:
+            kv = []
+        for k, v in kv:
+            sp.attributes.append(KeyValue(key=k, value=v))
+    return req
+
+
+def test_span_rows_map_every_column_path():
+    from telemetry.receivers.otlp import span_rows
+    t = span_rows(_rich_request(5), "boot-1", lambda s: "h:" + s, "tenant.id", None).to_pylist()
+    assert [r["SpanKind"] for r in t] == ["SPAN_KIND_UNSPECIFIED", "INTERNAL", "SERVER", "CLIENT", "9"]
+    assert [r["Duration"] for r in t] == [1000, 0, 1000, 1000, 1000]          # an end before its start: 0
+    assert t[0]["TraceId"] == "0" * 32 and t[2]["ParentSpanId"] == "01" * 8 and t[0]["ParentSpanId"] == ""
+    assert (t[2]["StatusCode"], t[2]["StatusMessage"], t[0]["StatusCode"]) == ("ERROR", "boom", "UNSET")
+    assert t[3]["Events.Name"] == ["first_token"] and t[3]["Links.SpanId"] == ["08" * 8] and t[0]["Events.Name"] == []
+    assert t[0]["SpanAttributes"] == [("gen_ai.usage.prompt_tokens", "999"), ("gen_ai.usage.input_tokens", "5")]
+    assert t[1]["SpanAttributes"] == [] and t[1]["input_tokens"] is None and t[1]["operation"] is None
+    assert dict(t[2]["SpanAttributes"])["arr"] == "1,x" and dict(t[2]["SpanAttributes"])["raw"] == "ff00"
+    assert dict(t[2]["SpanAttributes"])["flag"] == "True"
+    # the current name wins over vLLM's older one; a count sent as a string is still a count
+    assert [r["input_tokens"] for r in t] == [5, None, 7, 8, 7]
+    assert [r["ttft_s"] for r in t] == [None, None, 0.25, 0.25, 0.25]
+    assert [r["request_id"] for r in t] == [None, None, "cmpl-2", "cmpl-3", "cmpl-4"]
+    assert [r["tenant_h"] for r in t] == ["h:res-tenant", "h:res-tenant", "h:res-tenant", "h:t3", "h:res-tenant"]
+    assert {r["node"] for r in t} == {"gpu-3"} and {r["ServiceName"] for r in t} == {"vllm"}
+    assert dict(t[0]["ResourceAttributes"])["service.instance.id"] == "gpu-3"
+
+
+def test_big_bodies_decode_in_a_worker_process_to_the_same_rows(tmp_path):
+    """A body over 64 KiB goes to the decoder process; a small one stays on the event loop; the
+    store gets the same rows either way, tenants pseudonymised by the parent (the key never
+    leaves it)."""
+    from telemetry.receivers.otlp import span_rows
+    w = SegmentWriter(tmp_path / "store")
+    rx = Receiver(w, decode_workers=1)
+    big, small = _rich_request(700), _rich_request(5)
+    assert len(big.SerializeToString()) >= 64 << 10 > len(small.SerializeToString())
+    with httpx.Client() as c:
+        for req in (big, small):
+            r = c.post(rx.url + "/v1/traces", content=req.SerializeToString(),
+                       headers={"content-type": "application/x-protobuf"}, timeout=60)
+            assert r.status_code == 200, r.text
+        health = c.get(rx.url + "/health").json()
+    rx.stop()
+    w.close()
+    assert health["decoded_in_workers"] == 1
+    got = Forensics(tmp_path / "store").con.sql(
+        'SELECT "SpanId", input_tokens, tenant_h, request_id FROM spans ORDER BY "SpanId", input_tokens').fetchall()
+    want = [span_rows(req, w.boot, w.keys.pseudonym, "tenant.id", None) for req in (big, small)]
+    want = sorted((r["SpanId"], r["input_tokens"], r["tenant_h"], r["request_id"])
+                  for t in want for r in t.to_pylist())
+    key = lambda r: (r[0], -1 if r[1] is None else r[1])  # noqa: E731
+    assert sorted(got, key=key) == sorted(want, key=key) and len(got) == 705
+    assert not any(r[2] and "tenant" in r[2] for r in got)
+
+
+_H = bytes(range(32))
+
+
+@pytest.mark.parametrize("payload,bad,check", [
+    ({"ts": 1.5, "events": [{"type": "BlockStored", "block_hashes": [_H], "parent_block_hash": None,
+                             "token_ids": list(range(300)), "block_size": 16, "medium": "GPU"}]}, 0,
+     [{"kind": "BlockStored", "block_hashes": [_H.hex()], "token_count": 300, "medium": "GPU", "block_size": 16}]),
+    ([2.0, [["BlockStored", [7, 2**63 + 1], 5, [1, 2], 16, None], ["BlockRemoved", [7]], ["AllBlocksCleared"]], 3], 0,
+     [{"kind": "AllBlocksCleared", "block_hashes": []},
+      {"kind": "BlockRemoved", "block_hashes": ["7"], "dp_rank": 3},
+      {"kind": "BlockStored", "block_hashes": ["7", "8000000000000001"], "parent_hash": "5", "token_count": 2}]),
+    # a field vLLM does not send, of a shape the typed path does not know: the generic reader takes the batch
+    ({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [_H], "group_idx": 2, "extra": {"x": 1}}]}, 0,
+     [{"kind": "BlockRemoved", "group_idx": 2, "token_count": None}]),
+    ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [_H], "token_ids": 5}]}, 1, []),
+    (b"\xc1 not msgpack", 1, []),
+    ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": ["not-a-hash"]}]}, 1, []),
+    ({"ts": 1, "events": [{"type": "BlockEvicted", "block_hashes": [_H]}]}, 1, []),
+    ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [_H], "block_size": "sixteen"}]}, 1, []),
+], ids=["tagged-map", "array-like-int-hashes", "unknown-field", "token-ids-not-a-list", "not-msgpack",
+        "str-hash", "unknown-event", "size-as-text"])
+def test_kv_event_batches_decode_or_count_as_bad(tmp_path, payload, bad, check):
+    """The typed fast path, the generic fallback, and what neither reads (counted, never a crash)."""
+    w = SegmentWriter(tmp_path / "store")
+    sub = KVEventSubscriber(w, "tcp://127.0.0.1:1", instance="gpu-0")
+    sub._ingest("kv", 0, payload if isinstance(payload, bytes) else msgspec.msgpack.encode(payload))
+    sub.stop()
+    w.close()
+    got = Forensics(tmp_path / "store").con.sql("SELECT * FROM kv_events ORDER BY kind").pl().to_dicts()
+    assert (len(got), sub.bad, sub.batches) == (len(check), bad, 1 - bad), (got, sub.bad)
+    for row, want in zip(got, check):
+        assert {k: row[k] for k in want} == want

@@ -383,3 +383,13 @@ def test_a_store_of_the_older_unsigned_format_is_named_and_readable_when_allowed
     assert json.loads(out.out)[0]["releases"] == 2 and "UNVERIFIED STORE" in out.err
     with pytest.raises(StoreError, match="older kvledger"):
         SegmentWriter(old)
+
+
+def test_a_store_closed_empty_reopens_and_verifies(tmp_path):
+    """A writer opened and closed with no rows (a collector that saw no traffic) anchors the genesis
+    head at seq -1: the store verifies and takes a writer again."""
+    from telemetry.chain import verify
+    for _ in range(2):
+        SegmentWriter(tmp_path / "store").close()
+        v = verify(tmp_path / "store")
+        assert v.ok and v.sealed and v.anchor_seq == -1, v

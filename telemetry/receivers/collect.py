@@ -41,11 +41,13 @@ def collect(args) -> int:
     sources = [parse_kv_source(s) for s in args.kv_events or []]
     if not 0 <= args.otlp_port <= 65535:
         raise InputError(f"--otlp-port must be in [0, 65535], got {args.otlp_port}")
+    if not 0 <= args.decode_workers <= 64:
+        raise InputError(f"--decode-workers must be in [0, 64], got {args.decode_workers}")
     writer = SegmentWriter(args.store)
     subs = []
     try:
         subs = [KVEventSubscriber(writer, s.endpoint, s.replay, s.topic, s.name).start() for s in sources]
-        app = build_app(writer, args.tenant_attribute, args.tenant_header)
+        app = build_app(writer, args.tenant_attribute, args.tenant_header, args.decode_workers)
         server = uvicorn.Server(uvicorn.Config(app, host=args.otlp_host, port=args.otlp_port, log_level="warning",
                                                access_log=False))
 

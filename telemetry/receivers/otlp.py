@@ -22,10 +22,13 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import operator
 import time
 import zlib
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 from fastapi import FastAPI, Request, Response
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
@@ -122,74 +125,170 @@ def parse(body: bytes, content_type: str, encoding: str, message):
     return msg
 
 
-def _first(a: dict, names: tuple) -> object:
-    for n in names:
-        v = a.get(n)
-        if v is not None:
-            return v
-    return None
+_SIMPLE = frozenset(("string_value", "int_value", "double_value", "bool_value"))
+_SPAN_FIELDS = operator.attrgetter("start_time_unix_nano", "end_time_unix_nano", "trace_id", "span_id",
+                                   "parent_span_id", "trace_state", "name", "kind", "status", "attributes",
+                                   "events", "links")
+_KIND_NAMES = pa.array([_KINDS[k] for k in range(len(_KINDS))])
+_INT_COLS = ("input_tokens", "output_tokens", "cached_tokens", "prefilled_tokens")
+
+
+def _hex_ids(ids: list[bytes]) -> pa.Array:
+    """Binary ids -> their lowercase hex as one Arrow string column, with no per-id Python string."""
+    lens = np.fromiter(map(len, ids), np.int64, len(ids))
+    offsets = np.zeros(len(ids) + 1, np.int32)
+    np.cumsum(lens * 2, out=offsets[1:])
+    return pa.StringArray.from_buffers(len(ids), pa.py_buffer(offsets), pa.py_buffer(b"".join(ids).hex().encode()))
+
+
+def _list_offsets(counts) -> pa.Array:
+    offsets = np.zeros(len(counts) + 1, np.int32)
+    np.cumsum(counts, out=offsets[1:])
+    return pa.array(offsets)
+
+
+def _pick(n: int, owner: np.ndarray, keys: np.ndarray, values: np.ndarray, names: tuple) -> np.ndarray:
+    """Per span, the value of the first of ``names`` it carries (None where it carries none)."""
+    out = np.full(n, None, object)
+    for name in reversed(names):             # later assignments win: the first name is assigned last
+        hit = np.flatnonzero(keys == name)
+        if len(hit):
+            out[owner[hit]] = values[hit]
+    return out
+
+
+def _typed(values: np.ndarray, kind: type, arrow: pa.DataType) -> pa.Array:
+    try:
+        return pa.array(values, arrow, from_pandas=False)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):      # e.g. a token count sent as a string
+        return pa.array([None if v is None else kind(v) for v in values], arrow)
+
+
+def _attr_columns(containers: list) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str], np.ndarray]:
+    """Every attribute of every item, flattened: (owner index, keys, values, values as text, counts)."""
+    counts = np.fromiter(map(len, containers), np.int64, len(containers))
+    kvs = [kv for c in containers for kv in c]
+    keys = [kv.key for kv in kvs]
+    anys = [kv.value for kv in kvs]
+    kinds = [v.WhichOneof("value") for v in anys]
+    vals = [getattr(v, k) if k in _SIMPLE else _value(v) for v, k in zip(anys, kinds)]
+    values = np.empty(len(vals), object)
+    values[:] = vals
+    owner = np.repeat(np.arange(len(containers)), counts)
+    return owner, np.array(keys, object), values, list(map(str, vals)), counts
+
+
+def _map_column(owner: np.ndarray, keys: np.ndarray, text: list[str], counts: np.ndarray) -> pa.Array:
+    key_arr = pa.array(keys, pa.string())
+    codes = key_arr.dictionary_encode().indices.to_numpy(zero_copy_only=False).astype(np.int64)
+    if len(np.unique(owner * (int(codes.max(initial=0)) + 1) + codes)) != len(codes):
+        # a key repeated within one span: keep it once, at its first place, with its last value (a dict's way)
+        first: dict = {}
+        for i, ok in enumerate(zip(owner.tolist(), keys.tolist())):
+            first.setdefault(ok, [i, i])[1] = i
+        keep = sorted(first.values())
+        owner = owner[[a for a, _ in keep]]
+        key_arr = pa.array([keys[a] for a, _ in keep], pa.string())
+        text = [text[b] for _, b in keep]
+        counts = np.bincount(owner, minlength=len(counts))
+    return pa.MapArray.from_arrays(_list_offsets(counts), key_arr, pa.array(text, pa.string()))
 
 
 def span_rows(req: ExportTraceServiceRequest, boot: str, pseudonym, tenant_attribute: str | None,
               header_tenant: str | None) -> pa.Table:
-    """Column by column, one comprehension per column over each scope's spans (a per-span loop
-    with thirty appends was the receiver's bottleneck)."""
-    cols: dict[str, list] = {c: [] for c in SPAN_COLS}
+    """Column by column: one C-level attribute fetch per span, then numpy and Arrow over the columns
+    (ids hexed in one call, attributes flattened once and the typed columns picked from them).
+    ``pseudonym`` None leaves the tenants in clear (a decoder process, which never holds the key:
+    its parent calls ``with_pseudonyms``)."""
+    table = _span_rows(req, boot, tenant_attribute, header_tenant)
+    return table if pseudonym is None else with_pseudonyms(table, pseudonym)
+
+
+def with_pseudonyms(table: pa.Table, pseudonym) -> pa.Table:
+    """``tenant_h`` from clear tenant names to their keyed pseudonyms, one HMAC per distinct tenant."""
+    i = table.schema.get_field_index("tenant_h")
+    enc = table.column(i).combine_chunks().dictionary_encode()
+    names = pa.array([pseudonym(t) for t in enc.dictionary.to_pylist()], pa.string())
+    return table.set_column(i, "tenant_h", names.take(enc.indices))
+
+
+def _span_rows(req: ExportTraceServiceRequest, boot: str, tenant_attribute: str | None,
+               header_tenant: str | None) -> pa.Table:
+    parts = []
     for rs in req.resource_spans:
         res = _attrs(rs.resource.attributes)
         service = str(res.get("service.name", ""))
         node = str(res.get("service.instance.id") or res.get("host.name") or service)
-        res_s = [(k, str(v)) for k, v in res.items()]
+        res_keys, res_text = list(res), [str(v) for v in res.values()]
         run = str(res.get("kvledger.boot") or boot)
         res_tenant = res.get(tenant_attribute) if tenant_attribute else None
         for ss in rs.scope_spans:
-            spans = list(ss.spans)
-            n = len(spans)
-            attrs = [_attrs(sp.attributes) for sp in spans]
-            c = cols
-            c["Timestamp"] += [sp.start_time_unix_nano for sp in spans]
-            c["TraceId"] += [sp.trace_id.hex() for sp in spans]
-            c["SpanId"] += [sp.span_id.hex() for sp in spans]
-            c["ParentSpanId"] += [sp.parent_span_id.hex() for sp in spans]
-            c["TraceState"] += [sp.trace_state for sp in spans]
-            c["SpanName"] += [sp.name for sp in spans]
-            c["SpanKind"] += [_KINDS.get(sp.kind, str(sp.kind)) for sp in spans]
-            c["ServiceName"] += [service] * n
-            c["ResourceAttributes"] += [res_s] * n
-            c["ScopeName"] += [ss.scope.name] * n
-            c["ScopeVersion"] += [ss.scope.version] * n
-            c["SpanAttributes"] += [[(k, str(v)) for k, v in a.items()] for a in attrs]
-            c["Duration"] += [max(0, sp.end_time_unix_nano - sp.start_time_unix_nano) for sp in spans]
-            c["StatusCode"] += [_STATUS.get(sp.status.code, str(sp.status.code)) for sp in spans]
-            c["StatusMessage"] += [sp.status.message for sp in spans]
-            c["Events.Timestamp"] += [[e.time_unix_nano for e in sp.events] for sp in spans]
-            c["Events.Name"] += [[e.name for e in sp.events] for sp in spans]
-            c["Links.TraceId"] += [[ln.trace_id.hex() for ln in sp.links] for sp in spans]
-            c["Links.SpanId"] += [[ln.span_id.hex() for ln in sp.links] for sp in spans]
+            fields = list(map(_SPAN_FIELDS, ss.spans))
+            n = len(fields)
+            if not n:
+                continue
+            (start, end, trace, span, parent, state, name, kind, status, attrs, events, links) = zip(*fields)
+            owner, keys, values, text, counts = _attr_columns(attrs)
+            start = np.fromiter(start, np.int64, n)
+            kind = np.fromiter(kind, np.int64, n)
+            c = {"Timestamp": pa.array(start, pa.timestamp("ns")), "TraceId": _hex_ids(trace), "SpanId": _hex_ids(span),
+                 "ParentSpanId": _hex_ids(parent), "TraceState": pa.array(state, pa.string()),
+                 "SpanName": pa.array(name, pa.string()),
+                 "SpanKind": (_KIND_NAMES.take(pa.array(kind)) if kind.max() < len(_KINDS) and kind.min() >= 0 else
+                              pa.array([_KINDS.get(k, str(k)) for k in kind.tolist()])),
+                 "ServiceName": pa.array([service] * n, pa.string()),
+                 "ResourceAttributes": pa.MapArray.from_arrays(
+                     _list_offsets(np.full(n, len(res_keys))), pa.array(res_keys * n, pa.string()),
+                     pa.array(res_text * n, pa.string())),
+                 "ScopeName": pa.array([ss.scope.name] * n, pa.string()),
+                 "ScopeVersion": pa.array([ss.scope.version] * n, pa.string()),
+                 "SpanAttributes": _map_column(owner, keys, text, counts),
+                 "Duration": pa.array(np.maximum(0, np.fromiter(end, np.int64, n) - start)),
+                 "StatusCode": pa.array([_STATUS.get(s.code, str(s.code)) for s in status], pa.string()),
+                 "StatusMessage": pa.array([s.message for s in status], pa.string())}
+            if any(events):
+                c["Events.Timestamp"] = pa.array([[e.time_unix_nano for e in ev] for ev in events],
+                                                 pa.list_(pa.timestamp("ns")))
+                c["Events.Name"] = pa.array([[e.name for e in ev] for ev in events], pa.list_(pa.string()))
+            else:
+                c["Events.Timestamp"] = pa.ListArray.from_arrays(_list_offsets(np.zeros(n, np.int64)),
+                                                                 pa.array([], pa.timestamp("ns")))
+                c["Events.Name"] = pa.ListArray.from_arrays(_list_offsets(np.zeros(n, np.int64)), pa.array([], pa.string()))
+            if any(links):
+                c["Links.TraceId"] = pa.array([[ln.trace_id.hex() for ln in lk] for lk in links], pa.list_(pa.string()))
+                c["Links.SpanId"] = pa.array([[ln.span_id.hex() for ln in lk] for lk in links], pa.list_(pa.string()))
+            else:
+                empty = pa.ListArray.from_arrays(_list_offsets(np.zeros(n, np.int64)), pa.array([], pa.string()))
+                c["Links.TraceId"] = c["Links.SpanId"] = empty
             for col, names in _TYPED.items():
-                vals = [_first(a, names) for a in attrs]
-                if col in ("input_tokens", "output_tokens", "cached_tokens", "prefilled_tokens"):
-                    vals = [None if v is None else int(v) for v in vals]
-                elif col == "ttft_s":
-                    vals = [None if v is None else float(v) for v in vals]
-                else:
-                    vals = [None if v is None else str(v) for v in vals]
-                c[col] += vals
-            c["operation"] += ["request" if v is not None else None for v in c["input_tokens"][-n:]] if n else []
-            tenants = [a.get(tenant_attribute, res_tenant) if tenant_attribute else None for a in attrs]
-            tenants = [t if t is not None else header_tenant for t in tenants]
-            c["tenant_h"] += [None if t is None else pseudonym(str(t)) for t in tenants]
-            c["node"] += [node] * n
-            c["boot"] += [run] * n
-            for col in ("incarnation", "scope_h", "rejected_at"):
-                c[col] += [None] * n
+                picked = _pick(n, owner, keys, values, names)
+                c[col] = (_typed(picked, int, pa.int64()) if col in _INT_COLS else
+                          _typed(picked, float, pa.float64()) if col == "ttft_s" else
+                          pa.array([None if v is None else str(v) for v in picked], pa.string()))
+            c["operation"] = pc.if_else(pc.is_null(c["input_tokens"]), pa.scalar(None, pa.string()), "request")
+            tenants = _pick(n, owner, keys, values, (tenant_attribute,)) if tenant_attribute else np.full(n, None, object)
+            fallback = res_tenant if res_tenant is not None else header_tenant
+            if fallback is not None:
+                tenants[np.equal(tenants, None)] = fallback
+            c["tenant_h"] = pa.array([None if t is None else str(t) for t in tenants.tolist()], pa.string())
+            c["node"] = pa.array([node] * n, pa.string())
+            c["boot"] = pa.array([run] * n, pa.string())
+            c["incarnation"] = pa.nulls(n, pa.int64())
+            c["scope_h"] = c["rejected_at"] = pa.nulls(n, pa.string())
+            parts.append(pa.table({k: c[k] for k in SPAN_COLS}))
+    if not parts:
+        return _empty_spans()
+    return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+
+
+def _empty_spans() -> pa.Table:
     m = pa.map_(pa.string(), pa.string())
     types = {"Timestamp": pa.timestamp("ns"), "Events.Timestamp": pa.list_(pa.timestamp("ns")),
              "ResourceAttributes": m, "SpanAttributes": m, "ttft_s": pa.float64(), "Duration": pa.int64(),
              "incarnation": pa.int64(), "input_tokens": pa.int64(), "output_tokens": pa.int64(),
              "cached_tokens": pa.int64(), "prefilled_tokens": pa.int64(), "Links.TraceId": pa.list_(pa.string()),
              "Links.SpanId": pa.list_(pa.string()), "Events.Name": pa.list_(pa.string())}
-    return pa.table({k: pa.array(v, types.get(k, pa.string())) for k, v in cols.items()})
+    return pa.table({k: pa.array([], types.get(k, pa.string())) for k in SPAN_COLS})
 
 
 def metric_rows(req: ExportMetricsServiceRequest, boot: str) -> pa.Table:
@@ -222,27 +321,98 @@ def metric_rows(req: ExportMetricsServiceRequest, boot: str) -> pa.Table:
     return pa.table({k: pa.array(v, types.get(k, pa.string())) for k, v in cols.items()})
 
 
-def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header: str | None = None) -> FastAPI:
-    """The receiver as an ASGI app writing into ``writer`` (a telemetry.store.SegmentWriter)."""
-    app = FastAPI(title="kvledger OTLP receiver", docs_url=None, redoc_url=None)
+def decode(kind: str, body: bytes, content_type: str, encoding: str, boot: str, tenant_attribute: str | None,
+           header_tenant: str | None) -> pa.Table:
+    """An OTLP body to its rows (``kind`` traces|metrics), tenants in clear; BadBody if it does not
+    decode. Module-level and free of the store's key, so a decoder process can run it."""
+    if kind == "traces":
+        msg = parse(body, content_type, encoding, ExportTraceServiceRequest)
+        return span_rows(msg, boot, None, tenant_attribute, header_tenant)
+    return metric_rows(parse(body, content_type, encoding, ExportMetricsServiceRequest), boot)
+
+
+class Decoders:
+    """Bodies of ``min_bytes`` or more decode on a pool of ``workers`` processes (spawned on the first
+    such body), smaller ones on the event loop: protobuf to Arrow is Python-bound, and one GIL would
+    cap the receiver at one core however many senders a fleet has. At most ``2 x workers`` bodies
+    wait for the pool at once; beyond that the receiver answers 503 (OTLP senders back off)."""
+
+    def __init__(self, workers: int = 0, min_bytes: int = 64 << 10):
+        self.workers, self.min_bytes = workers, min_bytes
+        self.pool = None
+        self.in_flight = 0
+        self.offloaded = 0
+
+    def full(self, size: int) -> bool:
+        return self.workers > 0 and size >= self.min_bytes and self.in_flight >= 2 * self.workers
+
+    async def __call__(self, *args) -> pa.Table:
+        body = args[1]
+        if self.workers <= 0 or len(body) < self.min_bytes:
+            return decode(*args)
+        import asyncio
+        from concurrent.futures.process import BrokenProcessPool
+        if self.pool is None:
+            import multiprocessing
+            from concurrent.futures import ProcessPoolExecutor
+            self.pool = ProcessPoolExecutor(self.workers, mp_context=multiprocessing.get_context("spawn"))
+        self.in_flight += 1
+        try:
+            self.offloaded += 1
+            return await asyncio.get_running_loop().run_in_executor(self.pool, decode, *args)
+        except BrokenProcessPool:        # a decoder died (OOM-killed...): this body is answered 503, the next gets a new pool
+            self.pool = None
+            raise
+        finally:
+            self.in_flight -= 1
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
+            self.pool = None
+
+
+def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header: str | None = None,
+              decode_workers: int = 0) -> FastAPI:
+    """The receiver as an ASGI app writing into ``writer`` (a telemetry.store.SegmentWriter);
+    ``decode_workers`` processes decode big bodies (0: all on the event loop)."""
+    from concurrent.futures.process import BrokenProcessPool
+    from contextlib import asynccontextmanager
+
+    decoders = Decoders(decode_workers)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        decoders.close()
+
+    app = FastAPI(title="kvledger OTLP receiver", docs_url=None, redoc_url=None, lifespan=lifespan)
     app.state.received = {"spans": 0, "points": 0, "refused_bodies": 0, "throttled": 0}
+    app.state.decoders = decoders
 
     def error(status: int, text: str) -> Response:
         return Response(json.dumps({"code": 3 if status == 400 else 14, "message": text}), status,
                         media_type="application/json", headers={"Retry-After": "1"} if status == 503 else None)
 
-    async def receive(request: Request, message, rows, response_cls, counter: str) -> Response:
-        if writer.saturated:
-            app.state.received["throttled"] += 1
-            return error(503, "the store writer is behind; retry later")
+    async def receive(request: Request, kind: str, response_cls, counter: str) -> Response:
         body = await request.body()
+        if writer.saturated or decoders.full(len(body)):
+            app.state.received["throttled"] += 1
+            return error(503, "the store writer is behind; retry later" if writer.saturated else
+                         "every decoder is busy; retry later")
         ctype = request.headers.get("content-type", "")
+        header = request.headers.get(tenant_header) if tenant_header else None
         try:
-            msg = parse(body, ctype, request.headers.get("content-encoding", ""), message)
-            table = rows(msg, request)
+            table = await decoders(kind, body, ctype, request.headers.get("content-encoding", ""), writer.boot,
+                                   tenant_attribute, header)
         except BadBody as e:
             app.state.received["refused_bodies"] += 1
             return error(400, str(e))
+        except BrokenProcessPool:
+            app.state.received["throttled"] += 1
+            return error(503, "a decoder process died; retry")
+        if kind == "traces":
+            table = with_pseudonyms(table, writer.keys.pseudonym)
         writer.submit("spans" if counter == "spans" else "metrics", table)
         app.state.received[counter] += table.num_rows
         out = response_cls()
@@ -252,19 +422,15 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
 
     @app.post("/v1/traces")
     async def traces(request: Request) -> Response:
-        header = request.headers.get(tenant_header) if tenant_header else None
-        return await receive(request, ExportTraceServiceRequest,
-                             lambda m, r: span_rows(m, writer.boot, writer.keys.pseudonym, tenant_attribute, header),
-                             ExportTraceServiceResponse, "spans")
+        return await receive(request, "traces", ExportTraceServiceResponse, "spans")
 
     @app.post("/v1/metrics")
     async def metrics(request: Request) -> Response:
-        return await receive(request, ExportMetricsServiceRequest, lambda m, r: metric_rows(m, writer.boot),
-                             ExportMetricsServiceResponse, "points")
+        return await receive(request, "metrics", ExportMetricsServiceResponse, "points")
 
     @app.get("/health")
     async def health() -> dict:
         return {"status": "ok", "received": app.state.received, "written": dict(writer.rows_written),
-                "time": time.time()}
+                "decoded_in_workers": decoders.offloaded, "time": time.time()}
 
     return app

@@ -7,5 +7,5 @@ SELECT incarnation, any(node) AS node, any(boot) AS boot, any(tenant_h) AS tenan
        any(ttft_s) AS ttft_s, any(finish_reason) AS finish_reason, any(error_type) AS error_type,
        any(rejected_at) AS rejected_at, any("StatusMessage") AS error
 FROM spans
-WHERE operation = 'request'
+WHERE operation = 'request' AND incarnation IS NOT NULL   -- a foreign engine's request spans have none (fleet_*)
 GROUP BY incarnation
