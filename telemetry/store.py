@@ -138,14 +138,20 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     return pa.table(out)
 
 
-NO_DICTIONARY = {"tag_h", "hash", "block_hashes", "parent_hash"}   # content hashes: they do not repeat, a dictionary only costs
+HEX_HASHES = {"block_hashes", "parent_hash"}                      # a foreign engine's block hashes, in hex
+NO_DICTIONARY = {"tag_h", "hash", *HEX_HASHES}   # content hashes: they do not repeat, a dictionary only costs
 
 
 def _parquet_options(schema: pa.Schema) -> dict:
     """Statistics on scalar columns only (what a reader prunes on: times, clocks, ids; not lists
-    of slots), no dictionary for the keyed hashes: every flush writes a segment per table, so its CPU counts."""
+    of slots), no dictionary for the keyed hashes: every flush writes a segment per table, so its CPU counts.
+    LZ4 everywhere but on hex hashes, which it cannot shrink and zstd halves in the same time."""
+    if not any(f.name in HEX_HASHES for f in schema):
+        compression: str | dict = "lz4"
+    else:
+        compression = {_leaf_path(f): "zstd" if f.name in HEX_HASHES else "lz4" for f in schema}
     return {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
-            "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY]}
+            "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY], "compression": compression}
 
 
 def _leaf_path(f: pa.Field) -> str:
@@ -390,7 +396,7 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
-        pq.write_table(data, sink, compression="lz4", **self._parquet[table])
+        pq.write_table(data, sink, **self._parquet[table])
         body = sink.getvalue()
         return seq, table, rel, data.num_rows, hashlib.sha256(body).hexdigest(), body
 

@@ -510,3 +510,10 @@ def test_kv_event_batches_decode_or_count_as_bad(tmp_path, payload, bad, check):
     assert (len(got), sub.bad, sub.batches) == (len(check), bad, 1 - bad), (got, sub.bad)
     for row, want in zip(got, check):
         assert {k: row[k] for k in want} == want
+    if check:       # hex hashes: zstd (LZ4 cannot shrink hex), no dictionary (they do not repeat); the rest LZ4
+        import pyarrow.parquet as pq
+        rg = pq.ParquetFile(next((tmp_path / "store" / "segments" / "kv_events").glob("*.parquet"))).metadata.row_group(0)
+        cols = {rg.column(i).path_in_schema: rg.column(i) for i in range(rg.num_columns)}
+        assert cols["block_hashes.list.element"].compression == "ZSTD" == cols["parent_hash"].compression
+        assert "RLE_DICTIONARY" not in cols["block_hashes.list.element"].encodings
+        assert cols["kind"].compression == "LZ4"
