@@ -809,7 +809,8 @@ FORENSIC_QUERIES = {
     "guards": "guard liveness: on, checks run, failures; red when on but idle",
     "releases": "page releases: immediate vs deferred, ended by drain or timeout",
     "preflight": "per node: KV pool tokens vs context length, policy, guards",
-    "fleet_ttft": "foreign request spans: TTFT vs prompt tokens, Theil-Sen fit per instance, below_floor",
+    "fleet_ttft": "foreign request spans: TTFT vs prompt tokens, Theil-Sen fit per instance, below_floor; "
+                  "usage_dishonest where the engine reports the tokens it computed",
     "fleet_impact": "foreign request spans billed for more prompt than their instance's reported KV pool",
     "fleet_tenants": "foreign request spans per tenant: requests, below the TTFT floor, over the pool",
     "canary": "KV canary and KV checksum lines from foreign engines' logs, by instance and time",

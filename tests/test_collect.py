@@ -305,6 +305,8 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
         with tracer.start_as_current_span("llm_request") as sp:
             sp.set_attributes({"gen_ai.usage.prompt_tokens": n, "gen_ai.usage.completion_tokens": 8,
                                "gen_ai.latency.time_to_first_token": ttft, "gen_ai.request.id": f"cmpl-{i}"})
+            if i < 22:      # an engine that also reports what it computed: the incident's one token
+                sp.set_attribute("kvledger.prompt_tokens.prefilled", 1 if n > 1200 else n)
     assert provider.force_flush(10_000)
     provider.shutdown()
     rx.stop()
@@ -316,6 +318,9 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     ttft = fx.query("fleet_ttft")
     assert set(ttft.filter(ttft["below_floor"])["request_id"]) == incident
     assert ttft["fitted_on"].max() == 44
+    reported = {f"cmpl-{i}" for i in range(22)}
+    assert set(ttft.filter(ttft["usage_dishonest"])["request_id"]) == incident & reported
+    assert set(ttft.filter(ttft["usage_dishonest"].is_null())["request_id"]) == {f"cmpl-{i}" for i in range(22, 44)}
     assert fx.query("canary").select("instance", "kind", "line_no").rows() == [("sglang-0", "kv_canary", 3),
                                                                              ("sglang-0", "kv_checksum", 5)]
     cap = fx.con.sql("SELECT instance, pool_tokens, context_length FROM capacity ORDER BY instance").fetchall()

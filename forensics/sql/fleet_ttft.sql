@@ -4,9 +4,12 @@
 -- median of pairwise slopes, then the median intercept) over a deterministic sample of up to 200
 -- requests, which up to ~29 % outliers - skipped prefills among them - do not bend.
 -- below_floor: answered in under $slack x the expected TTFT of its length (prefill skipped?).
+-- usage_dishonest: billed for more prompt than it computed or had cached, where the engine reports
+-- what it computed (kvledger.prompt_tokens.prefilled); NULL where it does not.
 WITH r AS (
     SELECT node AS instance, request_id, tenant_h, "Timestamp" AS arrived_at, "SpanId" AS span_id,
            input_tokens AS prompt_tokens_billed, cached_tokens AS prompt_tokens_cached,
+           prefilled_tokens AS prompt_tokens_prefilled,
            input_tokens - coalesce(cached_tokens, 0) AS uncached_tokens, output_tokens, ttft_s
     FROM spans
     WHERE incarnation IS NULL AND input_tokens IS NOT NULL AND ttft_s IS NOT NULL
@@ -31,6 +34,7 @@ SELECT r.instance, r.request_id, r.tenant_h, r.prompt_tokens_billed, r.prompt_to
        $slack * (f.base_s + f.s_per_token * r.uncached_tokens) AS ttft_floor_s, f.fitted_on,
        coalesce(f.s_per_token > 0 AND r.ttft_s < $slack * (f.base_s + f.s_per_token * r.uncached_tokens), false)
            AS below_floor,
+       r.prompt_tokens_billed > r.prompt_tokens_prefilled + coalesce(r.prompt_tokens_cached, 0) AS usage_dishonest,
        r.arrived_at
 FROM r LEFT JOIN fit f USING (instance)
 ORDER BY below_floor DESC, r.arrived_at, r.instance, r.request_id

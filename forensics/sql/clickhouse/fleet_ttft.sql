@@ -3,6 +3,7 @@
 WITH r AS (
     SELECT node AS instance, request_id, tenant_h, "Timestamp" AS arrived_at, "SpanId" AS span_id,
            input_tokens AS prompt_tokens_billed, cached_tokens AS prompt_tokens_cached,
+           prefilled_tokens AS prompt_tokens_prefilled,
            input_tokens - coalesce(cached_tokens, 0) AS uncached_tokens, output_tokens, ttft_s
     FROM spans
     WHERE incarnation IS NULL AND input_tokens IS NOT NULL AND ttft_s IS NOT NULL
@@ -32,6 +33,9 @@ SELECT r.instance AS instance, r.request_id AS request_id, r.tenant_h AS tenant_
        {slack:Float64} * (f.base_s + f.s_per_token * r.uncached_tokens) AS ttft_floor_s, f.fitted_on AS fitted_on,
        toBool(coalesce(f.s_per_token > 0 AND r.ttft_s < {slack:Float64} * (f.base_s + f.s_per_token * r.uncached_tokens),
                        false)) AS below_floor,
+       if(r.prompt_tokens_prefilled IS NULL, NULL,
+          toBool(r.prompt_tokens_billed > r.prompt_tokens_prefilled + coalesce(r.prompt_tokens_cached, 0)))
+           AS usage_dishonest,
        r.arrived_at AS arrived_at
 FROM r LEFT JOIN fit AS f ON f.instance = r.instance
 ORDER BY below_floor DESC, arrived_at, instance, request_id
