@@ -33,6 +33,15 @@ SERVER_ENV: dict = {}
 CONFIG = "context_length = 1024\n[unified]\npool_tokens = 8192\n"
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds so far of a process, its threads and its live child processes (the
+    server's engine process), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    kids = {int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()}
+    return own + sum(_cpu_s(k) for k in kids)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -116,24 +125,51 @@ def main() -> None:
     tel = Telemetry(tmp / "engine-store", policy="hardened", model_name="tiny")
     engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), Keys(None), tel)
     sp = SamplingParams(max_tokens=args.new_tokens)
-    served, direct, client_cpu = [], [], []
+    served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
+    server_threads = max(1, (os.cpu_count() or 1) - 1)        # `kvledger serve --torch-threads` default
     try:
-        asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))     # warm-up, both sides
-        engine.generate(prompts, sp)
+        for _ in range(2):                                                             # warm-up, both sides
+            asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
+            engine.generate(prompts, sp)
         for r in range(args.rounds):
             order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
             for which in order:
                 if which == "http":
-                    cpu0 = time.process_time()
+                    cpu0, scpu0 = time.process_time(), _cpu_s(server.pid)
                     wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
-                    served.append(sum(o["tokens"] for o in out) / wall)
+                    tokens = sum(o["tokens"] for o in out)
+                    served.append(tokens / wall)
                     client_cpu.append((time.process_time() - cpu0) / wall)
+                    server_cpu.append((_cpu_s(server.pid) - scpu0) / tokens)
                 else:
+                    t0, cpu0 = time.perf_counter(), time.process_time()
+                    reqs = engine.generate(prompts, sp)
+                    tokens = sum(len(q.output_ids) for q in reqs)
+                    direct.append(tokens / (time.perf_counter() - t0))
+                    engine_cpu.append((time.process_time() - cpu0) / tokens)
+                    torch.set_num_threads(server_threads)     # the engine as the server runs it
                     t0 = time.perf_counter()
                     reqs = engine.generate(prompts, sp)
-                    direct.append(sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0))
-            print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s",
-                  flush=True)
+                    direct_same.append(sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0))
+                    torch.set_num_threads(2)
+            print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s "
+                  f"(at {server_threads} thread(s): {direct_same[-1]:.0f}); "
+                  f"CPU ms/token server {1e3 * server_cpu[-1]:.2f}, engine {1e3 * engine_cpu[-1]:.2f}, client share "
+                  f"{client_cpu[-1]:.2f}", flush=True)
+        # why the server runs one torch thread fewer than the cores: the engine alone beside a process
+        # that keeps one core busy (as the HTTP server and a local client do, in part)
+        hog = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 120: pass"])
+        contended = {}
+        try:
+            time.sleep(0.2)
+            for threads in (2, server_threads):
+                torch.set_num_threads(threads)
+                t0 = time.perf_counter()
+                reqs = engine.generate(prompts, sp)
+                contended[threads] = sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0)
+        finally:
+            hog.kill()
+            torch.set_num_threads(2)
         wall, soak = asyncio.run(_traffic(base + "/v1", list(keys), prompts * 2, args.new_tokens, drop_every=5))
         deadline = time.time() + 60
         while time.time() < deadline and "kvledger_queue_depth 0.0" not in httpx.get(base + "/metrics").text:
@@ -151,7 +187,16 @@ def main() -> None:
                       "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified"},
            "served_tokens_per_s": statistics.median(served), "engine_tokens_per_s": statistics.median(direct),
            "ratio_served_vs_engine": statistics.median(served) / statistics.median(direct),
+           "server_torch_threads": server_threads,
+           "engine_same_threads_tokens_per_s": statistics.median(direct_same),
+           "ratio_served_vs_engine_same_threads": statistics.median(served) / statistics.median(direct_same),
            "client_cpu_share": statistics.median(client_cpu),      # client CPU seconds per wall second
+           # CPU seconds per generated token: the server process (HTTP, engine, telemetry) vs the engine
+           # alone in this process - what the HTTP layer costs in CPU, whatever the client takes
+           "server_cpu_ms_per_token": 1e3 * statistics.median(server_cpu),
+           "engine_cpu_ms_per_token": 1e3 * statistics.median(engine_cpu),
+           "cpu_efficiency_served_vs_engine": statistics.median(engine_cpu) / statistics.median(server_cpu),
+           "engine_beside_a_busy_core_tokens_per_s": {f"{k}_threads": v for k, v in contended.items()},
            "soak": {"requests": len(soak), "dropped": sum(1 for o in soak if o.get("dropped")),
                     "ttft_p50_s": ttft[len(ttft) // 2], "ttft_p99_s": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))],
                     "tpot_p50_s": tpot[len(tpot) // 2], "tpot_p99_s": tpot[min(len(tpot) - 1, int(len(tpot) * 0.99))]},

@@ -494,6 +494,8 @@ def cmd_serve(args) -> int:
         return _die(f"--max-pending must be in [1, 1000000], got {args.max_pending}")
     if not 0 <= args.drain_timeout <= 3600:
         return _die(f"--drain-timeout must be in [0, 3600] seconds, got {args.drain_timeout}")
+    if not 1 <= args.torch_threads <= 1024:
+        return _die(f"--torch-threads must be in [1, 1024], got {args.torch_threads}")
     if (why := _check_store_path(args.store)):
         return _die(why)
     return serve(args)
@@ -656,6 +658,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="requests in flight before new ones get 429 with Retry-After (default 256)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them (default 30)")
+    sv.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
+                    help="torch's intra-op threads for the engine (default: the cores less one, left to the HTTP "
+                         "server, the store writer and local clients; each op waits for its slowest thread, so one "
+                         "that loses its core stalls them all)")
     sv.set_defaults(func=cmd_serve)
     pb = sub.add_parser("probe", help="isolation probe against any OpenAI-compatible endpoint: exit 0 pass, "
                                       "1 finding, 3 inconclusive")

@@ -26,6 +26,10 @@ CASES = {
     "fault replay ignores a flag": (["replay", "late_write", "--max-tokens", "5"], "apply to glm53 only"),
     "preflight page size -16": (["preflight", "--page-size", "-16", "--context-length", "1024"], "--page-size must be >= 1"),
     "forensics from after to": (["forensics", "exposures", "--from", "2026-09-02", "--to", "2026-09-01"], "is after --to"),
+    "serve port 0": (["serve", "--port", "0"], "--port must be in 1..65535"),
+    "serve max-pending 0": (["serve", "--max-pending", "0"], "--max-pending must be in [1, 1000000]"),
+    "serve drain-timeout -1": (["serve", "--drain-timeout", "-1"], "--drain-timeout must be in [0, 3600]"),
+    "serve torch-threads 0": (["serve", "--torch-threads", "0"], "--torch-threads must be in [1, 1024]"),
     "unknown run": (["forensics", "runs", "--run", "nope"], None),      # store-dependent: filled in below
 }
 

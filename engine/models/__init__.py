@@ -25,3 +25,22 @@ def load_model(spec: str):
         what = str(e).splitlines()[0][:200] if str(e) else type(e).__name__
         raise ModelLoadError(f"cannot load the model in {path}: {type(e).__name__}: {what} (expected an HF-format "
                              "directory: a valid config.json, complete *.safetensors and tokenizer.json)") from None
+
+
+def load_tokenizer(spec: str):
+    """The tokenizer of ``load_model(spec)`` alone (the HTTP process of ``kvledger serve``: no weights)."""
+    if spec == "recall":
+        from engine.models.recall import ByteTokenizer
+        return ByteTokenizer()
+    path = Path(spec)
+    if not path.is_dir():
+        raise ModelLoadError(f"unknown model {spec!r}: expected 'recall' or a directory with config.json, "
+                             "*.safetensors and tokenizer.json")
+    from engine.models.tokenizer import HFTokenizer
+    try:
+        return HFTokenizer.from_dir(path)
+    except ModelLoadError:
+        raise
+    except Exception as e:   # noqa: BLE001 - tokenizers raises its own kinds
+        raise ModelLoadError(f"cannot load the tokenizer in {path}: {type(e).__name__}: "
+                             f"{str(e).splitlines()[0][:200] if str(e) else ''}") from None

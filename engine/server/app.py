@@ -243,7 +243,10 @@ def create_app(state: State) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+        text = generate_latest(m.registry)
+        if hasattr(state.loop, "metrics_text"):           # the engine's own metrics, from its process
+            text += await state.loop.metrics_text()
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
     async def server_info():
@@ -313,43 +316,59 @@ async def _sse(state: State, request: Request, stream: Stream, chat: bool, inclu
 
 
 # ---- kvledger serve --------------------------------------------------------------------------------
-def serve(args) -> int:
-    """Build the model, the store's telemetry, the engine or cluster, and run the app under uvicorn
-    until SIGTERM/SIGINT: then stop accepting, drain (bounded), flush and seal the store, exit 0."""
-    import uvicorn
+SERVE_ARGS = ("model", "mode", "policy", "config", "keys", "store", "max_pending", "drain_timeout", "torch_threads",
+              "host", "port")
 
+
+def build_engine(args: dict):
+    """Everything the engine owns, from serve's arguments: (backend, telemetry, engine-side metrics,
+    server_info, the context length advertised). Runs in the engine process."""
+    from dataclasses import asdict
+
+    from engine.disagg import Guards
     from engine.models import load_model
     from engine.server.backend import ClusterSpec, build_backend
     from telemetry import Telemetry
 
-    keys = Keys.load(args.keys)
-    spec = ClusterSpec.load(args.config)
-    model, tok = load_model(args.model)
-    model_name = "recall" if args.model == "recall" else Path(args.model).name
-    from dataclasses import asdict
-
-    from engine.disagg import Guards
-    guards = asdict(Guards.policy(args.policy)) if args.mode == "disaggregated" else {
-        "read_check": Guards.policy(args.policy).read_check}
-    tel = Telemetry(args.store, policy=args.policy, guards=guards, isolation_level=spec.isolation_level,
+    keys = Keys.load(args["keys"])
+    spec = ClusterSpec.load(args["config"])
+    model, tok = load_model(args["model"])
+    model_name = "recall" if args["model"] == "recall" else Path(args["model"]).name
+    guards = asdict(Guards.policy(args["policy"])) if args["mode"] == "disaggregated" else {
+        "read_check": Guards.policy(args["policy"]).read_check}
+    tel = Telemetry(args["store"], policy=args["policy"], guards=guards, isolation_level=spec.isolation_level,
                     model_name=model_name, service="kvledger-serve")
     try:
-        backend = build_backend(model, tok, args.mode, args.policy, spec, keys, tel)
+        backend = build_backend(model, tok, args["mode"], args["policy"], spec, keys, tel)
     except BaseException:
         tel.close()
         raise
-    metrics = ServerMetrics(tel.keys.pseudonym, args.policy, guards, tel)
+    metrics = ServerMetrics(tel.keys.pseudonym, args["policy"], guards, tel, side="engine")
     nodes = backend.nodes if hasattr(backend, "prefills") else [backend]
     for n in nodes:
         metrics.observe_node(n)
-    loop = EngineLoop(backend, max_pending=args.max_pending,
-                      on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else type(r.error).__name__))
-    loop.drain_s = args.drain_timeout
-    metrics.queue.set_function(lambda: loop.pending)
     info = server_info(args, spec, nodes, guards, model_name, tel.boot)
-    state = State(loop, tok, model_name, keys, metrics, info, max(n.preflight.advertised_context for n in nodes),
-                  _chat_template(args.model), args.drain_timeout,
-                  on_shutdown=[tel.close] + ([backend.close] if hasattr(backend, "prefills") else []))
+    return backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes)
+
+
+def serve(args) -> int:
+    """The engine in its own process (``engine.server.remote``), the app under uvicorn in this one,
+    until SIGTERM/SIGINT: then stop accepting, drain (bounded), flush and seal the store, exit 0."""
+    import uvicorn
+
+    from engine.models import load_tokenizer
+    from engine.server.backend import ClusterSpec
+    from engine.server.remote import RemoteLoop
+
+    conf = {k: getattr(args, k) for k in SERVE_ARGS}
+    keys = Keys.load(args.keys)                # refused here, before the engine process is started
+    ClusterSpec.load(args.config)
+    tok = load_tokenizer(args.model)
+    model_name = "recall" if args.model == "recall" else Path(args.model).name
+    loop = RemoteLoop(conf, max_pending=args.max_pending)
+    metrics = ServerMetrics(None, args.policy, {}, None, side="http")
+    state = State(loop, tok, model_name, keys, metrics, loop.info, loop.context_length, _chat_template(args.model),
+                  args.drain_timeout)
     if args.policy == "vulnerable":
         print("kvledger: WARNING: serving under the VULNERABLE policy: every guard is off; prompts longer than a "
               "prefill pool may read other tenants' KV (the GLM-5.3 incident). Use it to reproduce, never for real "
@@ -357,45 +376,51 @@ def serve(args) -> int:
     if keys.table is None:
         print("kvledger: warning: no --keys file: every request is tenant 'default' (no tenant isolation to "
               "observe)", file=sys.stderr)
-    print(f"kvledger serve: {args.mode}, {args.policy}, model {model_name}, store {args.store} (run {tel.boot}) "
-          f"on http://{args.host}:{args.port}/v1", file=sys.stderr)
-    state.start_engine = False
+    print(f"kvledger serve: {args.mode}, {args.policy}, model {model_name}, store {args.store} (run {loop.info['boot']}) "
+          f"on http://{args.host}:{args.port}/v1 (engine process {loop.proc.pid}, {args.torch_threads} torch "
+          "thread(s))", file=sys.stderr)
     config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
-    code = run_beside(uvicorn.Server(config), loop)
+    code = run_http(uvicorn.Server(config), loop)
     if code:
-        for fn in state.on_shutdown:          # the lifespan that would have closed the store never ran
-            fn()
         print(f"kvledger: error: the HTTP server could not start on {args.host}:{args.port} (see above)",
               file=sys.stderr)
     return code
 
 
-def run_beside(server, loop: EngineLoop) -> int:
-    """The engine on this (main) thread, uvicorn on another. SIGTERM/SIGINT tell uvicorn to stop
-    accepting and finish in-flight requests; its shutdown then stops the engine loop (drain) and
-    seals the store (``State.on_shutdown``); exit 0. (uvicorn's own handlers would re-raise the
-    signal after its shutdown and kill the process with it; a second signal forces the exit.)"""
+def run_http(server, loop) -> int:
+    """uvicorn on a thread, this (main) thread waiting on it. SIGTERM/SIGINT tell uvicorn to stop
+    accepting and finish in-flight requests; its shutdown then stops the engine process (it drains
+    and seals the store); exit 0. (uvicorn's own handlers would re-raise the signal after its
+    shutdown and kill the process with it; a second signal forces the exit.) An engine process that
+    dies stops the HTTP server too; one that never got to serve is stopped here."""
     import signal
     import threading
 
     def on_signal(signum, frame) -> None:
         server.force_exit = server.should_exit
         server.should_exit = True
+
+    def on_dead() -> None:
+        log.error("the engine process is gone: stopping the HTTP server")
+        server.should_exit = True
+    loop.on_dead = on_dead
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     http = threading.Thread(target=server.run, name="kvledger-http")
     http.start()
-    loop.watch = lambda: not http.is_alive()          # the HTTP server failed to start, or is gone
     try:
-        loop.run()
-        http.join()
+        while http.is_alive():
+            http.join(0.2)
     finally:
         for s, h in old.items():
             signal.signal(s, h)
-    return 0 if server.started else 1
+    if not server.started:
+        loop.stop(0)                          # the lifespan that would have stopped it never ran
+        return 1
+    return 0 if loop.error is None else 1
 
 
-def server_info(args, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
+def server_info(args: dict, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
     """Each node's pool against its context: what a probe or an operator checks (SGLang's
     ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
     rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
@@ -403,7 +428,7 @@ def server_info(args, spec, nodes, guards: dict, model_name: str, boot: str) -> 
              "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
             for n in nodes]
     admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
-    return {"model": model_name, "mode": args.mode, "policy": args.policy, "guards": guards, "boot": boot,
+    return {"model": model_name, "mode": args["mode"], "policy": args["policy"], "guards": guards, "boot": boot,
             "isolation_level": spec.isolation_level, "nodes": rows,
             "max_total_num_tokens": min(r["pool_tokens"] for r in admitting),
             "context_length": max(r["advertised_context"] for r in rows)}

@@ -4,9 +4,11 @@ HTTP handlers never touch engine state: ``submit`` and ``abort`` put a command o
 engine thread runs them between steps, steps whatever is running (continuous batching across HTTP
 requests: every request admitted joins the next step), and after each step hands each live request
 its new tokens on that request's own asyncio queue (``loop.call_soon_threadsafe``, one wake-up per
-step). ``kvledger serve`` runs the engine on the process's *main* thread (``run``) and the HTTP
-server beside it: torch's small matrix products (a decode step's) cost about 2.7x more from a
-thread that is not the main one on this machine (OpenMP), which halved the served tokens/s.
+step). ``kvledger serve`` runs it on the *main* thread of an engine process of its own
+(``engine.server.remote``: commands and tokens over ZMQ), so HTTP work never holds this thread's
+GIL; torch's small matrix products (a decode step's) cost about 2.7x more from a thread that is
+not the main one on this machine (OpenMP). In-process use (tests, an embedding app) runs it on a
+thread beside the event loop (``start``).
 """
 from __future__ import annotations
 

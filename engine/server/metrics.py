@@ -27,9 +27,18 @@ def prompt_bucket(n: int) -> str:
 
 
 class ServerMetrics:
-    def __init__(self, pseudonym, policy: str, guards: dict[str, bool], telemetry=None):
+    def __init__(self, pseudonym, policy: str, guards: dict[str, bool], telemetry=None, side: str = "both"):
+        """``side``: "both" (one process), or the families one side of ``kvledger serve`` counts:
+        "http" (responses and rejections, in the HTTP process) or "engine" (the rest)."""
         self.registry = r = CollectorRegistry()
         self.pseudonym, self.policy, self.guards, self.tel = pseudonym, policy, guards, telemetry
+        if side in ("both", "http"):     # counted by the HTTP handlers
+            self.rejections = Counter("kvledger_rejections", "Requests refused, by reason and where",
+                                      ["reason", "where"], registry=r)
+            self.http = Counter("kvledger_http_responses", "HTTP responses by route and status", ["route", "status"],
+                                registry=r)
+        if side == "http":
+            return
         self.requests = Counter("kvledger_requests", "Requests finished, by tenant and outcome",
                                 ["tenant", "outcome"], registry=r)
         self.billed = Counter("kvledger_prompt_tokens_billed", "Prompt tokens billed (usage.prompt_tokens)",
@@ -46,10 +55,6 @@ class ServerMetrics:
         self.foreign = Counter("kvledger_foreign_reads", "Reader-steps that read KV slots of another request "
                                "(served: let through; blocked: the read check failed the request)",
                                ["node", "outcome"], registry=r)
-        self.rejections = Counter("kvledger_rejections", "Requests refused, by reason and where", ["reason", "where"],
-                                  registry=r)
-        self.http = Counter("kvledger_http_responses", "HTTP responses by route and status", ["route", "status"],
-                            registry=r)
         self.queue = Gauge("kvledger_queue_depth", "Requests admitted and not finished", registry=r)
         self.nodes: list = []
         self._floor = None                # fastest seconds per prefilled token seen on healthy traffic

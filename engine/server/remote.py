@@ -1,0 +1,403 @@
+"""The engine in a process of its own, reached over ZMQ (as vLLM's V1 engine core is).
+
+``kvledger serve`` runs the HTTP server in one process and the engine - model, pools, telemetry,
+the store's writer, the engine-side metrics - in another, so HTTP, JSON and SSE work never holds
+the GIL the engine's step needs. The two talk over two ZMQ ``ipc://`` PUSH/PULL sockets with
+pickled tuples:
+
+    HTTP -> engine   ("submit", rid, prompt_ids, sampling, tenant, user, salt)   ("abort", rid, reason)
+                     ("metrics", qid)   ("stop", drain_s)
+    engine -> HTTP   ("ready", info, context_length)   ("error", message)   ("admitted", rid, view)
+                     ("step", [(rid, new_tokens, view | None), ...])   ("metrics", qid, text)   ("bye",)
+
+``view`` is what the HTTP side shows of a request (``RemoteRequest``): its id, and once it is
+finished its usage, finish reason and error. One "step" message per engine step carries every live
+request's new tokens (one wake-up of the HTTP side per step). ``RemoteLoop`` has ``EngineLoop``'s
+interface (``submit``, ``abort``, ``stop``, ``alive``, ``pending``), so the app does not know which
+it has. The engine process dies with its parent (PR_SET_PDEATHSIG): a ``kill -9`` of the server
+leaves no engine holding the store.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import pickle
+import signal
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import zmq
+
+from engine.errors import InputError, KvledgerError, ModelLoadError, OutOfPages, ReadCheckViolation
+from engine.server.loop import EngineLoop, QueueFull, Stream
+
+log = logging.getLogger("kvledger.server")
+_ERRORS = {c.__name__: c for c in (InputError, OutOfPages, ReadCheckViolation, QueueFull, KvledgerError)}
+_OTHER: dict[str, type] = {}
+
+
+def _error_out(e: BaseException | None):
+    return None if e is None else (type(e).__name__, str(e))
+
+
+def _error_in(t) -> BaseException | None:
+    """The engine's exception as the HTTP side sees it: same class name and message (the classes the
+    app tells apart are rebuilt as themselves; others as a KvledgerError subclass of that name)."""
+    if t is None:
+        return None
+    name, text = t
+    cls = _ERRORS.get(name) or _OTHER.setdefault(name, type(name, (KvledgerError,), {}))
+    e = cls.__new__(cls)
+    BaseException.__init__(e, text)
+    return e
+
+
+def _view(req, finished: bool) -> dict:
+    v = {"incarnation": req.incarnation}
+    if finished:
+        v.update(error=_error_out(req.error), first_token_at=req.first_token_at, finish_reason=req.finish_reason,
+                 prompt_tokens_billed=req.prompt_tokens_billed, cached_tokens=req.cached_tokens)
+    return v
+
+
+@dataclass(eq=False)
+class RemoteRequest:
+    """The HTTP side's view of a request running in the engine process (the fields the app reads)."""
+    incarnation: int
+    output_ids: list = field(default_factory=list)
+    is_finished: bool = False
+    error: BaseException | None = None
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+    prompt_tokens_billed: int = 0
+    cached_tokens: int = 0
+
+    def finish(self, view: dict) -> None:
+        self.is_finished = True
+        self.error = _error_in(view["error"])
+        for k in ("first_token_at", "finish_reason", "prompt_tokens_billed", "cached_tokens"):
+            setattr(self, k, view[k])
+
+
+# ---- the engine process ------------------------------------------------------------------------------
+class _ChildLoop(EngineLoop):
+    """EngineLoop whose commands come from, and whose tokens go to, the HTTP process's sockets."""
+
+    def __init__(self, backend, out: zmq.Socket, metrics, **kw):
+        super().__init__(backend, **kw)
+        self.out, self.metrics = out, metrics
+        self._rid: dict[int, int] = {}          # incarnation -> the HTTP side's request id
+
+    def _send(self, msg) -> None:
+        self.out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _command(self, cmd) -> None:
+        kind = cmd[0]
+        if kind == "submit":
+            _, rid, prompt_ids, sp, tenant, user, salt = cmd
+            try:
+                req = self._admit(prompt_ids, sp, tenant, user, salt)
+            except BaseException as e:       # noqa: BLE001 - refused: the handler answers 4xx/429
+                self._send(("admitted", rid, None, _error_out(e)))
+                return
+            stream = Stream(req, None)
+            self._live[req.incarnation] = stream
+            self._rid[req.incarnation] = rid
+            self.pending += 1
+            self._send(("admitted", rid, _view(req, req.is_finished), None))
+        elif kind == "abort":
+            _, rid, reason = cmd
+            inc = next((i for i, r in self._rid.items() if r == rid), None)
+            if inc is not None and inc in self._live:
+                self._abort(self._live[inc], reason)
+        elif kind == "metrics":
+            from prometheus_client import generate_latest
+            self._send(("metrics", cmd[1], generate_latest(self.metrics.registry)))
+        elif kind == "stop":
+            self.drain_s = cmd[1]
+            self._stop.set()
+
+    def _deliver(self) -> None:
+        out = []
+        for inc, s in list(self._live.items()):
+            req = s.req
+            n = len(req.output_ids)
+            if n > s.sent or req.is_finished:
+                out.append((self._rid[inc], req.output_ids[s.sent:n], _view(req, True) if req.is_finished else None))
+                s.sent = n
+            if req.is_finished:
+                del self._live[inc]
+                del self._rid[inc]
+                self.pending -= 1
+                if self.on_finish is not None:
+                    self.on_finish(req)
+        if out:
+            self._send(("step", out))
+        if self.cluster is not None and self.steps % 256 == 0:
+            self.cluster.forget_finished()
+
+
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
+    """The engine process: build everything the engine owns, say ready, step until told to stop,
+    then drain, close the store (sealed) and say bye."""
+    _die_with_parent()
+    for s in (signal.SIGINT, signal.SIGTERM):     # the parent decides when to stop (and drains first)
+        signal.signal(s, signal.SIG_IGN)
+    ctx = zmq.Context()
+    cmds, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+    cmds.connect(cmd_addr)
+    out.connect(out_addr)
+
+    def send(msg) -> None:
+        out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+    try:
+        import torch
+        torch.set_num_threads(args["torch_threads"])
+        from engine.server.app import build_engine
+        built = build_engine(args)
+    except BaseException as e:  # noqa: BLE001 - the parent reports it as the server's error
+        send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, KvledgerError) else str(e)))
+        out.close(linger=2000)
+        ctx.term()
+        return
+    backend, tel, metrics, info, context_length = built
+    loop = _ChildLoop(backend, out, metrics, max_pending=args["max_pending"],
+                      on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else type(r.error).__name__))
+    metrics.queue.set_function(lambda: loop.pending)
+    loop.watch = lambda: os.getppid() != parent                  # the parent is gone: drain and stop
+
+    def reader() -> None:
+        while True:
+            try:
+                msg = pickle.loads(cmds.recv())
+            except zmq.ZMQError:
+                return
+            loop._cmds.put(msg)
+    threading.Thread(target=reader, name="kvledger-engine-commands", daemon=True).start()
+    send(("ready", info, context_length))
+    try:
+        loop.run()
+    finally:
+        tel.close()
+        if hasattr(backend, "close"):
+            backend.close()
+        send(("bye",))
+        out.close(linger=5000)
+        cmds.close(linger=0)
+
+
+# ---- the HTTP process ----------------------------------------------------------------------------
+class RemoteLoop:
+    """The engine process, as the app sees an EngineLoop."""
+
+    def __init__(self, args: dict, max_pending: int = 256, startup_timeout: float = 600.0):
+        import multiprocessing
+        self.max_pending = max_pending
+        self._dir = tempfile.mkdtemp(prefix="kvledger-engine-")
+        cmd_addr, out_addr = f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out"
+        self.ctx = zmq.Context()
+        self.cmds, self.out = self.ctx.socket(zmq.PUSH), self.ctx.socket(zmq.PULL)
+        self.cmds.bind(cmd_addr)
+        self.out.bind(out_addr)
+        self._send_lock = threading.Lock()
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=engine_main, args=(args, cmd_addr, out_addr, os.getpid()), name="kvledger-engine", daemon=False)
+        self.proc.start()
+        self._rid = 0
+        self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._streams: dict[int, Stream] = {}
+        self.pending = 0
+        self.error: BaseException | None = None
+        self.on_dead = lambda: None
+        self._stopping = False
+        self._bye = threading.Event()
+        deadline = time.monotonic() + startup_timeout
+        while True:
+            if self.out.poll(200):
+                msg = pickle.loads(self.out.recv())
+                if msg[0] == "ready":
+                    self.info, self.context_length = msg[1], msg[2]
+                    break
+                self._close_sockets()
+                self.proc.join(10)
+                raise ModelLoadError(msg[1]) if "model" in msg[1].lower() else InputError(msg[1])
+            if not self.proc.is_alive() or time.monotonic() > deadline:
+                self._close_sockets()
+                raise KvledgerError(f"the engine process exited while starting (exit code {self.proc.exitcode})")
+        self._reader = threading.Thread(target=self._read, name="kvledger-engine-replies", daemon=True)
+        self._reader.start()
+
+    # ---- EngineLoop's interface ----------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self.proc.is_alive() and not self._bye.is_set()
+
+    def start(self) -> None:
+        """The engine process runs from construction; nothing to start."""
+
+    def run(self) -> None:
+        raise RuntimeError("the engine runs in its own process")
+
+    def _send(self, msg) -> None:
+        with self._send_lock:
+            if not self.cmds.closed:
+                self.cmds.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+
+    async def submit(self, prompt_ids: list[int], sp, tenant: str, user: str = "", cache_salt: str = "") -> Stream:
+        if self._stopping or not self.alive:
+            raise QueueFull("the server is shutting down")
+        if self.pending >= self.max_pending:
+            raise QueueFull(f"{self.pending} requests in flight, the limit is {self.max_pending}")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._rid += 1
+        rid = self._rid
+        self._waiting[rid] = (loop, fut)
+        self.pending += 1
+        self._send(("submit", rid, prompt_ids, sp, tenant, user, cache_salt))
+        try:
+            return await fut
+        except asyncio.CancelledError:      # the client left while it was being admitted
+            self._send(("abort", rid, "client disconnected before admission"))
+            raise
+
+    def abort(self, stream: Stream, reason: str = "client disconnected") -> None:
+        self._send(("abort", stream.rid, reason))
+
+    async def metrics_text(self) -> bytes:
+        if not self.alive:
+            return b""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._rid += 1
+        self._waiting[self._rid] = (loop, fut)
+        self._send(("metrics", self._rid))
+        return await asyncio.wait_for(fut, timeout=10)
+
+    def stop(self, drain_s: float) -> None:
+        """Stop admitting; the engine drains for up to ``drain_s``, closes the store, and exits.
+        Idempotent (uvicorn's shutdown and a failed start may both call it)."""
+        with self._send_lock:
+            if self._stopping:
+                return
+            self._stopping = True
+        if self.proc.is_alive():
+            self._send(("stop", drain_s))
+            self.proc.join(drain_s + 30)
+        if self.proc.is_alive():
+            log.warning("the engine process did not exit %.0f s after the drain deadline; killing it", 30)
+            self.proc.kill()
+            self.proc.join(10)
+        self._bye.set()
+        self._reader.join(5)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self.cmds.close(linger=0)
+        self.out.close(linger=0)
+        self.ctx.term()
+        for f in ("cmd", "out"):
+            Path(self._dir, f).unlink(missing_ok=True)
+        os.rmdir(self._dir)
+
+    # ---- replies ------------------------------------------------------------------------------------
+    def _read(self) -> None:
+        while not self._bye.is_set():
+            try:
+                if not self.out.poll(200):
+                    if not self.proc.is_alive():
+                        self._engine_gone(f"the engine process exited (code {self.proc.exitcode})")
+                        return
+                    continue
+                msg = pickle.loads(self.out.recv())
+            except zmq.ZMQError:
+                return
+            kind = msg[0]
+            if kind == "step":
+                self._step(msg[1])
+            elif kind == "admitted":
+                self._admitted(*msg[1:])
+            elif kind == "metrics":
+                loop, fut = self._waiting.pop(msg[1])
+                loop.call_soon_threadsafe(_resolve, fut, msg[2], None)
+            elif kind == "bye":
+                self._bye.set()
+
+    def _admitted(self, rid: int, view: dict | None, error) -> None:
+        loop, fut = self._waiting.pop(rid)
+        if view is None:
+            self.pending -= 1
+            loop.call_soon_threadsafe(_resolve, fut, None, _error_in(error))
+            return
+        stream = Stream(RemoteRequest(view["incarnation"]), loop)
+        stream.rid = rid
+        if "error" in view:                   # finished as it was admitted (the cluster refused it)
+            stream.req.finish(view)
+        self._streams[rid] = stream
+        loop.call_soon_threadsafe(_admit_stream, fut, stream, self)
+
+    def _step(self, items: list) -> None:
+        batches: dict = {}
+        for rid, tokens, final in items:
+            s = self._streams.get(rid)
+            if s is None:
+                continue
+            if final is not None:
+                del self._streams[rid]
+                self.pending -= 1
+            batches.setdefault(s.loop, []).append((s, tokens, final))
+        for loop, batch in batches.items():
+            loop.call_soon_threadsafe(_deliver_all, batch)
+
+    def _engine_gone(self, why: str) -> None:
+        """The engine process died: every request still running ends with an error (500), new ones get 503."""
+        self.error = KvledgerError(why)
+        for rid, (loop, fut) in list(self._waiting.items()):
+            loop.call_soon_threadsafe(_resolve, fut, None, QueueFull(why))
+        self._waiting.clear()
+        view = {"error": ("EngineFailure", why), "first_token_at": None, "finish_reason": None,
+                "prompt_tokens_billed": 0, "cached_tokens": 0}
+        for s in list(self._streams.values()):
+            s.loop.call_soon_threadsafe(_deliver_all, [(s, [], view)])
+        self._streams.clear()
+        self.pending = 0
+        self.on_dead()
+
+
+def _resolve(fut: asyncio.Future, value, error) -> None:
+    if fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(value)
+
+
+def _admit_stream(fut: asyncio.Future, stream: Stream, remote: RemoteLoop) -> None:
+    if fut.done():                            # cancelled: the client left while it was being admitted
+        remote.abort(stream, "client disconnected before admission")
+        return
+    fut.set_result(stream)
+
+
+def _deliver_all(batch: list) -> None:
+    """On the event loop: one step's tokens for every stream, from one wake-up (the request's view
+    updated before its queue hears of them, as the in-process loop's Request is)."""
+    for stream, tokens, final in batch:
+        req = stream.req
+        req.output_ids += tokens
+        if final is not None:
+            req.finish(final)
+        stream.events.put_nowait((tokens, final is not None))
