@@ -5,6 +5,7 @@ kill -9 and a restart on the same store, and a real Prometheus firing the shippe
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import socket
@@ -242,7 +243,15 @@ def test_kill_9_then_restart_on_the_same_store_continues_it(tmp_path):
     deadline = time.time() + 30                              # durable: a reader sees it while the server runs
     while time.time() < deadline and Forensics(store).requests().height < 1:
         time.sleep(0.3)
+    engine_pid = int(re.search(r"engine process (\d+)", (tmp_path / f"server-{first.port}.log").read_text())[1])
+    assert engine_pid != first.proc.pid                      # the engine runs in a process of its own
     assert first.stop(signal.SIGKILL) == -signal.SIGKILL
+    deadline = time.time() + 10                              # ... and dies with the server (PR_SET_PDEATHSIG)
+    while time.time() < deadline and Path(f"/proc/{engine_pid}").exists() and \
+            Path(f"/proc/{engine_pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        time.sleep(0.1)
+    assert not Path(f"/proc/{engine_pid}").exists() or \
+        Path(f"/proc/{engine_pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     second = Server(tmp_path, store=store)
     second.client("key-b").completions.create(model="recall", prompt="after the restart, after", max_tokens=4)
     assert second.stop() == 0                                # SIGTERM: drain, flush, seal, exit 0
