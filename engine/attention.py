@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +90,51 @@ class BatchLayout(NamedTuple):
 
 
 def read_check(pool: KVPool, lay: BatchLayout) -> ReadCheck:
-    """The provenance check over exactly the slots the attention reads."""
+    """The provenance check over exactly the slots the attention reads.
+
+    On a CPU pool it runs in numpy over zero-copy views of the pool's header and tag planes: a
+    step's check is a dozen small array operations, and each costs torch about 3-8 us of dispatch
+    against numpy's ~1 us (the whole check: ~35 us a step instead of ~80 on the tiny model, under
+    1 % of its step). Same results, field for field (tests/test_attention.py holds it to
+    ``_read_check_torch``, which runs on other devices)."""
+    if pool.buf.device.type != "cpu":
+        return _read_check_torch(pool, lay)
+    B, C = lay.block_tables.shape
+    S = pool.page_size
+    offs, pos, bits = _check_consts(S, C)
+    views = getattr(pool, "_np_views", None)
+    if views is None:
+        views = pool._np_views = (pool.generation.numpy(), pool.tags.numpy(), pool.writers.numpy())
+    gen, tags, writers = views
+    flat = np.maximum(lay.block_tables.numpy().reshape(-1), 0)
+    seq = lay.seq_lens.numpy()
+    found_gen = gen[flat].reshape(B, C)
+    bad = tags[flat].reshape(B, C, S) != lay.expected_tags.numpy().reshape(B, C, S)
+    bad |= (found_gen != lay.expected_gen.numpy())[:, :, None]
+    bad &= pos < seq[:, None, None]                                   # only slots in [0, seq_len)
+    slots = np.clip(seq[:, None] - offs, 0, S)
+    if bad.any():
+        bad_slots, mask = bad.sum(-1), (bad * bits).sum(-1)
+    else:                                                             # the usual step: nothing failed
+        bad_slots = mask = np.zeros((B, C), np.int64)
+    t = torch.from_numpy
+    return ReadCheck(t(bad_slots), t(slots), t(writers[flat].reshape(B, C, S)), t(found_gen), t(mask))
+
+
+_CHECK_CONSTS: dict = {}
+
+
+def _check_consts(S: int, C: int) -> tuple:
+    """Per (page size, block-table width): slot offsets of each column, each slot's position, bit s."""
+    c = _CHECK_CONSTS.get((S, C))
+    if c is None:
+        ar, offs = np.arange(S), np.arange(0, C * S, S)
+        c = _CHECK_CONSTS[(S, C)] = (offs, (offs[:, None] + ar)[None], np.left_shift(1, ar, dtype=np.int64))
+    return c
+
+
+def _read_check_torch(pool: KVPool, lay: BatchLayout) -> ReadCheck:
+    """read_check in torch ops (any device)."""
     B, C = lay.block_tables.shape
     S = pool.page_size
     flat = lay.block_tables.clamp(min=0).view(-1)

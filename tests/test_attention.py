@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention import BatchLayout, padded_attention, paged_attention
+from engine.attention import BatchLayout, _read_check_torch, padded_attention, paged_attention, read_check
 from engine.pool import KVPool
 
 CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page size, kv heads, group)
@@ -50,6 +50,14 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
             want = exact or ql[b] == 1 or b in flagged_req
             assert bool(measured[b].all()) == want, (b, exact)
         torch.testing.assert_close(got.page_mass[measured], ref.page_mass[measured], atol=1e-5, rtol=1e-4)
+    # the numpy read check (CPU pools) and the torch one (other devices): equal field for field,
+    # on these tags and with a page's generation wrong too
+    gens[0, 0] += 1
+    for lay2 in (lay, BatchLayout.build(bt, seq, ql, gens, tags)):
+        a, b = read_check(pool, lay2), _read_check_torch(pool, lay2)
+        for name, x, y in zip(a._fields, a, b):
+            assert x.dtype == y.dtype and torch.equal(x, y), name
+    assert int(a.bad_slots[0, 0]) == min(seq[0], S) and int(a.bad_mask[0, 0]) == (1 << min(seq[0], S)) - 1
 
 
 def test_later_layers_measure_the_pages_layer_0_flagged():
