@@ -30,6 +30,7 @@ class ReadCheck(NamedTuple):
     found_writers: torch.Tensor  # [B, C, S] int64: writer incarnation found in the tag plane
     found_gen: torch.Tensor     # [B, C] int64: generation found in the page header
     bad_mask: torch.Tensor      # [B, C] int64: bit s set <=> slot s of that page failed
+    any_failed: bool | None = None  # whether any slot failed, when the check knows it without a sync (None: look)
 
 
 class AttentionOutput(NamedTuple):
@@ -113,12 +114,13 @@ def read_check(pool: KVPool, lay: BatchLayout) -> ReadCheck:
     bad |= (found_gen != lay.expected_gen.numpy())[:, :, None]
     bad &= pos < seq[:, None, None]                                   # only slots in [0, seq_len)
     slots = np.clip(seq[:, None] - offs, 0, S)
-    if bad.any():
+    failed = bool(bad.any())
+    if failed:
         bad_slots, mask = bad.sum(-1), (bad * bits).sum(-1)
     else:                                                             # the usual step: nothing failed
         bad_slots = mask = np.zeros((B, C), np.int64)
     t = torch.from_numpy
-    return ReadCheck(t(bad_slots), t(slots), t(writers[flat].reshape(B, C, S)), t(found_gen), t(mask))
+    return ReadCheck(t(bad_slots), t(slots), t(writers[flat].reshape(B, C, S)), t(found_gen), t(mask), failed)
 
 
 _CHECK_CONSTS: dict = {}
@@ -202,7 +204,7 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
     g = Hq // num_kv_heads
     plan = lay.plan
     chk = read_check(pool, lay) if check else None
-    if mass_pages is None and chk is not None:
+    if mass_pages is None and chk is not None and chk.any_failed is not False:
         mass_pages = chk.bad_slots > 0
     kl, vl = pool.k(layer), pool.v(layer)
     out = q.new_empty(T, Hq, D)

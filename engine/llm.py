@@ -217,7 +217,7 @@ class LLMEngine:
             obs(self, out)
         if out.read_check is not None:
             bad = out.read_check.bad_slots
-            failing = torch.nonzero(bad.sum(1)).flatten().tolist()
+            failing = [] if out.read_check.any_failed is False else torch.nonzero(bad.sum(1)).flatten().tolist()
             if self.cfg.fail_on_violation:
                 self.rec.guard_checked(self, "read_check", failed=False, count=len(batch) - len(failing))
                 self.rec.guard_checked(self, "read_check", failed=True, count=len(failing))

@@ -27,6 +27,7 @@ class StepContext:
     backend: str = "torch"
     exact_mass: bool = False      # measure the attention mass on every page, not only where the check flags
     read_check: ReadCheck | None = None
+    flagged: torch.Tensor | None = None     # [B, C] pages whose read failed the check (None: none did)
     page_mass: torch.Tensor | None = field(default=None)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
@@ -39,11 +40,13 @@ class StepContext:
             res: AttentionOutput = paged_decode(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
                                                 check=self.check and first)
         else:   # layer 0 runs the check; later layers measure the mass on the pages it flagged
-            flagged = None if first or self.read_check is None else self.read_check.bad_slots > 0
             res = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
-                                  check=self.check and first, mass_pages=flagged, exact_mass=self.exact_mass)
+                                  check=self.check and first, mass_pages=None if first else self.flagged,
+                                  exact_mass=self.exact_mass)
         if first:
             self.read_check = res.check
+            chk = res.check            # the pages later layers measure the mass on (once a step, not per layer)
+            self.flagged = None if chk is None or chk.any_failed is False else chk.bad_slots > 0
             self.page_mass = res.page_mass / self.num_layers
         else:
             self.page_mass += res.page_mass / self.num_layers

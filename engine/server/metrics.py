@@ -67,7 +67,7 @@ class ServerMetrics:
         outcome = "blocked" if engine.cfg.fail_on_violation else "served"
 
         def observe(eng, out) -> None:
-            if out.read_check is not None:
+            if out.read_check is not None and out.read_check.any_failed is not False:
                 n = int((out.read_check.bad_slots.sum(1) > 0).sum())
                 if n:
                     self.foreign.labels(eng.cfg.node_id, outcome).inc(n)
