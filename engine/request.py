@@ -20,12 +20,14 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
-
-import torch
+from typing import TYPE_CHECKING, Callable
 
 from engine.errors import KvledgerError
-from engine.tags import TagChain
+
+if TYPE_CHECKING:       # annotations only: the HTTP process of `kvledger serve` imports this without torch
+    import torch
+
+    from engine.tags import TagChain
 
 
 class Status(enum.Enum):

@@ -9,7 +9,8 @@ from engine.errors import ModelLoadError
 def load_model(spec: str):
     """``recall`` or a path to an HF-format directory. Returns (model, tokenizer)."""
     if spec == "recall":
-        from engine.models.recall import RecallModel, ByteTokenizer
+        from engine.models.recall import RecallModel
+        from engine.models.tokenizer import ByteTokenizer
         return RecallModel(), ByteTokenizer()
     path = Path(spec)
     if not path.is_dir():
@@ -30,7 +31,7 @@ def load_model(spec: str):
 def load_tokenizer(spec: str):
     """The tokenizer of ``load_model(spec)`` alone (the HTTP process of ``kvledger serve``: no weights)."""
     if spec == "recall":
-        from engine.models.recall import ByteTokenizer
+        from engine.models.tokenizer import ByteTokenizer
         return ByteTokenizer()
     path = Path(spec)
     if not path.is_dir():

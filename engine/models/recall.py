@@ -36,16 +36,6 @@ BETA = 24.0 * 2 ** (CTX - 1)   # smallest suffix weight still separates by e^24
 GAMMA = 50.0       # logit scale
 
 
-class ByteTokenizer:
-    eos_token_id = None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: list[int]) -> str:
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
 class RecallModel:
     name = "recall"
     num_layers = 2

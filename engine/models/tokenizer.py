@@ -1,4 +1,5 @@
-"""Tokenizers: HF ``tokenizers`` for model directories."""
+"""Tokenizers: HF ``tokenizers`` for model directories, bytes for the recall model (no torch here:
+the HTTP process of ``kvledger serve`` tokenizes without loading it)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -31,3 +32,14 @@ class HFTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
+
+
+class ByteTokenizer:
+    """The recall model's: one token per UTF-8 byte."""
+    eos_token_id = None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")

@@ -320,37 +320,6 @@ SERVE_ARGS = ("model", "mode", "policy", "config", "keys", "store", "max_pending
               "host", "port")
 
 
-def build_engine(args: dict):
-    """Everything the engine owns, from serve's arguments: (backend, telemetry, engine-side metrics,
-    server_info, the context length advertised). Runs in the engine process."""
-    from dataclasses import asdict
-
-    from engine.disagg import Guards
-    from engine.models import load_model
-    from engine.server.backend import ClusterSpec, build_backend
-    from telemetry import Telemetry
-
-    keys = Keys.load(args["keys"])
-    spec = ClusterSpec.load(args["config"])
-    model, tok = load_model(args["model"])
-    model_name = "recall" if args["model"] == "recall" else Path(args["model"]).name
-    guards = asdict(Guards.policy(args["policy"])) if args["mode"] == "disaggregated" else {
-        "read_check": Guards.policy(args["policy"]).read_check}
-    tel = Telemetry(args["store"], policy=args["policy"], guards=guards, isolation_level=spec.isolation_level,
-                    model_name=model_name, service="kvledger-serve")
-    try:
-        backend = build_backend(model, tok, args["mode"], args["policy"], spec, keys, tel)
-    except BaseException:
-        tel.close()
-        raise
-    metrics = ServerMetrics(tel.keys.pseudonym, args["policy"], guards, tel, side="engine")
-    nodes = backend.nodes if hasattr(backend, "prefills") else [backend]
-    for n in nodes:
-        metrics.observe_node(n)
-    info = server_info(args, spec, nodes, guards, model_name, tel.boot)
-    return backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes)
-
-
 def serve(args) -> int:
     """The engine in its own process (``engine.server.remote``), the app under uvicorn in this one,
     until SIGTERM/SIGINT: then stop accepting, drain (bounded), flush and seal the store, exit 0."""
@@ -418,20 +387,6 @@ def run_http(server, loop) -> int:
         loop.stop(0)                          # the lifespan that would have stopped it never ran
         return 1
     return 0 if loop.error is None else 1
-
-
-def server_info(args: dict, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
-    """Each node's pool against its context: what a probe or an operator checks (SGLang's
-    ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
-    rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
-             "context_length": n.cfg.context_length, "advertised_context": n.preflight.advertised_context,
-             "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
-            for n in nodes]
-    admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
-    return {"model": model_name, "mode": args["mode"], "policy": args["policy"], "guards": guards, "boot": boot,
-            "isolation_level": spec.isolation_level, "nodes": rows,
-            "max_total_num_tokens": min(r["pool_tokens"] for r in admitting),
-            "context_length": max(r["advertised_context"] for r in rows)}
 
 
 def _chat_template(model: str) -> str | None:

@@ -30,7 +30,6 @@ from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.errors import InputError, KvledgerError
-from engine.pool import KVPool
 
 INCIDENT_RATIO = 681_280 / 1_048_576
 MAX_CONTEXT = 1 << 20
@@ -137,6 +136,7 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
     from engine.disagg import DisaggCluster, Guards
     from engine.llm import LLMEngine
     guards = Guards.policy(policy)
+    from engine.pool import KVPool
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size)
 
     def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
@@ -154,3 +154,48 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
         raise
     except (ValueError, RuntimeError) as e:
         raise InputError(f"cannot build the {mode} cluster: {e}") from None
+
+
+def build_engine(args: dict):
+    """Everything the engine owns, from serve's arguments: (backend, telemetry, engine-side metrics,
+    server_info, the context length advertised). Runs in the engine process."""
+    from dataclasses import asdict
+
+    from engine.disagg import Guards
+    from engine.models import load_model
+    from engine.server.metrics import ServerMetrics
+    from telemetry import Telemetry
+
+    keys = Keys.load(args["keys"])
+    spec = ClusterSpec.load(args["config"])
+    model, tok = load_model(args["model"])
+    model_name = "recall" if args["model"] == "recall" else Path(args["model"]).name
+    guards = asdict(Guards.policy(args["policy"])) if args["mode"] == "disaggregated" else {
+        "read_check": Guards.policy(args["policy"]).read_check}
+    tel = Telemetry(args["store"], policy=args["policy"], guards=guards, isolation_level=spec.isolation_level,
+                    model_name=model_name, service="kvledger-serve")
+    try:
+        backend = build_backend(model, tok, args["mode"], args["policy"], spec, keys, tel)
+    except BaseException:
+        tel.close()
+        raise
+    metrics = ServerMetrics(tel.keys.pseudonym, args["policy"], guards, tel, side="engine")
+    nodes = backend.nodes if hasattr(backend, "prefills") else [backend]
+    for n in nodes:
+        metrics.observe_node(n)
+    info = server_info(args, spec, nodes, guards, model_name, tel.boot)
+    return backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes)
+
+
+def server_info(args: dict, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
+    """Each node's pool against its context: what a probe or an operator checks (SGLang's
+    ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
+    rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
+             "context_length": n.cfg.context_length, "advertised_context": n.preflight.advertised_context,
+             "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
+            for n in nodes]
+    admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
+    return {"model": model_name, "mode": args["mode"], "policy": args["policy"], "guards": guards, "boot": boot,
+            "isolation_level": spec.isolation_level, "nodes": rows,
+            "max_total_num_tokens": min(r["pool_tokens"] for r in admitting),
+            "context_length": max(r["advertised_context"] for r in rows)}

@@ -165,7 +165,7 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
     try:
         import torch
         torch.set_num_threads(args["torch_threads"])
-        from engine.server.app import build_engine
+        from engine.server.backend import build_engine
         built = build_engine(args)
     except BaseException as e:  # noqa: BLE001 - the parent reports it as the server's error
         send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, KvledgerError) else str(e)))
