@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 
+import torch
+
 from engine.config import EngineConfig
 from engine.errors import ReadCheckViolation
 from engine.llm import LLMEngine
@@ -16,6 +18,23 @@ CONTEXT_A = f"Notes from the meeting: the budget is approved. The secret is {CAN
 def recall_engine(**kw):
     model, tok = load_model("recall")
     return LLMEngine(model, tok, EngineConfig(kv_memory_budget=48 << 20, page_size=16, context_length=4096, **kw))
+
+
+def test_the_block_copies_equal_the_dense_matrices_bit_for_bit():
+    """forward takes each identity-block product as the copy or scaling it is; dense_forward runs
+    the model's matrices through F.linear. Same tokens, and the same K/V bytes in the pool."""
+    from engine.models.recall import RecallModel
+    texts = ["A long day. " + CONTEXT_A + " Later someone asked: the secret is", "Notes: the budget is", "x" * 70]
+    runs = []
+    for dense in (False, True):
+        eng = recall_engine()
+        if dense:
+            eng.model.forward = RecallModel.dense_forward.__get__(eng.model)
+        reqs = eng.generate(texts, SamplingParams(max_tokens=24))
+        kv = torch.cat([t.reshape(-1) for layer in range(2) for t in (eng.pool.k(layer), eng.pool.v(layer))])
+        runs.append(([r.output_ids for r in reqs], kv))      # (the tag planes carry per-run keys: not compared)
+    assert runs[0][0] == runs[1][0] and torch.equal(runs[0][1], runs[1][1]) and runs[0][1].abs().sum() > 0
+    assert CANARY in "".join(map(chr, runs[0][0][0]))
 
 
 def test_layer1_offset_heads_are_sharp_over_the_whole_context():
