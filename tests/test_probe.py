@@ -54,7 +54,7 @@ def test_the_cache_side_channels_are_found_only_where_the_cache_is_shared(tmp_pa
     salt reaches A's cached prefix. timing: interleaved samples, a one-sided rank test and an effect
     size. Under `tenant` both positive controls (A's own prefix comes back cached, and faster) hold,
     so the passes have power."""
-    code, rows = _probe(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 6,
+    code, rows = _probe(tmp_path, capsys, f'context_length = 1024\nisolation_level = "{isolation}"\n', 10,
                         "salt,timing")
     salt, timing = rows["salt"], rows["timing"]
     assert "positive control (A's own prefix): p=" in timing["detail"], timing
