@@ -218,7 +218,8 @@ class RemoteLoop:
         self._rid = 0
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
         self._streams: dict[int, Stream] = {}
-        self.pending = 0
+        self.pending = 0                  # submitted, not finished (+1 on the event loop, -1 on the reader thread)
+        self._pending_lock = threading.Lock()
         self.error: BaseException | None = None
         self.on_dead = lambda: None
         self._stopping = False
@@ -265,7 +266,7 @@ class RemoteLoop:
         self._rid += 1
         rid = self._rid
         self._waiting[rid] = (loop, fut)
-        self.pending += 1
+        self._count(+1)
         self._send(("submit", rid, prompt_ids, sp, tenant, user, cache_salt))
         try:
             return await fut
@@ -275,6 +276,10 @@ class RemoteLoop:
 
     def abort(self, stream: Stream, reason: str = "client disconnected") -> None:
         self._send(("abort", stream.rid, reason))
+
+    def _count(self, d: int) -> None:
+        with self._pending_lock:
+            self.pending += d
 
     async def metrics_text(self) -> bytes:
         if not self.alive:
@@ -338,7 +343,7 @@ class RemoteLoop:
     def _admitted(self, rid: int, view: dict | None, error) -> None:
         loop, fut = self._waiting.pop(rid)
         if view is None:
-            self.pending -= 1
+            self._count(-1)
             loop.call_soon_threadsafe(_resolve, fut, None, _error_in(error))
             return
         stream = Stream(RemoteRequest(view["incarnation"]), loop)
@@ -356,7 +361,7 @@ class RemoteLoop:
                 continue
             if final is not None:
                 del self._streams[rid]
-                self.pending -= 1
+                self._count(-1)
             batches.setdefault(s.loop, []).append((s, tokens, final))
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_deliver_all, batch)
@@ -372,7 +377,8 @@ class RemoteLoop:
         for s in list(self._streams.values()):
             s.loop.call_soon_threadsafe(_deliver_all, [(s, [], view)])
         self._streams.clear()
-        self.pending = 0
+        with self._pending_lock:
+            self.pending = 0
         self.on_dead()
 
 
