@@ -68,6 +68,16 @@ def test_a_broken_model_directory_is_named(tiny_llama, tmp_path, capsys, breaks)
     assert err.startswith(f"kvledger: error: cannot load the model in {d}") and "Traceback" not in err, err
 
 
+def test_serve_names_a_broken_model_from_its_engine_process_and_takes_no_store(tiny_llama, tmp_path, capsys):
+    """The weights load in the engine process: its error comes back as the server's one line, exit 2,
+    before the store is opened (the tokenizer, which the HTTP process loads, is whole here)."""
+    d = _model_dir(tiny_llama, tmp_path, "safetensors")
+    assert main(["serve", "--model", str(d), "--store", str(tmp_path / "store"), "--port", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvledger: error: cannot load the model in {d}") and "Traceback" not in err, err
+    assert not (tmp_path / "store").exists()
+
+
 def test_a_store_or_report_path_that_cannot_be_written_is_named(tmp_path, capsys, monkeypatch):
     (tmp_path / "afile").write_text("x")
     assert main(["report", "--store", str(tmp_path / "s"), "--out", str(tmp_path / "afile")]) == 2

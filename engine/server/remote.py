@@ -170,6 +170,7 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
     except BaseException as e:  # noqa: BLE001 - the parent reports it as the server's error
         send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, KvledgerError) else str(e)))
         out.close(linger=2000)
+        cmds.close(linger=0)
         ctx.term()
         return
     backend, tel, metrics, info, context_length = built
@@ -194,8 +195,7 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
         if hasattr(backend, "close"):
             backend.close()
         send(("bye",))
-        out.close(linger=5000)
-        cmds.close(linger=0)
+        out.close(linger=5000)       # (the command socket is the reader thread's: it goes with the process)
 
 
 # ---- the HTTP process ----------------------------------------------------------------------------
