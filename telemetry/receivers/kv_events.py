@@ -34,8 +34,6 @@ import zmq
 END_SEQ = -1
 PENDING_ROWS = 8192             # rows buffered before they go to the writer (sooner when the publisher pauses)
 SCOPE_MEMORY = 1 << 20          # block hash -> scope entries kept for chaining (oldest forgotten)
-_COLS = ("instance", "topic", "seq", "ts", "dp_rank", "kind", "block_hashes", "parent_hash", "token_count",
-         "block_size", "lora", "medium", "group_idx", "scope_h")
 
 
 class DecodeError(ValueError):
