@@ -496,6 +496,10 @@ def cmd_serve(args) -> int:
         return _die(f"--drain-timeout must be in [0, 3600] seconds, got {args.drain_timeout}")
     if not 1 <= args.torch_threads <= 1024:
         return _die(f"--torch-threads must be in [1, 1024], got {args.torch_threads}")
+    from engine.server.limits import MAX_LIMIT
+    for flag in ("tenant_rpm", "tenant_tpm", "tenant_max_parallel"):
+        if not 0 <= getattr(args, flag) <= MAX_LIMIT:
+            return _die(f"--{flag.replace('_', '-')} must be in [0, {MAX_LIMIT}] (0: no limit), got {getattr(args, flag)}")
     if (why := _check_store_path(args.store)):
         return _die(why)
     return serve(args)
@@ -649,13 +653,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--config", default=None, metavar="cluster.toml",
                     help="node pools, context length, page size, isolation level (default: the glm53 cluster)")
     sv.add_argument("--keys", default=None, metavar="FILE",
-                    help='JSON {"api-key": "tenant"} or {"api-key": {"tenant":..., "user":..., "org":...}}; '
-                         "unknown or missing key -> 401 (default: no keys, every caller is tenant 'default')")
+                    help='JSON {"api-key": "tenant"} or {"api-key": {"tenant":..., "user":..., "org":..., "rpm":..., '
+                         '"tpm":..., "max_parallel_requests":...}}; unknown or missing key -> 401 (default: no keys, '
+                         "every caller is tenant 'default')")
     sv.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     sv.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     sv.add_argument("--store", default="./kvledger-store", help="where telemetry lands (default ./kvledger-store)")
     sv.add_argument("--max-pending", type=int, default=256,
                     help="requests in flight before new ones get 429 with Retry-After (default 256)")
+    sv.add_argument("--tenant-rpm", type=int, default=0, metavar="N",
+                    help="requests per minute per tenant, for tenants whose keys entry sets no rpm (default 0: no "
+                         "limit); over it -> 429 with Retry-After")
+    sv.add_argument("--tenant-tpm", type=int, default=0, metavar="N",
+                    help="tokens per minute per tenant (prompt + max_tokens, the unused part given back when the "
+                         "request ends), for tenants whose keys entry sets no tpm (default 0: no limit)")
+    sv.add_argument("--tenant-max-parallel", type=int, default=0, metavar="N",
+                    help="requests in flight at once per tenant, for tenants whose keys entry sets no "
+                         "max_parallel_requests (default 0: no limit beyond --max-pending)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them (default 30)")
     sv.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),

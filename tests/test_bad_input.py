@@ -30,6 +30,9 @@ CASES = {
     "serve max-pending 0": (["serve", "--max-pending", "0"], "--max-pending must be in [1, 1000000]"),
     "serve drain-timeout -1": (["serve", "--drain-timeout", "-1"], "--drain-timeout must be in [0, 3600]"),
     "serve torch-threads 0": (["serve", "--torch-threads", "0"], "--torch-threads must be in [1, 1024]"),
+    "serve tenant-rpm -1": (["serve", "--tenant-rpm", "-1"], "--tenant-rpm must be in [0, 1099511627776] (0: no limit)"),
+    "serve tenant-tpm 2**41": (["serve", "--tenant-tpm", str(2 ** 41)], "--tenant-tpm must be in [0, 1099511627776]"),
+    "serve tenant-max-parallel -2": (["serve", "--tenant-max-parallel", "-2"], "--tenant-max-parallel must be in [0,"),
     "unknown run": (["forensics", "runs", "--run", "nope"], None),      # store-dependent: filled in below
 }
 
@@ -45,6 +48,27 @@ def test_bad_input_is_one_clear_line_and_takes_nothing(case, tmp_path, monkeypat
     assert code != 0 and err.startswith("kvledger: error: ") and expect in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "kvledger-store").exists()
+
+
+KEYS_FILES = {   # keys file text, what the error says
+    "not JSON": ('{"k": ', "is not JSON"),
+    "empty": ("{}", "expected a JSON object of api-key -> tenant"),
+    "no tenant": ('{"k": {"user": "ann"}}', "the value for a key must be a tenant name or"),
+    "rpm negative": ('{"k": {"tenant": "acme", "rpm": -1}}', "tenant 'acme': rpm must be an integer in [0,"),
+    "tpm as text": ('{"k": {"tenant": "acme", "tpm": "1000"}}', "tenant 'acme': tpm must be an integer"),
+    "two keys, two limits": ('{"k1": {"tenant": "acme", "rpm": 5}, "k2": {"tenant": "acme", "rpm": 6}}',
+                             "tenant 'acme' has two keys with different rate limits"),
+}
+
+
+@pytest.mark.parametrize("case", list(KEYS_FILES))
+def test_a_bad_keys_file_is_named_before_anything_starts(case, tmp_path, capsys):
+    text, says = KEYS_FILES[case]
+    (tmp_path / "keys.json").write_text(text)
+    assert main(["serve", "--keys", str(tmp_path / "keys.json"), "--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"kvledger: error: --keys {tmp_path / 'keys.json'}") and says in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
 
 
 def _model_dir(src, tmp_path, breaks: str):

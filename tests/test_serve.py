@@ -22,7 +22,8 @@ from forensics.api import Forensics
 from telemetry.store import verify
 
 ROOT = Path(__file__).resolve().parents[1]
-KEYS = {"key-a": "acme", "key-b": "globex", "key-u": {"tenant": "initech", "user": "ann"}}
+KEYS = {"key-a": "acme", "key-b": "globex", "key-u": {"tenant": "initech", "user": "ann"},
+        "key-r": {"tenant": "metered", "rpm": 3, "tpm": 2000}, "key-p": {"tenant": "narrow", "max_parallel_requests": 1}}
 pytestmark = pytest.mark.xdist_group("serve")
 SECRET_TEXT = "The board approved the merger with Globex at 41 dollars a share; announce on Friday. " * 3
 
@@ -164,6 +165,46 @@ def test_a_client_salt_or_user_only_narrows_the_cache_scope(unified):
     assert cached("key-a", user="bob") == 0
     assert cached("key-b", cache_salt='"]["tenant","acme') == 0 and cached("key-b", user="acme") == 0
     assert cached("key-a") > 0
+
+
+def test_a_tenants_rate_limits_refuse_it_alone_with_retry_after(unified):
+    """key-r: 3 requests and 2000 tokens a minute; key-p: one request in flight. The official client
+    gets RateLimitError (429, OpenAI's shape and headers); other tenants are untouched; a request the
+    engine refuses gives its tokens back; a stream that ends (or is dropped) frees its slot."""
+    metered = unified.client("key-r")
+    raw = metered.completions.with_raw_response.create(model="recall", prompt="hello there", max_tokens=5)
+    assert raw.headers["x-ratelimit-limit-requests"] == "3" and raw.headers["x-ratelimit-remaining-requests"] == "2"
+    assert int(raw.headers["x-ratelimit-remaining-tokens"]) == 2000 - (11 + 5)
+    assert raw.parse().usage.completion_tokens == 5
+    with pytest.raises(openai.RateLimitError, match="request too large") as big:        # can never pass: no retry
+        metered.completions.create(model="recall", prompt="x" * 1990, max_tokens=20)
+    assert big.value.response.headers["x-should-retry"] == "false" and big.value.body["type"] == "tokens"
+    for _ in range(2):         # over the context: 400 from the engine, and the 1510 tokens charged come back
+        with pytest.raises(openai.BadRequestError, match="context"):
+            metered.completions.create(model="recall", prompt=LONG, max_tokens=10)
+    with pytest.raises(openai.RateLimitError, match=r"requests per min \(RPM\): limit 3") as rpm:
+        metered.completions.create(model="recall", prompt="hello", max_tokens=1)
+    e = rpm.value
+    assert e.status_code == 429 and e.body["code"] == "rate_limit_exceeded" and e.body["type"] == "requests"
+    assert 1 <= int(e.response.headers["retry-after"]) <= 20 and e.response.headers["x-ratelimit-remaining-requests"] == "0"
+    assert unified.client("key-a").completions.create(model="recall", prompt="hello", max_tokens=1).usage  # acme is not limited
+    narrow = unified.client("key-p")
+    with narrow.completions.create(model="recall", prompt="tell me more", max_tokens=300, stream=True) as live:
+        next(iter(live))                                     # its one request is in flight
+        with pytest.raises(openai.RateLimitError, match="parallel requests: 1 in flight, the limit is 1"):
+            narrow.completions.create(model="recall", prompt="and another", max_tokens=1)
+    deadline = time.time() + 30                              # dropped mid-stream: aborted, and its slot freed
+    while True:
+        try:
+            narrow.completions.create(model="recall", prompt="and another", max_tokens=1)
+            break
+        except openai.RateLimitError:
+            assert time.time() < deadline, "the dropped stream's slot was never given back"
+            time.sleep(0.2)
+    assert unified.metric("kvledger_rate_limited_total", limit="requests") >= 1
+    assert unified.metric("kvledger_rate_limited_total", limit="parallel_requests") >= 1
+    text = httpx.get(unified.url + "/metrics").text
+    assert "metered" not in text and "narrow" not in text               # tenants as pseudonyms only
 
 
 def test_the_dashboard_on_the_serving_store_shows_requests_served_after_it_opened(unified, monkeypatch):

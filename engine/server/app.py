@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import sys
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from engine.errors import InputError, KvledgerError, OutOfPages, ReadCheckViolat
 from engine.request import SamplingParams
 from engine.server import protocol as P
 from engine.server.backend import Keys, Tenant
+from engine.server.limits import Limits, RateLimiter, Refusal
 from engine.server.loop import EngineLoop, QueueFull, Stream
 from engine.server.metrics import ServerMetrics
 
@@ -41,6 +43,7 @@ class State:
     context_length: int
     chat_template: str | None = None
     drain_s: float = 30.0
+    limiter: RateLimiter = field(default_factory=RateLimiter)
     on_shutdown: list = field(default_factory=list)
     start_engine: bool = True         # False: the caller runs the engine loop (serve: on the main thread)
 
@@ -85,6 +88,15 @@ def _admission_error(e: BaseException) -> JSONResponse:
     if isinstance(e, QueueFull):
         return _err(429, f"server busy: {text}; retry later", "rate_limit_error", headers={"Retry-After": "1"})
     return _err(500, f"{type(e).__name__}: {text}", "internal_error")
+
+
+def _rate_limited(r: Refusal) -> JSONResponse:
+    """429 in OpenAI's shape: type requests | tokens, code rate_limit_exceeded, Retry-After in seconds."""
+    headers = dict(r.headers)
+    if r.retry_after is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(r.retry_after)))
+        headers["retry-after-ms"] = str(max(1, math.ceil(r.retry_after * 1000)))
+    return _err(429, r.message, "tokens" if r.limit == "tokens" else "requests", "rate_limit_exceeded", headers=headers)
 
 
 def _failed(req) -> JSONResponse | None:
@@ -188,18 +200,30 @@ def create_app(state: State) -> FastAPI:
         sp = SamplingParams(max_tokens=limit, temperature=cr.temperature, top_p=cr.top_p, seed=cr.seed)
         # the client's user / cache_salt narrow the scope the key gives (one more component of it)
         salt = json.dumps([cr.user or "", cr.cache_salt or ""]) if (cr.user or cr.cache_salt) else ""
+        grant = state.limiter.admit(tenant.tenant, len(prompt_ids), limit)   # the tenant's rate limits, before the engine
+        if isinstance(grant, Refusal):
+            return _rate_limited(grant)
         try:
             stream = await state.loop.submit(prompt_ids, sp, tenant.tenant, tenant.user, salt)
         except (KvledgerError, QueueFull) as e:
+            grant.release(None)
             m.rejections.labels(type(e).__name__, "admission").inc()
             return _admission_error(e)
+        except BaseException:                        # e.g. cancelled: the client left while it was admitted
+            grant.release(None)
+            raise
+        stream.on_done = grant.release               # its parallel slot and unused tokens, when it ends
+        if stream.req.is_finished:                   # (it may have ended before on_done was set)
+            grant.release(stream.req)
         if stream.req.is_finished and stream.req.error is not None and not stream.req.output_ids:
             m.rejections.labels(type(stream.req.error).__name__, "cluster").inc()
             return _failed(stream.req)               # refused at admission: a 4xx, streamed or not
         if cr.stream:
-            return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        return await _whole(state, request, stream, chat)
+            return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **(grant.headers or {})})
+        response = await _whole(state, request, stream, chat)
+        response.headers.update(grant.headers or {})
+        return response
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -335,9 +359,11 @@ def serve(args) -> int:
     tok = load_tokenizer(args.model)
     model_name = "recall" if args.model == "recall" else Path(args.model).name
     loop = RemoteLoop(conf, max_pending=args.max_pending)
-    metrics = ServerMetrics(None, args.policy, {}, None, side="http")
+    metrics = ServerMetrics(lambda t: loop.pseudonyms.get(t, "unknown"), args.policy, {}, None, side="http")
+    limiter = RateLimiter(Limits(args.tenant_rpm, args.tenant_tpm, args.tenant_max_parallel), keys.limits,
+                          on_refuse=metrics.refused)
     state = State(loop, tok, model_name, keys, metrics, loop.info, loop.context_length, _chat_template(args.model),
-                  args.drain_timeout)
+                  args.drain_timeout, limiter)
     if args.policy == "vulnerable":
         print("kvledger: WARNING: serving under the VULNERABLE policy: every guard is off; prompts longer than a "
               "prefill pool may read other tenants' KV (the GLM-5.3 incident). Use it to reproduce, never for real "

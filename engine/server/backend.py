@@ -1,7 +1,8 @@
 """What ``kvledger serve`` serves with: tenants from API keys, the cluster file, and the backend.
 
 Keys file (``--keys``): JSON ``{"api-key": "tenant"}`` or ``{"api-key": {"tenant": ..., "user": ...,
-"org": ...}}``. The cache scope is derived server-side from those (engine.llm.LLMEngine.scope_for);
+"org": ..., "rpm": ..., "tpm": ..., "max_parallel_requests": ...}}`` (the limits are the tenant's, shared
+by all its keys: ``engine.server.limits``). The cache scope is derived server-side from those (engine.llm.LLMEngine.scope_for);
 a client's ``user`` or ``cache_salt`` field may only narrow it.
 
 Cluster file (``--config cluster.toml``), every key optional (defaults: the glm53 replay's cluster,
@@ -30,6 +31,7 @@ from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.errors import InputError, KvledgerError
+from engine.server.limits import Limits, parse_limits
 
 INCIDENT_RATIO = 681_280 / 1_048_576
 MAX_CONTEXT = 1 << 20
@@ -44,8 +46,9 @@ class Tenant(NamedTuple):
 class Keys:
     """API key -> tenant. Compared in constant time; with no keys file every caller is 'default'."""
 
-    def __init__(self, table: dict[str, Tenant] | None):
+    def __init__(self, table: dict[str, Tenant] | None, limits: "dict[str, Limits] | None" = None):
         self.table = table
+        self.limits = limits or {}        # tenant -> the rate limits its keys file entry sets
 
     @classmethod
     def load(cls, path: str | None) -> "Keys":
@@ -59,16 +62,26 @@ class Keys:
             raise InputError(f"--keys {path} is not JSON: {e}") from None
         if not isinstance(raw, dict) or not raw:
             raise InputError(f"--keys {path}: expected a JSON object of api-key -> tenant, got {type(raw).__name__}")
-        table = {}
+        table, limits = {}, {}
         for key, v in raw.items():
             if isinstance(v, str) and v:
                 table[key] = Tenant(v)
             elif isinstance(v, dict) and isinstance(v.get("tenant"), str) and v["tenant"]:
                 table[key] = Tenant(v["tenant"], str(v.get("user", "")), str(v.get("org", "")))
+                lim = parse_limits(v, f"--keys {path}: tenant {v['tenant']!r}")
+                if lim:
+                    if limits.get(v["tenant"], lim) != lim:
+                        raise InputError(f"--keys {path}: tenant {v['tenant']!r} has two keys with different rate "
+                                         "limits (limits are the tenant's: give them once, or the same on every key)")
+                    limits[v["tenant"]] = lim
             else:
                 raise InputError(f"--keys {path}: the value for a key must be a tenant name or "
-                                 '{"tenant": ..., "user": ..., "org": ...}, got ' + repr(v)[:60])
-        return cls(table)
+                                 '{"tenant": ..., "user": ..., "org": ..., "rpm": ..., "tpm": ..., '
+                                 '"max_parallel_requests": ...}, got ' + repr(v)[:60])
+        return cls(table, limits)
+
+    def tenants(self) -> list[str]:
+        return sorted({t.tenant for t in self.table.values()}) if self.table is not None else ["default"]
 
     def orgs(self) -> dict[str, str]:
         return {t.tenant: t.org for t in (self.table or {}).values() if t.org}

@@ -38,6 +38,7 @@ class Stream:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     sent: int = 0
     done: bool = False
+    on_done: "Callable | None" = None      # called with the request once it has finished (on the event loop)
 
     def push(self, tokens: list[int], finished: bool) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
@@ -47,6 +48,8 @@ def _put_all(batch: list) -> None:
     """On the event loop: one step's events for every stream, from one wake-up."""
     for stream, event in batch:
         stream.events.put_nowait(event)
+        if event[1] and stream.on_done is not None:
+            stream.on_done(stream.req)
 
 
 class EngineLoop:

@@ -37,6 +37,8 @@ class ServerMetrics:
                                       ["reason", "where"], registry=r)
             self.http = Counter("kvledger_http_responses", "HTTP responses by route and status", ["route", "status"],
                                 registry=r)
+            self.rate_limited = Counter("kvledger_rate_limited", "Requests refused by their tenant's rate limit "
+                                        "(limit: requests, tokens, parallel_requests)", ["tenant", "limit"], registry=r)
         if side == "http":
             return
         self.requests = Counter("kvledger_requests", "Requests finished, by tenant and outcome",
@@ -72,6 +74,9 @@ class ServerMetrics:
                 if n:
                     self.foreign.labels(eng.cfg.node_id, outcome).inc(n)
         engine.observers.append(observe)
+
+    def refused(self, tenant: str, limit: str) -> None:
+        self.rate_limited.labels(self.pseudonym(tenant), limit).inc()
 
     def finished(self, req, outcome: str) -> None:
         t = self.pseudonym(req.tenant)

@@ -187,7 +187,9 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
                 return
             loop._cmds.put(msg)
     threading.Thread(target=reader, name="kvledger-engine-commands", daemon=True).start()
-    send(("ready", info, context_length))
+    from engine.server.backend import Keys
+    pseudonyms = {t: tel.keys.pseudonym(t) for t in Keys.load(args["keys"]).tenants()}   # for the HTTP side's labels
+    send(("ready", info, context_length, pseudonyms))
     try:
         loop.run()
     finally:
@@ -229,7 +231,7 @@ class RemoteLoop:
             if self.out.poll(200):
                 msg = pickle.loads(self.out.recv())
                 if msg[0] == "ready":
-                    self.info, self.context_length = msg[1], msg[2]
+                    self.info, self.context_length, self.pseudonyms = msg[1], msg[2], msg[3]
                     break
                 self._close_sockets()
                 self.proc.join(10)
@@ -407,3 +409,5 @@ def _deliver_all(batch: list) -> None:
         if final is not None:
             req.finish(final)
         stream.events.put_nowait((tokens, final is not None))
+        if final is not None and stream.on_done is not None:
+            stream.on_done(req)
