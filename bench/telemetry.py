@@ -3,7 +3,10 @@
 1. decode tokens/s of the same workload with no recorder, with spans + metrics only, and with
    spans + metrics + the page ledger (all into a real store), interleaved: the cost ratios. Each
    variant's window includes a flush of everything it recorded (written and linked), so no work
-   is left outside the measurement.
+   is left outside the measurement (pessimistic for the idle-priority store writer: the work it
+   would do in the gaps of the next window is done at the window's end, with the engine waiting).
+   Then the ledger variant's telemetry CPU per second of decoding, accounted where it runs: the
+   engine thread's recorder calls, the store writer, the OpenTelemetry SDK's threads.
 2. ledger ingest, end to end: real StepOutputs captured from a decode-heavy batch are fed through
    the ledger (numpy columns -> bounded queue -> writer thread -> coalesce -> Parquet segment ->
    chain link) as fast as it takes them; rows/s counts per-step read rows plus slot writes.
@@ -32,10 +35,16 @@ from telemetry.store import FLUSH_INTERVAL  # noqa: E402
 
 
 def main() -> None:
-    ap = workload_parser(__doc__, repeats=20)
-    ap.add_argument("--gens-per-round", type=int, default=4,
-                    help="generate calls per variant per round (4 x 64 decode steps of 8 sequences, about 2 s: "
-                         "two flush intervals of 1 s, one of 2 s)")
+    ap = workload_parser(__doc__, repeats=16)
+    ap.add_argument("--gens-per-round", type=int, default=8,
+                    help="generate calls per variant per round (8 x 64 decode steps of 8 sequences, about 4 s: "
+                         "two flush intervals of 2 s)")
+    ap.add_argument("--flush-intervals", default=None,
+                    help="comma-separated flush intervals (s) to measure the ledger at (default: the default only)")
+    ap.add_argument("--account-gens", type=int, default=40, help="generate calls of the CPU accounting pass")
+    ap.add_argument("--calibrate-rounds", type=int, default=40,
+                    help="rounds of the priority calibration (a thread burning the writer's CPU, at normal and at "
+                         "idle priority, vs nothing; one generate call each)")
     ap.add_argument("--ingest-steps", type=int, default=300)
     ap.add_argument("--ingest-context", type=int, default=2048)
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
@@ -44,7 +53,7 @@ def main() -> None:
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     cfg = lambda: EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch)  # noqa: E731
     default_interval = FLUSH_INTERVAL
-    intervals = sorted({1.0, 2.0, default_interval})
+    intervals = sorted({default_interval} | ({float(x) for x in args.flush_intervals.split(",")} if args.flush_intervals else set()))
     tels = {"spans": Telemetry(tmp / "spans", record_ledger=False, model_name="tiny"),
             **{_ledger(fi): Telemetry(tmp / _ledger(fi), model_name="tiny", flush_interval=fi) for fi in intervals}}
     engines = {"off": LLMEngine(model, None, cfg()), **{k: LLMEngine(model, None, cfg(), recorder=t) for k, t in tels.items()}}
@@ -73,6 +82,9 @@ def main() -> None:
     cpu_s = {k: statistics.fmean(v) for k, v in cpu.items()}
     new_tokens = args.batch * args.new_tokens * args.gens_per_round
     tps = {k: new_tokens / v for k, v in t.items()}
+    account = _account(engines[_ledger(default_interval)], tels[_ledger(default_interval)], prompts, sp, args.account_gens,
+                       args.batch * args.new_tokens)
+    calibration = _calibrate(engines["off"], prompts, sp, account["writer_ms_per_s"], args.calibrate_rounds)
     closed = {k: tel.close() for k, tel in tels.items()}
     ledger = {fi: {"flush_interval_s": fi, "tokens_per_s": tps[_ledger(fi)], "cost": 1 - tps[_ledger(fi)] / tps["off"],
                    "cost_ci95": _bootstrap_cost(wall["off"], wall[_ledger(fi)]),
@@ -125,6 +137,8 @@ def main() -> None:
            "spans_background_cpu_ms_per_decode_s": 1e3 * sum(bg["spans"]) / sum(wall["spans"]),
            "spans_ledger_cpu_cost": ledger[default_interval]["cpu_cost"],
            "store_rows": {k: c["rows"] for k, c in closed.items()},
+           "cpu_accounting": account, "priority_calibration": calibration, "writer_priority": closed[_ledger(default_interval)]["writer_priority"],
+           "ledger_waited_s": closed[_ledger(default_interval)]["ledger_waited_s"],
            "ingest": {"rows_in": rows_in, "reads_per_step": reads_per_step, "writes_per_step": writes_per_step,
                       "seconds_engine_side": submitted, "seconds_end_to_end": total,
                       "rows_per_s_end_to_end": rows_in / total, "rows_per_s_engine_side": rows_in / submitted,
@@ -138,6 +152,15 @@ def main() -> None:
               f"{r['tokens_per_s']:.0f} (cost {100 * r['cost']:+.1f} %, 95 % interval {100 * r['cost_ci95'][0]:+.1f} to "
               f"{100 * r['cost_ci95'][1]:+.1f} %; CPU {100 * r['cpu_cost']:+.1f} %); telemetry threads "
               f"{r['background_cpu_ms_per_decode_s']:.1f} ms CPU per second of decoding")
+    a = account
+    print(f"telemetry CPU per second of decoding (spans + metrics + ledger, {a['tokens_per_s']:.0f} tokens/s): "
+          f"{a['total_ms_per_s']:.1f} ms = engine thread {a['engine_thread_ms_per_s']:.1f} ("
+          + ", ".join(f"{k} {v:.1f}" for k, v in sorted(a["engine_thread_by_call_ms_per_s"].items(), key=lambda x: -x[1]))
+          + f") + store writer {a['writer_ms_per_s']:.1f} ({a['writer_priority']} priority) + OTel SDK threads "
+          f"{a['otel_threads_ms_per_s']:.1f}")
+    c = calibration
+    print(f"a thread burning {c['burn_ms_per_s']:.1f} ms of CPU a second (the writer's) costs the decode "
+          f"{100 * c['normal_cost']:+.1f} % at normal priority, {100 * c['idle_cost']:+.1f} % under SCHED_IDLE")
     ing = res["ingest"]
     print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
           f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
@@ -146,12 +169,91 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _background_cpu() -> float:
-    """CPU seconds so far of this process's telemetry threads (the store writer and the OTel SDK's
-    export threads), from /proc: the ledger's own work, free of the machine's wall-clock noise."""
+HOOKS = ("request_arrived", "step", "pages_released", "pages_held", "pages_moved", "guard_checked", "rejected",
+         "request_finished", "transfer_landed")
+
+
+def _account(engine, tel, prompts, sp, gens: int, tokens_per_gen: int) -> dict:
+    """The telemetry's CPU per second of decoding, where it runs: the engine thread's time in the
+    recorder's calls (each wrapped in a thread-CPU clock, in this pass only), and the CPU of the store
+    writer's and the OpenTelemetry SDK's threads (from /proc). Not timed against anything: on cores
+    the engine's torch threads fill, what the telemetry costs is about this CPU (the writer's share
+    less what it finds idle)."""
+    spent = dict.fromkeys(HOOKS, 0)
+    for name in HOOKS:
+        fn = getattr(tel, name)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t = time.thread_time_ns()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_name] += time.thread_time_ns() - t
+        setattr(tel, name, timed)              # the instance's attribute: the engine and the request hooks find it
+    tel.writer.flush()
+    w0, o0, t0 = _thread_cpu("kvledger-store-writer"), _thread_cpu("Otel"), time.perf_counter()
+    for _ in track(range(gens), description="CPU accounting"):
+        engine.generate(prompts, sp)
+    tel.writer.flush()
+    wall = time.perf_counter() - t0
+    writer, otel = _thread_cpu("kvledger-store-writer") - w0, _thread_cpu("Otel") - o0
+    for name in HOOKS:
+        delattr(tel, name)
+    hooks = {k: 1e3 * v / 1e9 / wall for k, v in spent.items() if v}
+    total = sum(hooks.values()) + 1e3 * (writer + otel) / wall
+    return {"wall_s": wall, "tokens_per_s": gens * tokens_per_gen / wall, "engine_thread_ms_per_s": sum(hooks.values()),
+            "engine_thread_by_call_ms_per_s": hooks, "writer_ms_per_s": 1e3 * writer / wall,
+            "otel_threads_ms_per_s": 1e3 * otel / wall, "total_ms_per_s": total,
+            "writer_priority": tel.writer.priority}
+
+
+def _calibrate(engine, prompts, sp, ms_per_s: float, rounds: int) -> dict:
+    """What the store writer's CPU costs the decode at each priority, with no store in the way: a
+    pure-Python thread (it holds the GIL, as the writer's Python does) burning ``ms_per_s`` of CPU a
+    second in bursts, at normal priority and under SCHED_IDLE, vs no thread; rounds interleaved,
+    the order rotated, the burn only during its own variant's window."""
+    from telemetry.store import _idle_priority
+    on = {"normal": threading.Event(), "idle": threading.Event()}
+    stop = threading.Event()
+
+    def burn(ev: threading.Event, idle: bool) -> None:
+        if idle:
+            _idle_priority()
+        while not stop.is_set():
+            if not ev.wait(0.1):
+                continue
+            t = time.thread_time()
+            while time.thread_time() - t < ms_per_s / 2e3:          # a burst of half a second's worth
+                sum(range(200))
+            time.sleep(0.5)
+    threads = [threading.Thread(target=burn, args=(on[k], k == "idle"), daemon=True) for k in on]
+    for t in threads:
+        t.start()
+    wall: dict[str, list[float]] = {"off": [], "normal": [], "idle": []}
+    names = list(wall)
+    for rep in track(range(rounds), description="priority calibration"):
+        for k in names[rep % 3:] + names[:rep % 3]:
+            if k in on:
+                on[k].set()
+            t0 = time.perf_counter()
+            engine.generate(prompts, sp)
+            wall[k].append(time.perf_counter() - t0)
+            for ev in on.values():
+                ev.clear()
+    stop.set()
+    for t in threads:
+        t.join()
+    off = sum(wall["off"])
+    return {"burn_ms_per_s": ms_per_s, "rounds": rounds,
+            **{f"{k}_cost": 1 - off / sum(wall[k]) for k in on},
+            **{f"{k}_cost_ci95": _bootstrap_cost(wall["off"], wall[k]) for k in on}}
+
+
+def _thread_cpu(prefix: str) -> float:
+    """CPU seconds so far of this process's threads whose names start with ``prefix``, from /proc."""
     total = 0
     for t in threading.enumerate():
-        if t.name.startswith(("kvledger-store-writer", "Otel")) and t.native_id is not None:
+        if t.name.startswith(prefix) and t.native_id is not None:
             try:
                 stat = Path(f"/proc/self/task/{t.native_id}/stat").read_text()
             except OSError:
@@ -159,6 +261,12 @@ def _background_cpu() -> float:
             f = stat[stat.rindex(")") + 2:].split()
             total += int(f[11]) + int(f[12])          # utime + stime, clock ticks
     return total / os.sysconf("SC_CLK_TCK")
+
+
+def _background_cpu() -> float:
+    """CPU seconds so far of this process's telemetry threads (the store writer and the OTel SDK's
+    export threads), from /proc: the ledger's own work, free of the machine's wall-clock noise."""
+    return _thread_cpu("kvledger-store-writer") + _thread_cpu("Otel")
 
 
 def _ledger(flush_interval: float) -> str:

@@ -220,7 +220,8 @@ class LLMEngine:
             failing = [] if out.read_check.any_failed is False else torch.nonzero(bad.sum(1)).flatten().tolist()
             if self.cfg.fail_on_violation:
                 self.rec.guard_checked(self, "read_check", failed=False, count=len(batch) - len(failing))
-                self.rec.guard_checked(self, "read_check", failed=True, count=len(failing))
+                if failing:
+                    self.rec.guard_checked(self, "read_check", failed=True, count=len(failing))
             for b in failing:
                 req = batch[b].req
                 if self.cfg.fail_on_violation:

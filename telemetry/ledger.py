@@ -14,6 +14,7 @@ read. Read runs are coalesced on the writer thread (``ReadRuns``), off the engin
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections import deque
 from typing import Callable, NamedTuple
@@ -316,6 +317,10 @@ class PageLedger:
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
         self._pending_cells = 0                 # engine thread only
+        self._cells_in = 0                      # block-table cells handed over (engine thread only)
+        self._cells_out = 0                     # ... and folded (writer thread only)
+        self._caught_up = threading.Event()     # set by the writer after each fold
+        self.waited_s = 0.0                     # engine time spent waiting for a writer that fell behind
         self._batch: tuple = (None, None, None)  # engine thread only: the last step's incarnations, ids, prompt lengths
         self._finished: deque = deque()         # (incarnation, prompt ids, output ids) of finished requests, not yet hashed
         self._releases: deque = deque()         # releases not yet written (one tuple each)
@@ -357,14 +362,18 @@ class PageLedger:
 
     # ---- a model step: its writes, then everything its attention read ---------------------------
     FOLD_CELLS = 65536   # block-table cells (reads) waiting before the writer thread is woken (also
-                         # folded at every flush): many decode steps per batch of array calls, and a
-                         # bound on what waits (found writers: 65536 x page_size x 8 bytes, 8 MiB at 16)
+                         # folded at every flush): many decode steps per batch of array calls
+    MAX_WAITING_CELLS = 8 * FOLD_CELLS   # the bound on what waits for a writer that falls behind (an idle-
+                         # priority one, under load that leaves no core idle): past it the engine waits
+                         # until the writer has folded all but FOLD_CELLS (found writers alone: 8 x 65536 x
+                         # page_size x 8 bytes, 64 MiB at 16)
 
     def on_step(self, engine, out) -> None:
         """Engine thread: capture what only exists now (page generations, the read check, ids) and
         hand the step's own (immutable) tensors over; the writer thread folds them in batches, at
-        every flush and whenever FOLD_CELLS reads are waiting (each wake-up goes through the
-        bounded queue: a writer that falls behind blocks the engine, never loses a step)."""
+        every flush and whenever FOLD_CELLS reads are waiting. A writer that falls behind by more
+        than MAX_WAITING_CELLS blocks the engine until it catches up: memory stays bounded, and no
+        step is lost."""
         chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
         lay = out.layout
         incs = [s.req.incarnation for s in out.batch]
@@ -377,20 +386,40 @@ class PageLedger:
             out.new_writers, out.new_tags,
             lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
             out.page_mass))
-        self._pending_cells += lay.block_tables.numel()
+        cells = lay.block_tables.numel()
+        self._pending_cells += cells
+        self._cells_in += cells
         if self._pending_cells >= self.FOLD_CELLS:
             self._pending_cells = 0
             self.writer.submit_lazy(self._take)
+            if self._cells_in - self._cells_out > self.MAX_WAITING_CELLS:
+                self._wait_for_writer()
+
+    def _wait_for_writer(self) -> None:
+        """Engine thread: wait until the writer has folded all but FOLD_CELLS of what waits (or has
+        stopped: its error reaches the engine on the next submit)."""
+        t0 = time.perf_counter()
+        while self._cells_in - self._cells_out > self.FOLD_CELLS and self.writer.accepting:
+            self._caught_up.clear()
+            if self._cells_in - self._cells_out <= self.FOLD_CELLS:
+                break
+            self._caught_up.wait(0.1)
+        self.waited_s += time.perf_counter() - t0
 
     def _take(self) -> list[tuple[str, Columns]]:
         """Writer thread: fold every step waiting, per node in step order (its writes become
         page_writes rows, write runs; its reads go into the node's read runs), then the n-grams of
         the requests finished and the releases made since the last fold."""
         by_node: dict[str, list[StepRecord]] = {}
+        cells = 0
         while self._pending:                    # only this thread pops; the engine only appends
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
-        return [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams() + self._release_rows()
+            cells += rec.block_tables.numel()
+        out = [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams() + self._release_rows()
+        self._cells_out += cells                # (after the fold: what waits includes what is being folded)
+        self._caught_up.set()
+        return out
 
     def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
         cat = lambda f: _cat(recs, f)  # noqa: E731

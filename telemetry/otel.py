@@ -227,14 +227,21 @@ class Telemetry(Recorder):
     def __init__(self, store: str | Path, *, policy: str = "", guards: dict[str, bool] | None = None,
                  isolation_level: str = "tenant", model_name: str = "", service: str = "kvledger",
                  flush_interval: float | None = None, span_queue_size: int = 8192, metric_interval: float = 5.0,
-                 record_ledger: bool = True, coalesce: bool = True, boot: str | None = None):
+                 record_ledger: bool = True, coalesce: bool = True, boot: str | None = None,
+                 writer_priority: str | None = None):
         from importlib.metadata import PackageNotFoundError, version
         try:
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
+        # the store's writer thread runs at idle priority (SCHED_IDLE) unless told otherwise
+        # (KVLEDGER_WRITER_PRIORITY=normal): beside torch threads that fill every core it then uses the
+        # gaps between steps rather than taking its CPU out of the decode (bench/telemetry.py)
+        priority = writer_priority or os.environ.get("KVLEDGER_WRITER_PRIORITY", "idle")
+        if priority not in ("idle", "normal"):
+            raise ValueError(f"writer priority must be idle or normal, got {priority!r}")
         self.writer = SegmentWriter(store, flush_interval=FLUSH_INTERVAL if flush_interval is None else flush_interval,
-                                    boot=boot)
+                                    boot=boot, idle_priority=priority == "idle")
         # this start of the deployment: every row it writes carries it (store.py fills the column)
         self.boot = self.writer.boot
         self.keys: Keys = self.writer.keys
@@ -446,7 +453,8 @@ class Telemetry(Recorder):
     def _counts(self) -> dict:
         return {"boot": self.boot, "spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
                 "spans_dropped": self.spans_ended - self.spans_exported, "segments": self.writer.segments_written,
-                "rows": dict(self.writer.rows_written)}
+                "rows": dict(self.writer.rows_written), "writer_priority": self.writer.priority,
+                "ledger_waited_s": self.ledger.waited_s if self.ledger is not None else 0.0}
 
 
 class _Inc:

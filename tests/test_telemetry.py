@@ -356,3 +356,61 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
     assert rows([steps[:3], steps[3:4], steps[4:17], steps[17:]]) == one
     tel.ledger._pending.clear()
     tel.close()
+
+
+def test_the_store_writer_runs_at_idle_priority_unless_told_otherwise(tmp_path, monkeypatch):
+    """SCHED_IDLE for the writer thread by default (the engine's cores first); normal when asked,
+    by argument or KVLEDGER_WRITER_PRIORITY; anything else is refused before a store is opened."""
+    import os
+    cases = [({}, None, os.SCHED_IDLE, "idle"), ({"writer_priority": "normal"}, None, os.SCHED_OTHER, "normal"),
+             ({}, "normal", os.SCHED_OTHER, "normal")]
+    for i, (kw, env, policy, named) in enumerate(cases):
+        if env is None:
+            monkeypatch.delenv("KVLEDGER_WRITER_PRIORITY", raising=False)
+        else:
+            monkeypatch.setenv("KVLEDGER_WRITER_PRIORITY", env)
+        tel = Telemetry(tmp_path / f"s{i}", model_name="recall", **kw)
+        tel.writer.flush()                                  # the thread has set its policy by now
+        assert os.sched_getscheduler(tel.writer._thread.native_id) == policy
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER   # the caller (the engine's thread) is untouched
+        assert tel.close()["writer_priority"] == named
+    with pytest.raises(ValueError, match="writer priority must be idle or normal"):
+        Telemetry(tmp_path / "bad", model_name="recall", writer_priority="realtime")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_a_writer_that_falls_behind_stops_the_engine_at_the_bound_and_loses_nothing(tmp_path):
+    """The engine hands steps over without waiting until MAX_WAITING_CELLS block-table cells wait
+    for a writer that does not keep up; then it waits until the writer has caught up. Every step
+    is still written."""
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60, flush_interval=600)
+    tel.ledger.FOLD_CELLS, tel.ledger.MAX_WAITING_CELLS = 8, 32
+    stalled, release = threading.Event(), threading.Event()
+
+    def stall():                               # occupies the writer thread, as a starved writer would be
+        stalled.set()
+        release.wait(30)
+        return []
+    tel.writer.submit_lazy(stall)
+    assert stalled.wait(10)
+    eng = _engine(tel)
+    done = threading.Event()
+
+    def decode():
+        eng.generate(["the quick brown fox jumps over the lazy dog " * 3] * 2, SamplingParams(max_tokens=24))
+        done.set()
+    threading.Thread(target=decode, daemon=True).start()
+    deadline = time.time() + 30
+    while tel.ledger._cells_in - tel.ledger._cells_out <= tel.ledger.MAX_WAITING_CELLS and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)
+    waiting = tel.ledger._cells_in - tel.ledger._cells_out
+    assert not done.is_set() and tel.ledger.MAX_WAITING_CELLS < waiting <= tel.ledger.MAX_WAITING_CELLS + 64, waiting
+    release.set()                                  # the writer catches up; the engine goes on
+    assert done.wait(60)
+    steps = eng.steps
+    counts = tel.close()
+    assert counts["ledger_waited_s"] > 0.3
+    con = open_store(tmp_path / "s")
+    assert con.sql("SELECT max(step_last) FROM page_reads").fetchall() == [(steps,)]
+    assert con.sql("SELECT sum(n_slots) FROM page_writes").fetchall()[0][0] == 2 * (3 * 44 + 24) - 2
