@@ -77,8 +77,9 @@ def telemetry_table(r: dict) -> str:
     return "\n".join([
         f"Telemetry, same workload as above ({c['batch']} prompts, {c['new_tokens']} new tokens), "
         f"{c['repeats']} rounds of the variants back to back, their order rotated each round. A variant's turn is "
-        f"{c.get('gens_per_round', 1)} generate calls (about 2 s of decoding) and ends when everything it recorded is "
-        f"written and linked, so no ledger work falls outside its window; throughput is total tokens over total time "
+        f"{c.get('gens_per_round', 1)} generate calls and ends when everything it recorded is "
+        f"written and linked, so no ledger work falls outside its window (pessimistic for the idle-priority writer: "
+        f"what it would do in the next window's gaps is done with the engine waiting); throughput is total tokens over total time "
         f"(the ledger's cost is lumpy - a flush lands in some stretches and not others - and a median would leave it "
         f"out). Ledger ingest runs end to end from real captured steps ({c['ingest_batch']} requests of "
         f"{c['ingest_context']} tokens, {c['ingest_steps']} steps):",
@@ -95,13 +96,40 @@ def telemetry_table(r: dict) -> str:
         f"| ledger, engine-thread side only | {i['rows_per_s_engine_side'] / 1e6:.1f} M rows/s | |",
         f"| rows stored (read runs coalesced, write runs) | {i['rows_stored']} of {i['rows_in']} | |",
         "",
+        *_accounting(r),
         f"Per round the ledger's cost at the default interval spreads from "
         f"{100 * _q(r['spans_ledger_cost_per_round'], 0.25):+.0f} % to "
         f"{100 * _q(r['spans_ledger_cost_per_round'], 0.75):+.0f} % (quartiles): this shared machine's noise is larger "
         f"than the goal, and whole runs of this bench differ by a few percent. Each flush writes a segment and a chain "
-        f"link per table whatever its size, so a shorter interval costs more; it is also the durability window after "
-        f"`kill -9` and how far a live reader lags." if "spans_ledger_cost_per_round" in r else "",
+        f"link per table whatever its size, so a shorter interval costs more (`--flush-intervals 1,2` measures both); "
+        f"it is also the durability window after `kill -9` and how far a live reader lags."
+        if "spans_ledger_cost_per_round" in r else "",
     ])
+
+
+def _accounting(r: dict) -> list[str]:
+    """The CPU accounting and the priority calibration (bench/telemetry.py), when the run has them."""
+    a, c = r.get("cpu_accounting"), r.get("priority_calibration")
+    if not a or not c:
+        return []
+    calls = ", ".join(f"`{k}` {v:.1f}" for k, v in sorted(a["engine_thread_by_call_ms_per_s"].items(), key=lambda x: -x[1]))
+    return [
+        f"Where the telemetry's CPU goes (spans + metrics + ledger, {a['tokens_per_s']:.0f} tokens/s): "
+        f"**{a['total_ms_per_s']:.1f} ms of CPU per second of decoding** - the engine thread's recorder calls "
+        f"{a['engine_thread_ms_per_s']:.1f} ({calls}), the store writer {a['writer_ms_per_s']:.1f} (under "
+        f"{'SCHED_IDLE' if a['writer_priority'] == 'idle' else 'normal priority'}), the OpenTelemetry SDK's threads "
+        f"{a['otel_threads_ms_per_s']:.1f}. The engine thread's share is on the decode's path; on these two cores, "
+        "which torch's threads fill, CPU taken by another thread at normal priority costs the decode about the same "
+        f"share. Calibration in the same run: a pure-Python thread burning the writer's {c['burn_ms_per_s']:.1f} ms a "
+        f"second cost the decode {100 * c['normal_cost']:+.1f} % at normal priority (95 % interval "
+        f"{100 * c['normal_cost_ci95'][0]:+.1f} to {100 * c['normal_cost_ci95'][1]:+.1f} %) and "
+        f"{100 * c['idle_cost']:+.1f} % under SCHED_IDLE ({100 * c['idle_cost_ci95'][0]:+.1f} to "
+        f"{100 * c['idle_cost_ci95'][1]:+.1f} %; {c['rounds']} rounds). The writer runs under SCHED_IDLE so that it "
+        "takes the gaps between the engine's steps first; this machine's noise is about as large as what that "
+        "saves, so read the two costs together. The page ledger makes the engine wait only if the writer falls "
+        f"more than MAX_WAITING_CELLS behind (it waited {r.get('ledger_waited_s', 0):.2f} s in this run).",
+        "",
+    ]
 
 
 def _q(xs: list[float], q: float) -> float:

@@ -386,6 +386,7 @@ class PageLedger:
             out.new_writers, out.new_tags,
             lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
             out.page_mass))
+        self.writer.nudge()                     # an idle-priority writer's overdue flush goes ahead
         cells = lay.block_tables.numel()
         self._pending_cells += cells
         self._cells_in += cells

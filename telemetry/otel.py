@@ -234,9 +234,10 @@ class Telemetry(Recorder):
             self.version = version("kvledger")
         except PackageNotFoundError:
             self.version = "0+unknown"
-        # the store's writer thread runs at idle priority (SCHED_IDLE) unless told otherwise
-        # (KVLEDGER_WRITER_PRIORITY=normal): beside torch threads that fill every core it then uses the
-        # gaps between steps rather than taking its CPU out of the decode (bench/telemetry.py)
+        # the store's writer thread runs under SCHED_IDLE unless told otherwise (KVLEDGER_WRITER_PRIORITY=
+        # normal): it uses the gaps between the engine's steps first (bench/telemetry.py calibrates what
+        # that saves); a flush overdue because the cores were never idle is raised to normal priority by
+        # the engine's next step (SegmentWriter.nudge), so the flush interval stays the durability window
         priority = writer_priority or os.environ.get("KVLEDGER_WRITER_PRIORITY", "idle")
         if priority not in ("idle", "normal"):
             raise ValueError(f"writer priority must be idle or normal, got {priority!r}")

@@ -46,8 +46,8 @@ from telemetry.schema import arrow_schemas, conform, empty
 
 # Seconds between flushes: the durability window after kill -9 and how far behind a live reader
 # is. Each flush writes a segment and a chain link per table, a cost that does not shrink with
-# fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py measures 1 s and
-# 2 s side by side; at 1 s the ledger's threads used about a quarter more CPU).
+# fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py --flush-intervals 1,2
+# measures them side by side).
 FLUSH_INTERVAL = 2.0
 log = logging.getLogger("kvledger.store")
 
@@ -56,11 +56,30 @@ class StoreError(KvledgerError):
     pass
 
 
+def _can_leave_idle() -> bool:
+    """Whether a thread of this process may go from SCHED_IDLE back to normal (it needs CAP_SYS_NICE
+    or RLIMIT_NICE >= 20): tried on a scratch thread, never on the writer itself."""
+    ok = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except (AttributeError, OSError):
+            pass
+    t = threading.Thread(target=probe, name="kvledger-priority-probe")
+    t.start()
+    t.join()
+    return bool(ok)
+
+
 def _idle_priority() -> str:
     """Put the calling thread under SCHED_IDLE: it runs on a core no other thread wants (between
-    the engine's steps, while torch's workers sleep) and yields it the moment one does. Measured
-    with a pure-Python thread burning 24 ms of CPU a second beside the tiny decode: it cost the
-    decode 2.3-3.0 % at normal priority, 0.9 % under SCHED_IDLE (nice 19: 2.3-3.2 %)."""
+    the engine's steps, while torch's workers sleep) and yields it the moment one does.
+    bench/telemetry.py's calibration compares a thread burning the writer's CPU at both priorities
+    beside the tiny decode (four runs while this was built: 0.3 to 3.4 points of decode throughput
+    less under SCHED_IDLE than at normal priority; nice 19 instead: 1.4 and 2.0 points in two runs)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))     # pid 0: this thread only
         return "idle"
@@ -184,13 +203,20 @@ class SegmentWriter:
                  idle_priority: bool = False):
         """``idle_priority``: run the writer thread under SCHED_IDLE (Linux), so that it takes the CPU
         only when nothing else wants it - for an engine whose torch threads fill every core, where a
-        writer at normal priority takes its CPU time out of the decode one for one. Its producers
-        must bound what they hand over (the page ledger waits for it past a backlog), since under
-        load that never lets a core go idle it falls behind."""
+        writer at normal priority takes its CPU time out of the decode. Its producers must bound what
+        they hand over (the page ledger waits for it past a backlog), and call ``nudge`` (the ledger
+        does every step, ``submit`` every batch): under load that never leaves a core idle it would
+        not run at all, and a flush overdue by a quarter interval (at most 0.5 s) is raised to normal
+        priority until it is done - the flush interval stays the durability window after a kill -9
+        (tests/test_store.py kills a writer beside busy processes; without the nudge nothing was
+        flushed). Needs the right to leave SCHED_IDLE again (CAP_SYS_NICE or RLIMIT_NICE >= 20),
+        checked first: without it the writer stays at normal priority."""
         from engine.request import new_boot_id
         self.root = Path(root)
         self.idle_priority = idle_priority
         self.priority = "normal"           # what the thread got ("idle" once it is under SCHED_IDLE)
+        self._boosted, self.boosts = False, 0          # raised to normal for an overdue flush (nudge)
+        self._last_flush = time.monotonic()
         # the run this writer records: every row of a table with a ``boot`` column that its producer
         # did not label gets it (node names and logical clocks restart with every boot)
         self.boot = boot or new_boot_id()
@@ -253,6 +279,7 @@ class SegmentWriter:
         if self._closed:
             raise StoreError("store writer is closed")
         if _num_rows(data):
+            self.nudge()
             self._q.put((table, data))
 
     def submit_lazy(self, build: Callable[[], list[tuple[str, "pa.Table | Columns"]]]) -> None:
@@ -289,9 +316,9 @@ class SegmentWriter:
 
     # ---- the writer thread ---------------------------------------------------------------------
     def _run(self) -> None:
-        if self.idle_priority:
+        if self.idle_priority and _can_leave_idle():     # (else an overdue flush could not be sped up: normal)
             self.priority = _idle_priority()
-        last = time.monotonic()
+        last = self._last_flush = time.monotonic()
         while True:
             timeout = max(0.0, self.flush_interval - (time.monotonic() - last))
             try:
@@ -304,7 +331,7 @@ class SegmentWriter:
             try:
                 if table == "__flush__":
                     self._write_all()
-                    last = time.monotonic()         # everything is written: the next periodic flush is an interval away
+                    last = self._flushed()          # everything is written: the next periodic flush is an interval away
                     data.set()
                     continue
                 items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
@@ -317,11 +344,32 @@ class SegmentWriter:
                             self._write([t])
                 if time.monotonic() - last >= self.flush_interval:
                     self._write_all()
-                    last = time.monotonic()
+                    last = self._flushed()
             except BaseException as e:        # surfaced to the producer on its next call
                 self.error = e
                 if table == "__flush__":
                     data.set()
+
+    def _flushed(self) -> float:
+        """Writer thread, after each flush: the time of it; a boosted idle writer goes back to idle."""
+        if self._boosted:
+            self._boosted = False
+            _idle_priority()
+        self._last_flush = time.monotonic()
+        return self._last_flush
+
+    def nudge(self) -> None:
+        """Producer's thread (the engine's, every step): an idle-priority writer whose periodic flush
+        is overdue - the cores were never idle - runs at normal priority until that flush is done, so
+        the flush interval stays the durability window. A comparison when nothing is overdue."""
+        if (self.priority == "idle" and not self._boosted
+                and time.monotonic() - self._last_flush > self.flush_interval + min(0.5, self.flush_interval / 4)):
+            self._boosted = True
+            self.boosts += 1
+            try:
+                os.sched_setscheduler(self._thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+            except OSError as e:           # checked before the writer went idle: not expected
+                log.warning("store writer: could not raise its idle priority for an overdue flush: %s", e)
 
     def _open_chain(self, anchor) -> None:
         """Load the writer's keys (outside the store), verify what is there before signing anything

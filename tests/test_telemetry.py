@@ -359,11 +359,12 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
 
 
 def test_the_store_writer_runs_at_idle_priority_unless_told_otherwise(tmp_path, monkeypatch):
-    """SCHED_IDLE for the writer thread by default (the engine's cores first); normal when asked,
-    by argument or KVLEDGER_WRITER_PRIORITY; anything else is refused before a store is opened."""
+    """SCHED_IDLE for the writer thread by default (the engine's cores first; an overdue flush is
+    raised back: test_store's kill -9 test); normal when asked, by argument or
+    KVLEDGER_WRITER_PRIORITY; anything else is refused before a store is opened."""
     import os
     cases = [({}, None, os.SCHED_IDLE, "idle"), ({"writer_priority": "normal"}, None, os.SCHED_OTHER, "normal"),
-             ({}, "normal", os.SCHED_OTHER, "normal")]
+             ({}, "normal", os.SCHED_OTHER, "normal"), ({"writer_priority": "idle"}, "normal", os.SCHED_IDLE, "idle")]
     for i, (kw, env, policy, named) in enumerate(cases):
         if env is None:
             monkeypatch.delenv("KVLEDGER_WRITER_PRIORITY", raising=False)
