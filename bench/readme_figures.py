@@ -125,8 +125,9 @@ def _accounting(r: dict) -> list[str]:
         f"{100 * c['normal_cost_ci95'][0]:+.1f} to {100 * c['normal_cost_ci95'][1]:+.1f} %) and "
         f"{100 * c['idle_cost']:+.1f} % under SCHED_IDLE ({100 * c['idle_cost_ci95'][0]:+.1f} to "
         f"{100 * c['idle_cost_ci95'][1]:+.1f} %; {c['rounds']} rounds). The writer runs under SCHED_IDLE so that it "
-        "takes the gaps between the engine's steps first; this machine's noise is about as large as what that "
-        "saves, so read the two costs together. The page ledger makes the engine wait only if the writer falls "
+        "takes the gaps between the engine's steps first; whether that saves the decode anything is within this "
+        "machine's noise in this run (read the two costs together). The page ledger makes the engine wait only if "
+        "the writer falls "
         f"more than MAX_WAITING_CELLS behind (it waited {r.get('ledger_waited_s', 0):.2f} s in this run).",
         "",
     ]

@@ -78,8 +78,10 @@ def _idle_priority() -> str:
     """Put the calling thread under SCHED_IDLE: it runs on a core no other thread wants (between
     the engine's steps, while torch's workers sleep) and yields it the moment one does.
     bench/telemetry.py's calibration compares a thread burning the writer's CPU at both priorities
-    beside the tiny decode (four runs while this was built: 0.3 to 3.4 points of decode throughput
-    less under SCHED_IDLE than at normal priority; nice 19 instead: 1.4 and 2.0 points in two runs)."""
+    beside the tiny decode. While this was built, standalone runs of it cost the decode 1.4, 2.0 and
+    3.4 points less under SCHED_IDLE than at normal priority, and the bench's own runs -0.2 and 0.3
+    points less: within this machine's noise, so not shown to save anything yet (nice 19 instead:
+    1.4 and 2.0 points in two standalone runs)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))     # pid 0: this thread only
         return "idle"
