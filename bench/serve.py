@@ -84,7 +84,10 @@ async def _traffic(base: str, keys: list[str], prompts, max_tokens: int, drop_ev
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--tenants", type=int, default=4)
-    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--requests", type=int, default=128,
+                    help="requests per round (default 128, about 6 s of serving: with 32 a round lasted about 1.4 s, "
+                         "and the client's ramp - it sends the requests one after another - and the last requests' "
+                         "tail were a large part of it)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
     args = ap.parse_args()
@@ -190,6 +193,7 @@ def main() -> None:
            "server_torch_threads": server_threads,
            "engine_same_threads_tokens_per_s": statistics.median(direct_same),
            "ratio_served_vs_engine_same_threads": statistics.median(served) / statistics.median(direct_same),
+           "ratio_same_threads_per_round": [a / b for a, b in zip(served, direct_same)],
            "client_cpu_share": statistics.median(client_cpu),      # client CPU seconds per wall second
            # CPU seconds per generated token: the server process (HTTP, engine, telemetry) vs the engine
            # alone in this process - what the HTTP layer costs in CPU, whatever the client takes
