@@ -75,6 +75,9 @@ def test_a_request_gives_back_its_slot_and_the_tokens_it_did_not_use():
     g3 = lim.admit("acme", 30, 20)
     g3.release(None)                                                 # never admitted: all back
     assert lim._states["acme"].parallel == 0 and lim._states["acme"].tokens.level == pytest.approx(60)
+    g4 = lim.admit("acme", 30, 20)                                   # dropped after 5 tokens: keeps what it used
+    g4.release(SimpleNamespace(output_ids=[0] * 5, error=RuntimeError("client disconnected"), first_token_at=1.0))
+    assert lim._states["acme"].tokens.level == pytest.approx(60 - 50 + 15)
 
 
 def test_per_tenant_limits_override_the_default_one_field_at_a_time():

@@ -85,7 +85,10 @@ class Grant:
         if self.released or self.limiter is None:
             return
         self.released = True
-        ran = req is not None and getattr(req, "error", None) is None
+        # it ran when it finished cleanly or got as far as a token (a stream dropped mid-way keeps what it
+        # used: disconnecting is no way around the limit); refused or aborted before that: all back
+        ran = req is not None and (getattr(req, "error", None) is None or bool(req.output_ids)
+                                   or getattr(req, "first_token_at", None) is not None)
         unused = self.max_tokens - len(req.output_ids) if ran else self.prompt_tokens + self.max_tokens
         self.limiter._release(self.tenant, max(0, unused))
 
