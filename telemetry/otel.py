@@ -36,6 +36,7 @@ from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GA
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.trace import Status, StatusCode
 
+from engine.errors import InputError
 from engine.recorder import Recorder, TransferRecord
 from telemetry.keys import Keys
 from telemetry.ledger import PageLedger, _perf_to_unix_ns, forget_oldest_half
@@ -240,7 +241,7 @@ class Telemetry(Recorder):
         # the engine's next step (SegmentWriter.nudge), so the flush interval stays the durability window
         priority = writer_priority or os.environ.get("KVLEDGER_WRITER_PRIORITY", "idle")
         if priority not in ("idle", "normal"):
-            raise ValueError(f"writer priority must be idle or normal, got {priority!r}")
+            raise InputError(f"KVLEDGER_WRITER_PRIORITY / writer priority must be idle or normal, got {priority!r}")
         self.writer = SegmentWriter(store, flush_interval=FLUSH_INTERVAL if flush_interval is None else flush_interval,
                                     boot=boot, idle_priority=priority == "idle")
         # this start of the deployment: every row it writes carries it (store.py fills the column)

@@ -50,6 +50,14 @@ def test_bad_input_is_one_clear_line_and_takes_nothing(case, tmp_path, monkeypat
     assert not (tmp_path / "kvledger-store").exists()
 
 
+def test_a_bad_writer_priority_is_one_clear_line_and_takes_no_store(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVLEDGER_WRITER_PRIORITY", "bogus")
+    assert main(["replay", "late_write", "--store", str(tmp_path / "store")]) != 0
+    err = capsys.readouterr().err.strip()       # (after the blank line the replay's progress display leaves)
+    assert err.startswith("kvledger: error: KVLEDGER_WRITER_PRIORITY / writer priority must be idle or normal")
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
+
+
 KEYS_FILES = {   # keys file text, what the error says
     "not JSON": ('{"k": ', "is not JSON"),
     "empty": ("{}", "expected a JSON object of api-key -> tenant"),

@@ -15,6 +15,7 @@ from opentelemetry.sdk.metrics.export import MetricExportResult
 from opentelemetry.sdk.trace.export import SpanExportResult
 
 from engine.config import EngineConfig
+from engine.errors import InputError
 from engine.llm import LLMEngine
 from engine.models import load_model
 from engine.request import SamplingParams
@@ -375,7 +376,7 @@ def test_the_store_writer_runs_at_idle_priority_unless_told_otherwise(tmp_path, 
         assert os.sched_getscheduler(tel.writer._thread.native_id) == policy
         assert os.sched_getscheduler(0) == os.SCHED_OTHER   # the caller (the engine's thread) is untouched
         assert tel.close()["writer_priority"] == named
-    with pytest.raises(ValueError, match="writer priority must be idle or normal"):
+    with pytest.raises(InputError, match="writer priority must be idle or normal"):
         Telemetry(tmp_path / "bad", model_name="recall", writer_priority="realtime")
     assert not (tmp_path / "bad").exists()
 
