@@ -19,7 +19,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from engine.scenarios import glm53  # noqa: E402
+from telemetry.recorder import recording
+from engine.replay.glm53 import glm53  # noqa: E402
 from telemetry.store import SegmentWriter, open_store  # noqa: E402
 
 SHIFT = 1 << 40
@@ -46,7 +47,7 @@ def _copy(t: pa.Table, table: str, k: int) -> pa.Table:
 def _base(root: Path, policy: str, seed: int, coalesce: bool) -> tuple[Path, dict[str, pa.Table]]:
     base = root / f"base-{policy}{'-coalesced' if coalesce else ''}"
     if not (base / "chain").is_dir():
-        glm53(policy, "disaggregated", seed=seed, victims=4, max_tokens=160, store=str(base), coalesce=coalesce)
+        glm53(policy, "disaggregated", seed=seed, victims=4, max_tokens=160, recorder=recording(str(base), coalesce=coalesce))
     con = open_store(base)
     return base, {t: con.table(t).to_arrow_table() for t in TABLES}
 

@@ -18,7 +18,7 @@ import polars as pl
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._bigstore import build  # noqa: E402
 from bench._common import write  # noqa: E402
-from forensics.api import Forensics, sql  # noqa: E402
+from forensics.queries.duckdb import Forensics, sql  # noqa: E402
 from telemetry.store import open_store, read_chain  # noqa: E402
 
 
@@ -85,7 +85,7 @@ def chdb_export(store: Path) -> tuple[int, int]:
 
 def chdb_join(store: Path) -> tuple[int, int]:
     """The shipped ClickHouse SQL: exposure_x (the as-of join) and exposure_slots, materialised."""
-    from forensics.clickhouse import ClickHouseForensics
+    from forensics.queries.clickhouse import ClickHouseForensics
     fx = ClickHouseForensics(engine="clickhouse", dsn=f"chdb:{_chdb_dir(store)}?db=bench")
     fx._ensure("exposure_x")
     fx._ensure("exposure_slots")

@@ -20,7 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from engine import triton_attention as ta  # noqa: E402
 from engine.attention import BatchLayout, paged_attention  # noqa: E402
-from engine.pool import KVPool  # noqa: E402
+from engine.kv.pool import KVPool  # noqa: E402
 
 
 def make(B, C, S, hkv, D, dtype, device, seed=0, corrupt=0):

@@ -19,8 +19,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import interleaved, tiny_llama_workload, workload_parser, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
-from engine.disagg import DisaggCluster, Guards, LinkConfig  # noqa: E402
-from engine.pool import KVPool  # noqa: E402
+from engine.disagg.cluster import DisaggCluster, Guards, LinkConfig  # noqa: E402
+from engine.kv.pool import KVPool  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
 
 

@@ -18,7 +18,7 @@ def main(store: str, out: str = "docs/dashboard.png") -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dash = subprocess.Popen([sys.executable, "-m", "forensics.cli", "dashboard", "--store", store, "--port", str(port),
+    dash = subprocess.Popen([sys.executable, "-m", "engine.commands", "dashboard", "--store", store, "--port", str(port),
                              "--refresh", "600"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:

@@ -98,7 +98,7 @@ def main() -> None:
     from engine.models import load_model
     from engine.server.backend import ClusterSpec, Keys, build_backend
     from engine.request import SamplingParams
-    from forensics.api import Forensics
+    from forensics.queries.duckdb import Forensics
     from tests.tiny_models import build_tiny
     torch.set_num_threads(2)
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-serve-"))
@@ -110,7 +110,7 @@ def main() -> None:
     (tmp / "keys.json").write_text(json.dumps(keys))
     (tmp / "cluster.toml").write_text(CONFIG)
     port = _port()
-    server = subprocess.Popen([sys.executable, "-m", "forensics.cli", "serve", "--model", str(tmp / "tiny"),
+    server = subprocess.Popen([sys.executable, "-m", "engine.commands", "serve", "--model", str(tmp / "tiny"),
                                "--keys", str(tmp / "keys.json"), "--config", str(tmp / "cluster.toml"),
                                "--store", str(tmp / "store"), "--port", str(port)], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})

@@ -212,13 +212,13 @@ def _calibrate(engine, prompts, sp, ms_per_s: float, rounds: int) -> dict:
     pure-Python thread (it holds the GIL, as the writer's Python does) burning ``ms_per_s`` of CPU a
     second in bursts, at normal priority and under SCHED_IDLE, vs no thread; rounds interleaved,
     the order rotated, the burn only during its own variant's window."""
-    from telemetry.store import _idle_priority
+    from telemetry.store.writer import enter_idle_priority
     on = {"normal": threading.Event(), "idle": threading.Event()}
     stop = threading.Event()
 
     def burn(ev: threading.Event, idle: bool) -> None:
         if idle:
-            _idle_priority()
+            enter_idle_priority()
         while not stop.is_set():
             if not ev.wait(0.1):
                 continue

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import polars as pl
 
-from forensics.clickhouse import open_forensics
-from forensics.fleet import fleet_requests, fleet_tenants
+from forensics.queries.clickhouse import open_forensics
+from forensics.queries.fleet import fleet_requests, fleet_tenants
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,7 +191,7 @@ class Panels:
         return self._tenant(fleet_requests(self._q("fleet_ttft"), self._q("fleet_impact")), "tenant_h")
 
     def fleet_tenants(self) -> pl.DataFrame:
-        """forensics.fleet.fleet_tenants over this window and tenant filter."""
+        """forensics.queries.fleet.fleet_tenants over this window and tenant filter."""
         r = self.fleet_requests()
         return fleet_tenants(r.drop("over_pool"), r.filter(pl.col("over_pool")))
 

@@ -25,7 +25,7 @@ def preload() -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from telemetry.schema import arrow_schemas
+    from telemetry.store.schema import arrow_schemas
     arrow_schemas()
     with tempfile.TemporaryDirectory() as d:      # DuckDB's first Parquet read sets up its reader
         pq.write_table(pa.table({"x": [1]}), Path(d) / "warm.parquet")

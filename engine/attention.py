@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 
 
 class ReadCheck(NamedTuple):

@@ -14,14 +14,14 @@ from typing import Callable, Iterable
 
 import torch
 
-from engine.allocator import PageAllocator
-from engine.block_manager import BlockManager
+from engine.kv.allocator import PageAllocator
+from engine.kv.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InputError, ReadCheckViolation
-from engine.host import HostTier
-from engine.pool import KVPool
-from engine.prefix_cache import PrefixCache
-from engine.preflight import preflight
+from engine.kv.host import HostTier
+from engine.kv.pool import KVPool
+from engine.kv.prefix_cache import PrefixCache
+from engine.kv.preflight import preflight
 from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
 from engine.runner import ModelRunner, StepOutput
@@ -278,6 +278,28 @@ class LLMEngine:
             self.blocks.release(req)
             req.error = InputError(reason)
             req.transition(Status.FINISHED_ABORTED)
+
+    # ---- engine.server.loop.Backend: what a server steps (one node here; DisaggCluster: many) ------
+    @property
+    def nodes(self) -> list["LLMEngine"]:
+        return [self]
+
+    def admit(self, prompt_ids: list[int], sp: SamplingParams, tenant: str, user: str = "",
+              cache_salt: str = "") -> Request:
+        """A server's request: over the pool is refused (InputError) before any page is taken."""
+        req = self.new_request(prompt_ids, sp, tenant, user=user, cache_salt=cache_salt)
+        self.check_fits_pool(len(req.prompt_ids))
+        self.enqueue(req)
+        return req
+
+    def has_work(self) -> bool:
+        return self.has_unfinished()
+
+    def forget_finished(self) -> None:
+        """Nothing kept after a request ends (the cluster keeps its halves until told)."""
+
+    def close(self) -> None:
+        """Nothing to stop (a cluster stops its link and processes)."""
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()

@@ -9,7 +9,7 @@ block table being released, the transfer's slot sets) - a recorder never recompu
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -76,8 +76,36 @@ class Recorder:
     def request_finished(self, engine: "LLMEngine", req: "Request") -> None:
         """The request reached a terminal state on ``engine``."""
 
-    def close(self) -> None:
-        """Flush everything (clean shutdown)."""
+    def close(self) -> dict | None:
+        """Flush everything (clean shutdown); a recorder that writes a store returns its counts."""
 
 
 NULL_RECORDER = Recorder()
+
+
+class RunRecorder(Protocol):
+    """A recorder that writes one run into a store (``telemetry.Telemetry``): what the server and
+    the replays read back from it besides the contract above."""
+    boot: str                                       # this run's boot id (every row it writes carries it)
+
+    def pseudonym(self, name: str) -> str:
+        """The keyed pseudonym the store knows ``name`` (a tenant, a scope) by."""
+
+    def guard_tallies(self) -> dict[str, dict[tuple[str, str], int]]:
+        """node -> (guard, "pass" | "fail") -> checks run so far."""
+
+    @property
+    def spans_unexported(self) -> int:
+        """Spans ended and not (yet) in the store."""
+
+    def close(self) -> dict:
+        """Flush and seal; the run's counts (segments, rows, spans exported and dropped)."""
+
+
+class RecorderFactory(Protocol):
+    """Opens a run's recorder once the caller knows its labels: what a command hands the engine
+    (``telemetry.recorder.recording(store)``) so that the engine never builds telemetry itself."""
+
+    def __call__(self, *, policy: str, guards: dict[str, bool], model_name: str,
+                 isolation_level: str = "tenant") -> "Recorder":
+        ...

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 
 from engine.attention import BatchLayout, ReadCheck
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 from engine.scheduler import Scheduled
 from engine.step import StepContext
 

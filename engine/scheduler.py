@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from engine.block_manager import BlockManager
+from engine.kv.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.request import Request, Status
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.attention import AttentionOutput, BatchLayout, ReadCheck, paged_attention
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 
 
 @dataclass(slots=True)

@@ -47,12 +47,14 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 import numpy as np
 
+from engine.errors import KvledgerError
+
 IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing", "abort")
 TIMING_ALPHA, TIMING_RATIO = 0.01, 0.7     # a finding needs both: p below alpha, median TTFT ratio below this
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
 
 
-class ProbeError(ValueError):
+class ProbeError(KvledgerError, ValueError):
     pass
 
 

@@ -18,9 +18,10 @@ import jsonschema
 import polars as pl
 from markdown_it import MarkdownIt
 
-from forensics.api import SQL_DIR, query_hashes
-from forensics.clickhouse import open_forensics
+from engine.errors import KvledgerError
 from forensics.output import json_rows
+from forensics.queries.clickhouse import open_forensics
+from forensics.queries.duckdb import SQL_DIR, query_hashes
 
 SCHEMA = Path(__file__).with_name("report.schema.json")
 CWE = [{"id": "CWE-226", "name": "Sensitive Information in Resource Not Removed Before Reuse"},
@@ -62,7 +63,7 @@ def _rows(df: pl.DataFrame) -> list[dict]:
     return json.loads(json_rows(df))
 
 
-class ReportError(ValueError):
+class ReportError(KvledgerError, ValueError):
     pass
 
 

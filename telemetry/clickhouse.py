@@ -45,8 +45,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from engine.errors import KvledgerError
-from telemetry.chain import read_chain, verify
-from telemetry.schema import SCHEMA_SQL, arrow_schemas
+from telemetry.store.chain import read_chain, verify
+from telemetry.store.schema import SCHEMA_SQL, arrow_schemas
 
 SEGMENTS = "kvledger_segments"
 DEDUP_WINDOW = 100_000         # segments whose tokens MergeTree remembers (a store has one per table per flush)

@@ -25,7 +25,7 @@ import torch
 
 from engine.attention import read_check
 from engine.recorder import TransferRecord
-from telemetry.keys import Keys
+from telemetry.store.keys import Keys
 from telemetry.store import Coded, Columns, Ragged, SegmentWriter
 
 SpanIds = Callable[[int], tuple[str | None, str | None]]
@@ -471,7 +471,7 @@ class PageLedger:
         trace, span = self.span_ids(rec.incarnation)
         reserved, landed = _np(rec.reserved), _np(rec.landed)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src
-        to_ns = _perf_to_unix_ns
+        to_ns = perf_to_unix_ns
         self.writer.submit("transfers", pa.table({
             "transfer_id": [rec.transfer_id], "seq": [rec.seq], "incarnation": [rec.incarnation],
             "src_node": [rec.src_node], "dst_node": [rec.dst_node],
@@ -561,5 +561,5 @@ def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM) -> tu
 _PERF_EPOCH_NS = time.time_ns() - time.perf_counter_ns()
 
 
-def _perf_to_unix_ns(t: float | None) -> int | None:
+def perf_to_unix_ns(t: float | None) -> int | None:
     return None if t is None else _PERF_EPOCH_NS + int(t * 1e9)

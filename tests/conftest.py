@@ -30,8 +30,9 @@ os.environ.setdefault("KVLEDGER_STATE_DIR", tempfile.mkdtemp(prefix="kvledger-te
 os.environ["KVLEDGER_CHDB_PATH"] = tempfile.mkdtemp(prefix="kvledger-test-chdb-")
 os.environ["KVLEDGER_CHDB_THREADS"] = "1"        # as torch: one thread per xdist worker on two cores
 
+from telemetry.recorder import recording
 from engine.config import EngineConfig
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 from tests.tiny_models import build_tiny
 
 
@@ -59,9 +60,9 @@ GLM53_SMALL = dict(context=1024, victims=2, background=8, max_tokens=24, seed=3)
 
 
 def _replay(tmp_path_factory, policy: str, mode: str = "disaggregated"):
-    from engine.scenarios import glm53
+    from engine.replay.glm53 import glm53
     store = tmp_path_factory.mktemp(f"store-{policy}-{mode}")
-    res = glm53(policy, mode, store=str(store), flush_interval=0.2, **GLM53_SMALL)
+    res = glm53(policy, mode, recorder=recording(str(store), flush_interval=0.2), **GLM53_SMALL)
     return res, store
 
 
@@ -89,9 +90,9 @@ MIXED = [("late_write", "vulnerable"), ("double_free", "vulnerable"), ("late_wri
 def mixed(tmp_path_factory):
     """Four runs, one store: node names (prefill0, decode0), page numbers and logical clocks all
     restart with every run - exactly what once made reads of one run match writes of another."""
-    from engine.faults import run_fault
+    from engine.replay.faults import run_fault
     store = tmp_path_factory.mktemp("mixed")
-    return store, [run_fault(name, policy, store=str(store), flush_interval=0.2) for name, policy in MIXED]
+    return store, [run_fault(name, policy, recorder=recording(str(store), flush_interval=0.2)) for name, policy in MIXED]
 
 
 # ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine) ----------

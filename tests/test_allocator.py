@@ -7,9 +7,9 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.allocator import PageAllocator
+from engine.kv.allocator import PageAllocator
 from engine.errors import AllocatorError, DoubleFree, OutOfPages
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 
 
 def make_pool(pages=12, zero_on_free=False):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engine.attention import BatchLayout, _read_check_torch, padded_attention, paged_attention, read_check
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 
 CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page size, kv heads, group)
     ([37, 5, 64, 20, 1], [1, 5, 30, 1, 1], [(2, 3)], 16, 2, 3),

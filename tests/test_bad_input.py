@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from forensics.cli import main
+from engine.commands.main import main
 
 CASES = {
     "temperature nan": (["generate", "--model", "recall", "--prompt", "x", "--temperature", "nan"],

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from forensics.cli import build_parser, main
+from engine.commands.main import build_parser, main
 
 
 def _options():

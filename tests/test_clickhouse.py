@@ -15,13 +15,15 @@ import pyarrow as pa
 import pytest
 from polars.testing import assert_frame_equal
 
-from forensics.api import Forensics, QUERIES
-from forensics.cli import FORENSIC_QUERIES, main
-from forensics.fleet import query as named_query
-from forensics.clickhouse import ClickHouseForensics
-from telemetry.chain import read_chain
+from forensics.queries.duckdb import Forensics, QUERIES
+from telemetry.recorder import recording
+from engine.commands.main import main
+from forensics.queries.catalog import QUERIES as FORENSIC_QUERIES
+from forensics.queries.fleet import query as named_query
+from forensics.queries.clickhouse import ClickHouseForensics
+from telemetry.store.chain import read_chain
 from telemetry.clickhouse import ClickHouseError, columns, connect, ddl, export, follow, layouts
-from telemetry.schema import arrow_schemas
+from telemetry.store.schema import arrow_schemas
 from telemetry.store import SegmentWriter
 
 CHDB = os.environ["KVLEDGER_CHDB_PATH"]          # this test process's embedded ClickHouse (conftest)
@@ -91,13 +93,13 @@ def test_clickhouse_answers_as_duckdb_on_a_store_of_many_runs_and_on_each_run(mi
 @pytest.fixture(scope="session")
 def other_faults(tmp_path_factory):
     """The bug family's faults the mixed store does not hold, both policies, in one store."""
-    from engine.faults import FAULTS, run_fault
+    from engine.replay.faults import FAULTS, run_fault
     from tests.conftest import MIXED
     store = tmp_path_factory.mktemp("other-faults")
     names = [n for n in FAULTS if n not in {m for m, _ in MIXED}]
     for name in names:
         for policy in ("vulnerable", "hardened"):
-            run_fault(name, policy, store=str(store), flush_interval=0.2)
+            run_fault(name, policy, recorder=recording(str(store), flush_interval=0.2))
     return store, names
 
 

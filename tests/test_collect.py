@@ -19,8 +19,8 @@ import msgspec
 import pytest
 import zmq
 
-from forensics.api import Forensics
-from forensics.cli import main
+from forensics.queries.duckdb import Forensics
+from engine.commands.main import main
 from telemetry.receivers.kv_events import KVEventSubscriber
 from telemetry.receivers.otlp import build_app
 from telemetry.store import SegmentWriter
@@ -229,7 +229,7 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
     port = _port()
     ctx = zmq.Context()
     pub = Publisher(ctx, replay=False)
-    proc = subprocess.Popen([sys.executable, "-m", "forensics.cli", "collect", "--store", str(tmp_path / "store"),
+    proc = subprocess.Popen([sys.executable, "-m", "engine.commands", "collect", "--store", str(tmp_path / "store"),
                              "--otlp-port", str(port), "--kv-events", pub.endpoint + ",name=gpu-1"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

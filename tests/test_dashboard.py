@@ -15,7 +15,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.data import Filters, Panels
-from forensics.api import Forensics
+from forensics.queries.duckdb import Forensics
 
 pytestmark = pytest.mark.xdist_group("glm53")
 APP = str(Path(__file__).resolve().parents[1] / "dashboard" / "app.py")
@@ -121,7 +121,7 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
     from playwright.sync_api import sync_playwright
     assert Path(CHROMIUM).exists(), "Debian's chromium is needed (.ci/run installs it: apt-get install chromium)"
     store, port = tmp_path / "live", _free_port()
-    kv = [sys.executable, "-m", "forensics.cli"]
+    kv = [sys.executable, "-m", "engine.commands"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     dash = subprocess.Popen(kv + ["dashboard", "--store", str(store), "--port", str(port), "--refresh", "1"], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -2,9 +2,9 @@
 from __future__ import annotations
 
 from engine.config import EngineConfig
-from engine.disagg import DisaggCluster, Guards
+from engine.disagg.cluster import DisaggCluster, Guards
 from engine.models import load_model
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 from engine.request import SamplingParams, Status
 
 
@@ -36,7 +36,7 @@ def test_prefill_node_waits_while_its_pages_are_still_being_sent():
 def test_bad_link_and_guard_settings_are_refused_before_any_node_starts():
     import pytest
 
-    from engine.disagg import LinkConfig
+    from engine.disagg.cluster import LinkConfig
     from engine.errors import InputError
     model, tok = load_model("recall")
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)

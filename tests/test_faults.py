@@ -13,9 +13,10 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from engine.disagg import Guards
-from engine.faults import FAULTS, run_fault
-from forensics.api import Forensics
+from telemetry.recorder import recording
+from engine.disagg.cluster import Guards
+from engine.replay.faults import FAULTS, run_fault
+from forensics.queries.duckdb import Forensics
 
 _CACHE: dict = {}
 
@@ -26,7 +27,7 @@ def runs(name: str, tmp_path_factory) -> dict:
         out, key = {}, b"same texts, with and without the event"
         for policy in ("vulnerable", "hardened"):
             store = tmp_path_factory.mktemp(f"{name}-{policy}")
-            out[policy] = run_fault(name, policy, store=str(store), flush_interval=0.2, canary_key=key)
+            out[policy] = run_fault(name, policy, recorder=recording(str(store), flush_interval=0.2), canary_key=key)
             out[policy].store = store
             out[f"{policy}-quiet"] = run_fault(name, policy, trigger=False, canary_key=key)
         _CACHE[name] = out
@@ -142,7 +143,7 @@ def test_fix_by_fault_matrix(name, on, stops):
 
 @pytest.mark.xdist_group("fault-late_write")
 def test_cli_replays_a_fault_and_names_every_scenario(capsys, tmp_path):
-    from forensics.cli import main
+    from engine.commands.main import main
     assert main(["replay", "--list"]) == 0
     listed = {line.split("\t")[0] for line in capsys.readouterr().out.splitlines()}
     assert listed == {"glm53", *FAULTS}

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from forensics.cli import main
-from forensics.foreign_preflight import from_log
+from engine.commands.main import main
+from forensics.preflight import from_log
 
 FIX = Path(__file__).with_name("fixtures")
 

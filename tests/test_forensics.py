@@ -10,10 +10,11 @@ import shutil
 import pytest
 from polars.testing import assert_frame_equal
 
-from engine.disagg import Guards
-from engine.scenarios import glm53
-from forensics.api import Forensics
-from forensics.cli import main
+from telemetry.recorder import recording
+from engine.disagg.cluster import Guards
+from engine.replay.glm53 import glm53
+from forensics.queries.duckdb import Forensics
+from engine.commands.main import main
 from tests.conftest import GLM53_SMALL
 
 pytestmark = pytest.mark.xdist_group("glm53")
@@ -97,23 +98,9 @@ def test_transfers_show_reserved_versus_landed_sets(glm53_vulnerable):
 
 def test_without_the_ledger_writer_forensics_finds_nothing(tmp_path):
     """The ledger is the only source: switch its writer off and the reconstruction fails."""
-    from telemetry import Telemetry
-    import engine.scenarios as sc
-
-    orig = sc.__dict__.get("Telemetry")
     store = tmp_path / "no-ledger"
-
-    class NoLedger(Telemetry):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **{**k, "record_ledger": False})
-
-    import telemetry
-    telemetry.Telemetry, saved = NoLedger, telemetry.Telemetry
-    try:
-        res = glm53("vulnerable", "disaggregated", store=str(store), **{**GLM53_SMALL, "victims": 1, "background": 4})
-    finally:
-        telemetry.Telemetry = saved
-    assert orig is None
+    res = glm53("vulnerable", "disaggregated", recorder=recording(str(store), record_ledger=False),
+                **{**GLM53_SMALL, "victims": 1, "background": 4})
     assert oracle_set(res), "the oracle still sees the leak"
     assert forensic_set(store) == set()
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.disagg import Guards
-from engine.scenarios import glm53
+from engine.disagg.cluster import Guards
+from engine.replay.glm53 import glm53
 
 from tests.conftest import GLM53_SMALL as SMALL
 

@@ -56,7 +56,7 @@ def test_checkpoint_shape_mismatch_names_the_tensor(tiny_llama, tmp_path):
 
 
 def test_prompt_over_the_pool_is_rejected_in_unified_mode_before_any_page_is_taken():
-    from engine.pool import KVPool
+    from engine.kv.pool import KVPool
     eng = recall_engine(kv_memory_budget=3 * KVPool.page_bytes_for(2, 1536, 16), context_length=4096)
     assert eng.pool.capacity_tokens == 48
     with pytest.raises(InputError, match="larger than node node0's KV pool of 48 tokens"):
@@ -65,7 +65,7 @@ def test_prompt_over_the_pool_is_rejected_in_unified_mode_before_any_page_is_tak
 
 
 def test_request_that_outgrows_the_pool_while_decoding_fails_alone():
-    from engine.pool import KVPool
+    from engine.kv.pool import KVPool
     eng = recall_engine(kv_memory_budget=3 * KVPool.page_bytes_for(2, 1536, 16), context_length=4096,
                         host_memory_budget=0)
     big = eng.add_request("y" * 40, SamplingParams(max_tokens=30))

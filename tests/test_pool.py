@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.host import HostTier
-from engine.pool import KVPool
+from engine.kv.host import HostTier
+from engine.kv.pool import KVPool
 
 
 def test_tags_and_kv_share_one_buffer_and_one_record_copy():

@@ -8,7 +8,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError
 from engine.llm import LLMEngine
 from engine.models import load_model
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 from engine.request import SamplingParams
 
 SYSTEM = ("You are a careful assistant for the accounts team. Answer in one line. Never reveal the "
@@ -115,9 +115,9 @@ def test_a_cached_page_handed_to_someone_else_is_never_a_hit():
 
 
 def test_sanctioned_sharing_is_never_reported_as_an_exposure(tmp_path):
-    from forensics.api import Forensics
+    from forensics.queries.duckdb import Forensics
     from telemetry import Telemetry
-    from engine.oracle import Oracle
+    from engine.replay.oracle import Oracle
     tel = Telemetry(tmp_path, policy="hardened", flush_interval=0.2)
     model, tok = load_model("recall")
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)

@@ -6,8 +6,8 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm import LLMEngine
 from engine.models import load_model
-from engine.preflight import PreflightError
-from forensics.cli import main
+from engine.kv.preflight import PreflightError
+from engine.commands.main import main
 from tests.conftest import budget_for_pages
 
 

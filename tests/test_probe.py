@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from forensics.api import Forensics
-from forensics.cli import main
+from forensics.queries.duckdb import Forensics
+from engine.commands.main import main
 from tests.test_serve import ONE_SMALL_PREFILL, Server
 
 pytestmark = pytest.mark.xdist_group("serve")

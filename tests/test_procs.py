@@ -6,13 +6,14 @@ import os
 
 import pytest
 
+from telemetry.recorder import recording
 from engine.config import EngineConfig
-from engine.disagg import DisaggCluster, Guards
+from engine.disagg.cluster import DisaggCluster, Guards
 from engine.errors import KvledgerError
 from engine.models import load_model
-from engine.oracle import Oracle
-from engine.pool import KVPool
-from engine.procs import ProcessCluster
+from engine.replay.oracle import Oracle
+from engine.kv.pool import KVPool
+from engine.disagg.procs import ProcessCluster
 from engine.request import SamplingParams
 
 pytestmark = pytest.mark.xdist_group("procs")
@@ -99,10 +100,10 @@ def test_an_abort_holds_decode_pages_until_the_prefill_process_acknowledges_it()
 
 
 def test_glm53_across_processes_forensics_equal_the_oracle(tmp_path):
-    from engine.scenarios import glm53
-    from forensics.api import Forensics
+    from engine.replay.glm53 import glm53
+    from forensics.queries.duckdb import Forensics
     from tests.conftest import GLM53_SMALL
-    res = glm53("vulnerable", processes=True, store=str(tmp_path), flush_interval=0.2, **GLM53_SMALL)
+    res = glm53("vulnerable", processes=True, recorder=recording(str(tmp_path), flush_interval=0.2), **GLM53_SMALL)
     truth = {tuple(e) for ex in res.exposures.values() for e in ex if e.donor != e.response}
     assert truth and res.pages_balanced, res.free_pages
     fx = Forensics(tmp_path)
@@ -113,9 +114,9 @@ def test_glm53_across_processes_forensics_equal_the_oracle(tmp_path):
 
 HOLDER = """
 import sys, time
-from engine.disagg import Guards
+from engine.disagg.cluster import Guards
 from engine.models import load_model
-from engine.procs import ProcessCluster
+from engine.disagg.procs import ProcessCluster
 from tests.test_procs import cfgs
 model, tok = load_model("recall")
 pre, dec = cfgs(model)

@@ -8,11 +8,12 @@ import json
 
 import pytest
 
-from engine.disagg import Guards
-from engine.faults import run_fault
-from engine.scenarios import glm53
-from forensics.api import Forensics
-from forensics.cli import main
+from telemetry.recorder import recording
+from engine.disagg.cluster import Guards
+from engine.replay.faults import run_fault
+from engine.replay.glm53 import glm53
+from forensics.queries.duckdb import Forensics
+from engine.commands.main import main
 from tests.conftest import MIXED
 
 pytestmark = pytest.mark.xdist_group("runs")
@@ -89,7 +90,7 @@ def test_boilerplate_every_prompt_holds_is_never_surfaced(mixed):
 
 
 def test_reads_the_check_stopped_are_blocked_never_exposures(tmp_path):
-    res = run_fault("offload_race", guards=Guards.only("read_check"), store=str(tmp_path), flush_interval=0.2)
+    res = run_fault("offload_race", guards=Guards.only("read_check"), recorder=recording(str(tmp_path), flush_interval=0.2))
     assert res.blocked_set and not res.exposure_set, "the oracle judges the failed requests too"
     fx = Forensics(tmp_path)
     exposed, blocked = split_blocked(fx)
@@ -101,7 +102,7 @@ def test_reads_the_check_stopped_are_blocked_never_exposures(tmp_path):
 
 def test_a_tenant_is_never_told_it_was_exposed_to_other_customers_by_itself(tmp_path, capsys):
     store = tmp_path / "store"
-    res = glm53("vulnerable", store=str(store), flush_interval=0.2, context=1024, victims=3, background=8,
+    res = glm53("vulnerable", recorder=recording(str(store), flush_interval=0.2), context=1024, victims=3, background=8,
                 max_tokens=16, seed=3, tenants=("umbrella",))
     assert res.exposure_set, "umbrella's over-pool prompts read umbrella's own stale KV"
     out = tmp_path / "report"
@@ -139,7 +140,7 @@ def test_the_oracle_names_the_donor_as_of_the_read_even_when_the_page_is_rewritt
     """B reads A's pages; then A lets go and E writes the very same bytes (the same text: K/V does not
     depend on the tenant) into the very same slots. The donor of B's read is A - who had written
     them when B read - not E, the last writer by the end of the run."""
-    from engine.oracle import Oracle
+    from engine.replay.oracle import Oracle
     from engine.request import SamplingParams
     from tests.test_recall import CONTEXT_A, _point_at_foreign_pages, recall_engine
     eng = recall_engine(check_reads=False)

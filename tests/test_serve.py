@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from forensics.api import Forensics
+from forensics.queries.duckdb import Forensics
 from telemetry.store import verify
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,7 +39,7 @@ class Server:
         self.port, self.store = _port(), store or tmp / "store"
         keys = tmp / "keys.json"
         keys.write_text(json.dumps(KEYS))
-        argv = [sys.executable, "-m", "forensics.cli", "serve", "--keys", str(keys), "--store", str(self.store),
+        argv = [sys.executable, "-m", "engine.commands", "serve", "--keys", str(keys), "--store", str(self.store),
                 "--port", str(self.port), "--drain-timeout", "5", *args]
         if config:
             (tmp / "cluster.toml").write_text(config)
@@ -413,7 +413,7 @@ def test_a_port_already_in_use_is_a_clear_error_and_the_store_is_sealed(tmp_path
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        r = subprocess.run([sys.executable, "-m", "forensics.cli", "serve", "--store", str(tmp_path / "s"),
+        r = subprocess.run([sys.executable, "-m", "engine.commands", "serve", "--store", str(tmp_path / "s"),
                             "--port", str(busy.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "kvledger: error: the HTTP server could not start" in r.stderr, r.stderr
     v = verify(tmp_path / "s")

@@ -16,7 +16,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from forensics.cli import main
+from engine.commands.main import main
 from telemetry.store import SegmentWriter, StoreError, open_store, verify
 
 FLUSH = 0.2
@@ -250,7 +250,7 @@ def test_readme_schema_is_schema_sql():
     root = Path(__file__).resolve().parents[1]
     readme = (root / "README.md").read_text()
     block = readme.split("<!-- schema -->")[1].split("<!-- /schema -->")[0]
-    assert (root / "telemetry" / "schema.sql").read_text().strip() in block
+    assert (root / "telemetry" / "store" / "schema.sql").read_text().strip() in block
 
 
 # ---- custody, signatures and the anchor (issue 17) ---------------------------------------------------
@@ -263,7 +263,7 @@ def _rewrite_with_recomputed_links(store: Path, new_key: bool) -> None:
     every hash after it; with ``new_key`` they also put a key of their own in store.json and sign."""
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-    from telemetry.chain import GENESIS, Link, _msg
+    from telemetry.store.chain import GENESIS, Link, _msg
     seg = _seg(store, 1)
     t = pa.Table.from_pylist([r for r in __import__("pyarrow.parquet").parquet.read_table(seg).to_pylist()][:1],
                              schema=__import__("pyarrow.parquet").parquet.read_table(seg).schema)
@@ -399,7 +399,7 @@ def test_a_store_of_the_older_unsigned_format_is_named_and_readable_when_allowed
 def test_a_store_closed_empty_reopens_and_verifies(tmp_path):
     """A writer opened and closed with no rows (a collector that saw no traffic) anchors the genesis
     head at seq -1: the store verifies and takes a writer again."""
-    from telemetry.chain import verify
+    from telemetry.store.chain import verify
     for _ in range(2):
         SegmentWriter(tmp_path / "store").close()
         v = verify(tmp_path / "store")

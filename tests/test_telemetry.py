@@ -19,9 +19,9 @@ from engine.errors import InputError
 from engine.llm import LLMEngine
 from engine.models import load_model
 from engine.request import SamplingParams
-from forensics.api import Forensics
+from forensics.queries.duckdb import Forensics
 from telemetry import Telemetry, open_store
-from telemetry.keys import WriterKeys
+from telemetry.store.keys import WriterKeys
 from telemetry.ledger import NGRAM
 from telemetry.otel import TTFT_BUCKETS, StoreMetricExporter, StoreSpanExporter
 
@@ -263,8 +263,8 @@ def test_transfer_and_rejection_records_are_dropped_when_their_request_ends(tmp_
     """Disaggregated: a request's transfer record (it holds the slot sets as tensors) and its
     rejection are read by its root span when it ends, then dropped: a long-running server keeps
     neither once the request is over (late ones are bounded like the other per-request maps)."""
-    from engine.disagg import DisaggCluster, Guards
-    from engine.pool import KVPool
+    from engine.disagg.cluster import DisaggCluster, Guards
+    from engine.kv.pool import KVPool
     model, tok = load_model("recall")
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, 16)
     cfg = lambda tokens, node: EngineConfig(kv_memory_budget=tokens // 16 * pb, page_size=16,  # noqa: E731

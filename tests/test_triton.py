@@ -14,7 +14,7 @@ from engine.config import EngineConfig
 from engine.errors import InputError, ReadCheckViolation
 from engine.llm import LLMEngine
 from engine.models.llama import LlamaModel
-from engine.pool import KVPool
+from engine.kv.pool import KVPool
 from engine.request import SamplingParams, Status
 from tests.conftest import small_config
 

@@ -21,11 +21,14 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from engine.errors import InputError, KvledgerError, OutOfPages, ReadCheckViolation
+from engine.recorder import RecorderFactory
 from engine.request import SamplingParams
 from engine.server import protocol as P
+from engine.server.config import ServeConfig
 from engine.server.backend import Keys, Tenant
 from engine.server.limits import Limits, RateLimiter, Refusal
-from engine.server.loop import EngineLoop, QueueFull, Stream
+from engine.server.client import EngineClient
+from engine.server.loop import QueueFull, Stream
 from engine.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvledger.server")
@@ -34,7 +37,7 @@ PLAIN_TEMPLATE = "{role}: {content}\n"       # per message, then "assistant:" (m
 
 @dataclass
 class State:
-    loop: EngineLoop
+    loop: EngineClient
     tokenizer: object
     model_name: str
     keys: Keys
@@ -268,8 +271,7 @@ def create_app(state: State) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         text = generate_latest(m.registry)
-        if hasattr(state.loop, "metrics_text"):           # the engine's own metrics, from its process
-            text += await state.loop.metrics_text()
+        text += await state.loop.metrics_text()       # the engine's own metrics, from its process
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
@@ -340,45 +342,40 @@ async def _sse(state: State, request: Request, stream: Stream, chat: bool, inclu
 
 
 # ---- kvledger serve --------------------------------------------------------------------------------
-SERVE_ARGS = ("model", "mode", "policy", "config", "keys", "store", "max_pending", "drain_timeout", "torch_threads",
-              "host", "port")
-
-
-def serve(args) -> int:
-    """The engine in its own process (``engine.server.remote``), the app under uvicorn in this one,
-    until SIGTERM/SIGINT: then stop accepting, drain (bounded), flush and seal the store, exit 0."""
+def serve(c: ServeConfig, open_recorder: RecorderFactory) -> int:
+    """The engine in its own process (``engine.server.remote``, recording through the recorder
+    ``open_recorder`` opens there), the app under uvicorn in this one, until SIGTERM/SIGINT: then
+    stop accepting, drain (bounded), flush and seal the store, exit 0."""
     import uvicorn
 
     from engine.models import load_tokenizer
     from engine.server.backend import ClusterSpec
     from engine.server.remote import RemoteLoop
 
-    conf = {k: getattr(args, k) for k in SERVE_ARGS}
-    keys = Keys.load(args.keys)                # refused here, before the engine process is started
-    ClusterSpec.load(args.config)
-    tok = load_tokenizer(args.model)
-    model_name = "recall" if args.model == "recall" else Path(args.model).name
-    loop = RemoteLoop(conf, max_pending=args.max_pending)
-    metrics = ServerMetrics(lambda t: loop.pseudonyms.get(t, "unknown"), args.policy, {}, None, side="http")
-    limiter = RateLimiter(Limits(args.tenant_rpm, args.tenant_tpm, args.tenant_max_parallel), keys.limits,
+    keys = Keys.load(c.keys)                   # refused here, before the engine process is started
+    ClusterSpec.load(c.config)
+    tok = load_tokenizer(c.model)
+    loop = RemoteLoop(c, open_recorder)
+    metrics = ServerMetrics(lambda t: loop.pseudonyms.get(t, "unknown"), c.policy, {}, None, side="http")
+    limiter = RateLimiter(Limits(c.tenant_rpm, c.tenant_tpm, c.tenant_max_parallel), keys.limits,
                           on_refuse=metrics.refused)
-    state = State(loop, tok, model_name, keys, metrics, loop.info, loop.context_length, _chat_template(args.model),
-                  args.drain_timeout, limiter)
-    if args.policy == "vulnerable":
+    state = State(loop, tok, c.model_name, keys, metrics, loop.info, loop.context_length, _chat_template(c.model),
+                  c.drain_timeout, limiter)
+    if c.policy == "vulnerable":
         print("kvledger: WARNING: serving under the VULNERABLE policy: every guard is off; prompts longer than a "
               "prefill pool may read other tenants' KV (the GLM-5.3 incident). Use it to reproduce, never for real "
               "tenants.", file=sys.stderr)
     if keys.table is None:
         print("kvledger: warning: no --keys file: every request is tenant 'default' (no tenant isolation to "
               "observe)", file=sys.stderr)
-    print(f"kvledger serve: {args.mode}, {args.policy}, model {model_name}, store {args.store} (run {loop.info['boot']}) "
-          f"on http://{args.host}:{args.port}/v1 (engine process {loop.proc.pid}, {args.torch_threads} torch "
+    print(f"kvledger serve: {c.mode}, {c.policy}, model {c.model_name}, store {c.store} (run {loop.info['boot']}) "
+          f"on http://{c.host}:{c.port}/v1 (engine process {loop.proc.pid}, {c.torch_threads} torch "
           "thread(s))", file=sys.stderr)
-    config = uvicorn.Config(create_app(state), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=int(args.drain_timeout), access_log=False)
+    config = uvicorn.Config(create_app(state), host=c.host, port=c.port, log_level="warning",
+                            timeout_graceful_shutdown=int(c.drain_timeout), access_log=False)
     code = run_http(uvicorn.Server(config), loop)
     if code:
-        print(f"kvledger: error: the HTTP server could not start on {args.host}:{args.port} (see above)",
+        print(f"kvledger: error: the HTTP server could not start on {c.host}:{c.port} (see above)",
               file=sys.stderr)
     return code
 

@@ -31,6 +31,8 @@ from typing import NamedTuple
 
 from engine.config import EngineConfig
 from engine.errors import InputError, KvledgerError
+from engine.recorder import RecorderFactory, RunRecorder
+from engine.server.config import ServeConfig
 from engine.server.limits import Limits, parse_limits
 
 INCIDENT_RATIO = 681_280 / 1_048_576
@@ -137,6 +139,15 @@ class ClusterSpec:
         return spec
 
 
+class Built(NamedTuple):
+    """What the engine process serves with (``build_engine``)."""
+    backend: object                   # LLMEngine or DisaggCluster: an engine.server.loop.Backend
+    recorder: RunRecorder
+    metrics: object                   # engine.server.metrics.ServerMetrics, the engine side
+    info: dict                        # /server_info
+    context_length: int               # the longest context any node advertises
+
+
 def _int(table: dict, key: str, default: int, lo: int, hi: int) -> int:
     v = table.get(key, default)
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -146,10 +157,10 @@ def _int(table: dict, key: str, default: int, lo: int, hi: int) -> int:
 
 def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: Keys, recorder):
     """The engine (unified) or the cluster (router, prefill nodes, decode node, KV link) to serve with."""
-    from engine.disagg import DisaggCluster, Guards
+    from engine.disagg.cluster import DisaggCluster, Guards
     from engine.llm import LLMEngine
     guards = Guards.policy(policy)
-    from engine.pool import KVPool
+    from engine.kv.pool import KVPool
     pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size)
 
     def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
@@ -169,38 +180,36 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
         raise InputError(f"cannot build the {mode} cluster: {e}") from None
 
 
-def build_engine(args: dict):
-    """Everything the engine owns, from serve's arguments: (backend, telemetry, engine-side metrics,
-    server_info, the context length advertised). Runs in the engine process."""
+def build_engine(c: ServeConfig, open_recorder: RecorderFactory) -> Built:
+    """Everything the engine owns, from serve's config: the backend, its recorder (opened through
+    ``open_recorder``, handed down by the serve command), the engine-side metrics, the server info
+    and the context length advertised. Runs in the engine process."""
     from dataclasses import asdict
 
     from engine.disagg import Guards
     from engine.models import load_model
     from engine.server.metrics import ServerMetrics
-    from telemetry import Telemetry
 
-    keys = Keys.load(args["keys"])
-    spec = ClusterSpec.load(args["config"])
-    model, tok = load_model(args["model"])
-    model_name = "recall" if args["model"] == "recall" else Path(args["model"]).name
-    guards = asdict(Guards.policy(args["policy"])) if args["mode"] == "disaggregated" else {
-        "read_check": Guards.policy(args["policy"]).read_check}
-    tel = Telemetry(args["store"], policy=args["policy"], guards=guards, isolation_level=spec.isolation_level,
-                    model_name=model_name, service="kvledger-serve")
+    keys = Keys.load(c.keys)
+    spec = ClusterSpec.load(c.config)
+    model, tok = load_model(c.model)
+    guards = asdict(Guards.policy(c.policy)) if c.mode == "disaggregated" else {
+        "read_check": Guards.policy(c.policy).read_check}
+    tel = open_recorder(policy=c.policy, guards=guards, isolation_level=spec.isolation_level, model_name=c.model_name)
     try:
-        backend = build_backend(model, tok, args["mode"], args["policy"], spec, keys, tel)
+        backend = build_backend(model, tok, c.mode, c.policy, spec, keys, tel)
     except BaseException:
         tel.close()
         raise
-    metrics = ServerMetrics(tel.keys.pseudonym, args["policy"], guards, tel, side="engine")
-    nodes = backend.nodes if hasattr(backend, "prefills") else [backend]
+    metrics = ServerMetrics(tel.pseudonym, c.policy, guards, tel, side="engine")
+    nodes = backend.nodes
     for n in nodes:
         metrics.observe_node(n)
-    info = server_info(args, spec, nodes, guards, model_name, tel.boot)
-    return backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes)
+    info = server_info(c, spec, nodes, guards, tel.boot)
+    return Built(backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes))
 
 
-def server_info(args: dict, spec, nodes, guards: dict, model_name: str, boot: str) -> dict:
+def server_info(c: ServeConfig, spec, nodes, guards: dict, boot: str) -> dict:
     """Each node's pool against its context: what a probe or an operator checks (SGLang's
     ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
     rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
@@ -208,7 +217,7 @@ def server_info(args: dict, spec, nodes, guards: dict, model_name: str, boot: st
              "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
             for n in nodes]
     admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
-    return {"model": model_name, "mode": args["mode"], "policy": args["policy"], "guards": guards, "boot": boot,
+    return {"model": c.model_name, "mode": c.mode, "policy": c.policy, "guards": guards, "boot": boot,
             "isolation_level": spec.isolation_level, "nodes": rows,
             "max_total_num_tokens": min(r["pool_tokens"] for r in admitting),
             "context_length": max(r["advertised_context"] for r in rows)}

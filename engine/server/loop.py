@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 from engine.errors import InputError, KvledgerError
 from engine.request import Request, SamplingParams
@@ -52,18 +52,35 @@ def _put_all(batch: list) -> None:
             stream.on_done(stream.req)
 
 
+class Backend(Protocol):
+    """What a server steps: one node (``LLMEngine``) or a cluster (``DisaggCluster``), alike."""
+    nodes: list                     # every node (each an LLMEngine-like node: cfg, pool, preflight)
+
+    def admit(self, prompt_ids: list[int], sp: SamplingParams, tenant: str, user: str = "",
+              cache_salt: str = "") -> Request:
+        """Take a request: InputError (nothing taken) or the request, finished already if refused."""
+
+    def abort(self, req: Request, reason: str) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self): ...
+
+    def forget_finished(self) -> None:
+        """Drop what is kept about finished requests (bounded memory on a long-running server)."""
+
+    def close(self) -> None: ...
+
+
 class EngineLoop:
     """Runs ``backend`` (an ``LLMEngine`` or a ``DisaggCluster``) on a thread of its own."""
 
-    def __init__(self, backend, max_pending: int = 256, on_finish: Callable[[Request], None] | None = None):
-        from engine.disagg import DisaggCluster
+    def __init__(self, backend: Backend, max_pending: int = 256, on_finish: Callable[[Request], None] | None = None):
         self.backend = backend
-        self.cluster = backend if isinstance(backend, DisaggCluster) else None
-        self.nodes = backend.nodes if self.cluster else [backend]
+        self.nodes = backend.nodes
         self.max_pending, self.on_finish = max_pending, on_finish
         self._cmds: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, Stream] = {}
-        self._rr = 0
         self.pending = 0                      # admitted, not finished (read by /metrics and the 429 check)
         self.steps = 0
         self._stop = threading.Event()
@@ -102,6 +119,10 @@ class EngineLoop:
 
     def abort(self, stream: Stream, reason: str = "client disconnected") -> None:
         self._cmds.put(("abort", stream, reason))
+
+    async def metrics_text(self) -> bytes:
+        """The engine's metrics are the app's own registry in one process: nothing more to add."""
+        return b""
 
     def stop(self, drain_s: float) -> None:
         """Stop admitting, let running requests finish for up to ``drain_s``, abort the rest."""
@@ -150,7 +171,7 @@ class EngineLoop:
     drain_s = 30.0
 
     def _has_work(self) -> bool:
-        return self.backend.has_work() if self.cluster else self.backend.has_unfinished()
+        return self.backend.has_work()
 
     def _command(self, cmd) -> None:
         if cmd[0] == "submit":
@@ -170,24 +191,13 @@ class EngineLoop:
     def _admit(self, prompt_ids, sp, tenant, user, salt) -> Request:
         if self._stop.is_set():
             raise QueueFull("the server is shutting down")
-        if self.cluster is not None:
-            node = self._rr % len(self.cluster.prefills)       # round robin over the prefill nodes
-            self._rr += 1
-            return self.cluster.submit(prompt_ids, sp, tenant, prefill_node=node, user=user, cache_salt=salt)
-        eng = self.backend
-        req = eng.new_request(prompt_ids, sp, tenant, user=user, cache_salt=salt)
-        eng.check_fits_pool(len(req.prompt_ids))               # over the pool: 400 before any page is taken
-        eng.enqueue(req)
-        return req
+        return self.backend.admit(prompt_ids, sp, tenant, user=user, cache_salt=salt)
 
     def _abort(self, stream: Stream, reason: str) -> None:
         req = stream.req
         if req.is_finished:
             return
-        if self.cluster is not None:
-            self.cluster.abort(req, reason)
-        else:
-            self.backend.abort(req, reason)
+        self.backend.abort(req, reason)
         if not req.is_finished:              # e.g. not admitted by the engine yet
             req.error = InputError(reason)
             req.fail(req.error)
@@ -210,8 +220,8 @@ class EngineLoop:
                     self.on_finish(req)
         for loop, batch in batches.items():
             loop.call_soon_threadsafe(_put_all, batch)
-        if self.cluster is not None and self.steps % 256 == 0:
-            self.cluster.forget_finished()
+        if self.steps % 256 == 0:
+            self.backend.forget_finished()
 
 
 def _set(fut: asyncio.Future, value, error, abort) -> None:

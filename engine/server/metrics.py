@@ -127,13 +127,11 @@ class _Live:
                                      labels=["node", "guard", "result"])
         tel = self.m.tel
         if tel is not None:
-            for node, state in list(tel.nodes.items()):
-                with state.guard_lock:
-                    tally = dict(state.guard_tally)
+            for node, tally in tel.guard_tallies().items():
                 for (g, res), n in tally.items():
                     checks.add_metric([node, g, res], n)
         yield checks
         dropped = GaugeMetricFamily("kvledger_telemetry_spans_unexported", "Spans ended and not (yet) in the store: "
                                     "a few in flight; growing without bound means spans are dropped")
-        dropped.add_metric([], (tel.spans_ended - tel.spans_exported) if tel is not None else 0)
+        dropped.add_metric([], tel.spans_unexported if tel is not None else 0)
         yield dropped

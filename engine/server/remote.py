@@ -1,28 +1,19 @@
 """The engine in a process of its own, reached over ZMQ (as vLLM's V1 engine core is).
 
-``kvledger serve`` runs the HTTP server in one process and the engine - model, pools, telemetry,
-the store's writer, the engine-side metrics - in another, so HTTP, JSON and SSE work never holds
-the GIL the engine's step needs. The two talk over two ZMQ ``ipc://`` PUSH/PULL sockets with
-pickled tuples:
-
-    HTTP -> engine   ("submit", rid, prompt_ids, sampling, tenant, user, salt)   ("abort", rid, reason)
-                     ("metrics", qid)   ("stop", drain_s)
-    engine -> HTTP   ("ready", info, context_length)   ("error", message)   ("admitted", rid, view)
-                     ("step", [(rid, new_tokens, view | None), ...])   ("metrics", qid, text)   ("bye",)
-
-``view`` is what the HTTP side shows of a request (``RemoteRequest``): its id, and once it is
-finished its usage, finish reason and error. One "step" message per engine step carries every live
-request's new tokens (one wake-up of the HTTP side per step). ``RemoteLoop`` has ``EngineLoop``'s
-interface (``submit``, ``abort``, ``stop``, ``alive``, ``pending``), so the app does not know which
-it has. The engine process dies with its parent (PR_SET_PDEATHSIG): a ``kill -9`` of the server
-leaves no engine holding the store.
+``kvledger serve`` runs the HTTP server in one process and the engine - model, pools, the
+recorder and the store's writer, the engine-side metrics - in another, so HTTP, JSON and SSE work
+never holds the GIL the engine's step needs. The two talk over two ZMQ ``ipc://`` PUSH/PULL
+sockets in the typed messages of ``engine/server/messages.py`` (msgspec, MessagePack). One
+``Step`` message per engine step carries every live request's new tokens (one wake-up of the
+HTTP side per step). ``RemoteLoop`` is an ``EngineClient`` as ``EngineLoop`` is (``client.py``),
+so the app does not know which it has. The engine process dies with its parent
+(PR_SET_PDEATHSIG): a ``kill -9`` of the server leaves no engine holding the store.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import pickle
 import signal
 import tempfile
 import threading
@@ -33,6 +24,11 @@ from pathlib import Path
 import zmq
 
 from engine.errors import InputError, KvledgerError, ModelLoadError, OutOfPages, ReadCheckViolation
+from engine.osutil import die_with_parent
+from engine.recorder import RecorderFactory
+from engine.request import SamplingParams
+from engine.server import messages as M
+from engine.server.config import ServeConfig
 from engine.server.loop import EngineLoop, QueueFull, Stream
 
 log = logging.getLogger("kvledger.server")
@@ -40,28 +36,30 @@ _ERRORS = {c.__name__: c for c in (InputError, OutOfPages, ReadCheckViolation, Q
 _OTHER: dict[str, type] = {}
 
 
-def _error_out(e: BaseException | None):
-    return None if e is None else (type(e).__name__, str(e))
+def _error_out(e: BaseException | None) -> M.ErrorView | None:
+    return None if e is None else M.ErrorView(type(e).__name__, str(e))
 
 
-def _error_in(t) -> BaseException | None:
+def _error_in(v: M.ErrorView | None) -> BaseException | None:
     """The engine's exception as the HTTP side sees it: same class name and message (the classes the
     app tells apart are rebuilt as themselves; others as a KvledgerError subclass of that name)."""
-    if t is None:
+    if v is None:
         return None
-    name, text = t
-    cls = _ERRORS.get(name) or _OTHER.setdefault(name, type(name, (KvledgerError,), {}))
+    cls = _ERRORS.get(v.kind) or _OTHER.setdefault(v.kind, type(v.kind, (KvledgerError,), {}))
     e = cls.__new__(cls)
-    BaseException.__init__(e, text)
+    BaseException.__init__(e, v.text)
     return e
 
 
-def _view(req, finished: bool) -> dict:
-    v = {"incarnation": req.incarnation}
-    if finished:
-        v.update(error=_error_out(req.error), first_token_at=req.first_token_at, finish_reason=req.finish_reason,
-                 prompt_tokens_billed=req.prompt_tokens_billed, cached_tokens=req.cached_tokens)
-    return v
+def _view(req, finished: bool) -> M.RequestView:
+    if not finished:
+        return M.RequestView(req.incarnation)
+    return M.RequestView(req.incarnation, True, _error_out(req.error), req.first_token_at, req.finish_reason,
+                         req.prompt_tokens_billed, req.cached_tokens)
+
+
+def _sampling(sp: SamplingParams) -> M.Sampling:
+    return M.Sampling(sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.ignore_eos)
 
 
 @dataclass(eq=False)
@@ -76,11 +74,11 @@ class RemoteRequest:
     prompt_tokens_billed: int = 0
     cached_tokens: int = 0
 
-    def finish(self, view: dict) -> None:
+    def finish(self, view: M.RequestView) -> None:
         self.is_finished = True
-        self.error = _error_in(view["error"])
-        for k in ("first_token_at", "finish_reason", "prompt_tokens_billed", "cached_tokens"):
-            setattr(self, k, view[k])
+        self.error = _error_in(view.error)
+        self.first_token_at, self.finish_reason = view.first_token_at, view.finish_reason
+        self.prompt_tokens_billed, self.cached_tokens = view.prompt_tokens_billed, view.cached_tokens
 
 
 # ---- the engine process ------------------------------------------------------------------------------
@@ -93,32 +91,31 @@ class _ChildLoop(EngineLoop):
         self._rid: dict[int, int] = {}          # incarnation -> the HTTP side's request id
 
     def _send(self, msg) -> None:
-        self.out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+        self.out.send(M.encode(msg))
 
     def _command(self, cmd) -> None:
-        kind = cmd[0]
-        if kind == "submit":
-            _, rid, prompt_ids, sp, tenant, user, salt = cmd
+        if isinstance(cmd, M.Submit):
+            s = cmd.sampling
+            sp = SamplingParams(s.max_tokens, s.temperature, s.top_p, s.seed, s.ignore_eos)
             try:
-                req = self._admit(prompt_ids, sp, tenant, user, salt)
+                req = self._admit(cmd.prompt_ids, sp, cmd.tenant, cmd.user, cmd.cache_salt)
             except BaseException as e:       # noqa: BLE001 - refused: the handler answers 4xx/429
-                self._send(("admitted", rid, None, _error_out(e)))
+                self._send(M.Admitted(cmd.rid, None, _error_out(e)))
                 return
             stream = Stream(req, None)
             self._live[req.incarnation] = stream
-            self._rid[req.incarnation] = rid
+            self._rid[req.incarnation] = cmd.rid
             self.pending += 1
-            self._send(("admitted", rid, _view(req, req.is_finished), None))
-        elif kind == "abort":
-            _, rid, reason = cmd
-            inc = next((i for i, r in self._rid.items() if r == rid), None)
+            self._send(M.Admitted(cmd.rid, _view(req, req.is_finished)))
+        elif isinstance(cmd, M.Abort):
+            inc = next((i for i, r in self._rid.items() if r == cmd.rid), None)
             if inc is not None and inc in self._live:
-                self._abort(self._live[inc], reason)
-        elif kind == "metrics":
+                self._abort(self._live[inc], cmd.reason)
+        elif isinstance(cmd, M.MetricsQuery):
             from prometheus_client import generate_latest
-            self._send(("metrics", cmd[1], generate_latest(self.metrics.registry)))
-        elif kind == "stop":
-            self.drain_s = cmd[1]
+            self._send(M.MetricsText(cmd.qid, generate_latest(self.metrics.registry)))
+        elif isinstance(cmd, M.Stop):
+            self.drain_s = cmd.drain_s
             self._stop.set()
 
     def _deliver(self) -> None:
@@ -127,7 +124,8 @@ class _ChildLoop(EngineLoop):
             req = s.req
             n = len(req.output_ids)
             if n > s.sent or req.is_finished:
-                out.append((self._rid[inc], req.output_ids[s.sent:n], _view(req, True) if req.is_finished else None))
+                out.append(M.Delivery(self._rid[inc], req.output_ids[s.sent:n],
+                                      _view(req, True) if req.is_finished else None))
                 s.sent = n
             if req.is_finished:
                 del self._live[inc]
@@ -136,45 +134,34 @@ class _ChildLoop(EngineLoop):
                 if self.on_finish is not None:
                     self.on_finish(req)
         if out:
-            self._send(("step", out))
-        if self.cluster is not None and self.steps % 256 == 0:
-            self.cluster.forget_finished()
+            self._send(M.Step(out))
+        if self.steps % 256 == 0:
+            self.backend.forget_finished()
 
 
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)     # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
+def engine_main(c: ServeConfig, open_recorder: RecorderFactory, cmd_addr: str, out_addr: str, parent: int) -> None:
     """The engine process: build everything the engine owns, say ready, step until told to stop,
     then drain, close the store (sealed) and say bye."""
-    _die_with_parent()
+    die_with_parent()
     for s in (signal.SIGINT, signal.SIGTERM):     # the parent decides when to stop (and drains first)
         signal.signal(s, signal.SIG_IGN)
     ctx = zmq.Context()
     cmds, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
     cmds.connect(cmd_addr)
     out.connect(out_addr)
-
-    def send(msg) -> None:
-        out.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
     try:
         import torch
-        torch.set_num_threads(args["torch_threads"])
+        torch.set_num_threads(c.torch_threads)
         from engine.server.backend import build_engine
-        built = build_engine(args)
+        built = build_engine(c, open_recorder)
     except BaseException as e:  # noqa: BLE001 - the parent reports it as the server's error
-        send(("error", f"{type(e).__name__}: {e}" if not isinstance(e, KvledgerError) else str(e)))
+        out.send(M.encode(M.StartFailed(f"{type(e).__name__}: {e}" if not isinstance(e, KvledgerError) else str(e))))
         out.close(linger=2000)
         cmds.close(linger=0)
         ctx.term()
         return
-    backend, tel, metrics, info, context_length = built
-    loop = _ChildLoop(backend, out, metrics, max_pending=args["max_pending"],
+    tel, metrics = built.recorder, built.metrics
+    loop = _ChildLoop(built.backend, out, metrics, max_pending=c.max_pending,
                       on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else type(r.error).__name__))
     metrics.queue.set_function(lambda: loop.pending)
     loop.watch = lambda: os.getppid() != parent                  # the parent is gone: drain and stop
@@ -182,21 +169,20 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
     def reader() -> None:
         while True:
             try:
-                msg = pickle.loads(cmds.recv())
+                msg = M.decode_command(cmds.recv())
             except zmq.ZMQError:
                 return
             loop._cmds.put(msg)
     threading.Thread(target=reader, name="kvledger-engine-commands", daemon=True).start()
     from engine.server.backend import Keys
-    pseudonyms = {t: tel.keys.pseudonym(t) for t in Keys.load(args["keys"]).tenants()}   # for the HTTP side's labels
-    send(("ready", info, context_length, pseudonyms))
+    pseudonyms = {t: tel.pseudonym(t) for t in Keys.load(c.keys).tenants()}   # for the HTTP side's labels
+    out.send(M.encode(M.Ready(built.info, built.context_length, pseudonyms)))
     try:
         loop.run()
     finally:
         tel.close()
-        if hasattr(backend, "close"):
-            backend.close()
-        send(("bye",))
+        built.backend.close()
+        out.send(M.encode(M.Bye()))
         out.close(linger=5000)       # (the command socket is the reader thread's: it goes with the process)
 
 
@@ -204,9 +190,9 @@ def engine_main(args: dict, cmd_addr: str, out_addr: str, parent: int) -> None:
 class RemoteLoop:
     """The engine process, as the app sees an EngineLoop."""
 
-    def __init__(self, args: dict, max_pending: int = 256, startup_timeout: float = 600.0):
+    def __init__(self, c: ServeConfig, open_recorder: RecorderFactory, startup_timeout: float = 600.0):
         import multiprocessing
-        self.max_pending = max_pending
+        self.max_pending = c.max_pending
         self._dir = tempfile.mkdtemp(prefix="kvledger-engine-")
         cmd_addr, out_addr = f"ipc://{self._dir}/cmd", f"ipc://{self._dir}/out"
         self.ctx = zmq.Context()
@@ -215,7 +201,7 @@ class RemoteLoop:
         self.out.bind(out_addr)
         self._send_lock = threading.Lock()
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=engine_main, args=(args, cmd_addr, out_addr, os.getpid()), name="kvledger-engine", daemon=False)
+            target=engine_main, args=(c, open_recorder, cmd_addr, out_addr, os.getpid()), name="kvledger-engine", daemon=False)
         self.proc.start()
         self._rid = 0
         self._waiting: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -229,13 +215,14 @@ class RemoteLoop:
         deadline = time.monotonic() + startup_timeout
         while True:
             if self.out.poll(200):
-                msg = pickle.loads(self.out.recv())
-                if msg[0] == "ready":
-                    self.info, self.context_length, self.pseudonyms = msg[1], msg[2], msg[3]
+                msg = M.decode_reply(self.out.recv())
+                if isinstance(msg, M.Ready):
+                    self.info, self.context_length, self.pseudonyms = msg.info, msg.context_length, msg.pseudonyms
                     break
                 self._close_sockets()
                 self.proc.join(10)
-                raise ModelLoadError(msg[1]) if "model" in msg[1].lower() else InputError(msg[1])
+                text = msg.message if isinstance(msg, M.StartFailed) else f"unexpected {type(msg).__name__}"
+                raise ModelLoadError(text) if "model" in text.lower() else InputError(text)
             if not self.proc.is_alive() or time.monotonic() > deadline:
                 self._close_sockets()
                 raise KvledgerError(f"the engine process exited while starting (exit code {self.proc.exitcode})")
@@ -256,7 +243,7 @@ class RemoteLoop:
     def _send(self, msg) -> None:
         with self._send_lock:
             if not self.cmds.closed:
-                self.cmds.send(pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL))
+                self.cmds.send(M.encode(msg))
 
     async def submit(self, prompt_ids: list[int], sp, tenant: str, user: str = "", cache_salt: str = "") -> Stream:
         if self._stopping or not self.alive:
@@ -269,15 +256,15 @@ class RemoteLoop:
         rid = self._rid
         self._waiting[rid] = (loop, fut)
         self._count(+1)
-        self._send(("submit", rid, prompt_ids, sp, tenant, user, cache_salt))
+        self._send(M.Submit(rid, list(prompt_ids), _sampling(sp), tenant, user, cache_salt))
         try:
             return await fut
         except asyncio.CancelledError:      # the client left while it was being admitted
-            self._send(("abort", rid, "client disconnected before admission"))
+            self._send(M.Abort(rid, "client disconnected before admission"))
             raise
 
     def abort(self, stream: Stream, reason: str = "client disconnected") -> None:
-        self._send(("abort", stream.rid, reason))
+        self._send(M.Abort(stream.rid, reason))
 
     def _count(self, d: int) -> None:
         with self._pending_lock:
@@ -290,7 +277,7 @@ class RemoteLoop:
         fut = loop.create_future()
         self._rid += 1
         self._waiting[self._rid] = (loop, fut)
-        self._send(("metrics", self._rid))
+        self._send(M.MetricsQuery(self._rid))
         return await asyncio.wait_for(fut, timeout=10)
 
     def stop(self, drain_s: float) -> None:
@@ -301,7 +288,7 @@ class RemoteLoop:
                 return
             self._stopping = True
         if self.proc.is_alive():
-            self._send(("stop", drain_s))
+            self._send(M.Stop(drain_s))
             self.proc.join(drain_s + 30)
         if self.proc.is_alive():
             log.warning("the engine process did not exit %.0f s after the drain deadline; killing it", 30)
@@ -328,36 +315,35 @@ class RemoteLoop:
                         self._engine_gone(f"the engine process exited (code {self.proc.exitcode})")
                         return
                     continue
-                msg = pickle.loads(self.out.recv())
+                msg = M.decode_reply(self.out.recv())
             except zmq.ZMQError:
                 return
-            kind = msg[0]
-            if kind == "step":
-                self._step(msg[1])
-            elif kind == "admitted":
-                self._admitted(*msg[1:])
-            elif kind == "metrics":
-                loop, fut = self._waiting.pop(msg[1])
-                loop.call_soon_threadsafe(_resolve, fut, msg[2], None)
-            elif kind == "bye":
+            if isinstance(msg, M.Step):
+                self._step(msg.deliveries)
+            elif isinstance(msg, M.Admitted):
+                self._admitted(msg.rid, msg.view, msg.error)
+            elif isinstance(msg, M.MetricsText):
+                loop, fut = self._waiting.pop(msg.qid)
+                loop.call_soon_threadsafe(_resolve, fut, msg.text, None)
+            elif isinstance(msg, M.Bye):
                 self._bye.set()
 
-    def _admitted(self, rid: int, view: dict | None, error) -> None:
+    def _admitted(self, rid: int, view: M.RequestView | None, error: M.ErrorView | None) -> None:
         loop, fut = self._waiting.pop(rid)
         if view is None:
             self._count(-1)
             loop.call_soon_threadsafe(_resolve, fut, None, _error_in(error))
             return
-        stream = Stream(RemoteRequest(view["incarnation"]), loop)
+        stream = Stream(RemoteRequest(view.incarnation), loop)
         stream.rid = rid
-        if "error" in view:                   # finished as it was admitted (the cluster refused it)
+        if view.finished:                     # finished as it was admitted (the cluster refused it)
             stream.req.finish(view)
         self._streams[rid] = stream
         loop.call_soon_threadsafe(_admit_stream, fut, stream, self)
 
-    def _step(self, items: list) -> None:
+    def _step(self, items: list[M.Delivery]) -> None:
         batches: dict = {}
-        for rid, tokens, final in items:
+        for rid, tokens, final in ((d.rid, d.tokens, d.final) for d in items):
             s = self._streams.get(rid)
             if s is None:
                 continue
@@ -374,8 +360,7 @@ class RemoteLoop:
         for rid, (loop, fut) in list(self._waiting.items()):
             loop.call_soon_threadsafe(_resolve, fut, None, QueueFull(why))
         self._waiting.clear()
-        view = {"error": ("EngineFailure", why), "first_token_at": None, "finish_reason": None,
-                "prompt_tokens_billed": 0, "cached_tokens": 0}
+        view = M.RequestView(0, True, M.ErrorView("EngineFailure", why))
         for s in list(self._streams.values()):
             s.loop.call_soon_threadsafe(_deliver_all, [(s, [], view)])
         self._streams.clear()

@@ -31,12 +31,14 @@ import numpy as np
 import pyarrow as pa
 import zmq
 
+from engine.errors import KvledgerError
+
 END_SEQ = -1
 PENDING_ROWS = 8192             # rows buffered before they go to the writer (sooner when the publisher pauses)
 SCOPE_MEMORY = 1 << 20          # block hash -> scope entries kept for chaining (oldest forgotten)
 
 
-class DecodeError(ValueError):
+class DecodeError(KvledgerError, ValueError):
     pass
 
 

@@ -1,6 +1,6 @@
 """``kvledger ingest-logs FILE --engine vllm|sglang``: a foreign engine's log into the store.
 
-- capacity lines (the formats ``forensics/foreign_preflight.py`` parses, thousands separators
+- capacity lines (the formats ``foreign_logs.py`` parses, thousands separators
   included) -> ``capacity``: what ``forensics fleet_impact`` compares billed prompts with;
 - corruption detectors' lines -> ``engine_log_events``: a line naming the KV canary (SGLang's
   ``--kv-canary``) with a violation, mismatch or corruption, and a line naming a KV checksum
@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from engine.errors import InputError
-from forensics.foreign_preflight import parse_sglang, parse_vllm
+from telemetry.receivers.foreign_logs import parse_sglang, parse_vllm
 
 CANARY = re.compile(r"kv[ _-]?canary.*\b(violat\w*|mismatch\w*|corrupt\w*|fail\w*)", re.I)
 CHECKSUM = re.compile(r"(kv[ _-]?)?checksum.*\b(mismatch\w*|fail\w*|corrupt\w*|invalid)", re.I)

@@ -32,10 +32,16 @@ import pyarrow.compute as pc
 from fastapi import FastAPI, Request, Response
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (ExportMetricsServiceRequest,
-                                                                           ExportMetricsServiceResponse)
-from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (ExportTraceServiceRequest,
-                                                                       ExportTraceServiceResponse)
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
+from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+    ExportTraceServiceRequest,
+    ExportTraceServiceResponse,
+)
+
+from engine.errors import KvledgerError
 
 MAX_BODY = 16 << 20            # bytes, after decompression
 SPAN_COLS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
@@ -57,7 +63,7 @@ _KINDS = {0: "SPAN_KIND_UNSPECIFIED", 1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4
 _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
 
-class BadBody(ValueError):
+class BadBody(KvledgerError, ValueError):
     pass
 
 

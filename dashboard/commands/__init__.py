@@ -1,0 +1,1 @@
+"""The dashboard's command (``kvledger dashboard``). Registered in ``engine/commands/main.py``."""

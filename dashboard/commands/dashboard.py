@@ -1,0 +1,53 @@
+"""``kvledger dashboard``: the live Streamlit exposure dashboard, started by module name
+(``python -m dashboard.serve``) with the store and engine choice in its environment."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.commands.options import add_store, check_port
+from engine.errors import InputError
+from forensics.commands.options import ENGINES, EngineChoice, engine_choice
+
+
+@dataclass(frozen=True, slots=True)
+class DashboardConfig:
+    store: str
+    host: str = "127.0.0.1"
+    port: int = 8501
+    refresh: float = 2.0
+    engine: EngineChoice = EngineChoice()
+
+
+def add_arguments(d) -> None:
+    add_store(d, "the store to show")
+    d.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
+    d.add_argument("--port", type=int, default=8501, help="port (default 8501, Streamlit's)")
+    d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
+    d.add_argument("--engine", choices=ENGINES, default="duckdb",
+                   help="SQL engine behind the panels: duckdb (default), chdb (embedded ClickHouse), clickhouse (--dsn)")
+    d.add_argument("--dsn", default=None, metavar="URL", help="--engine clickhouse: clickhouse://HOST:8123/DATABASE")
+
+
+def make_config(a) -> DashboardConfig:
+    check_port("--port", a.port)
+    if a.refresh <= 0:
+        raise InputError(f"--refresh must be > 0 seconds, got {a.refresh}")
+    return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a))
+
+
+def run(c: DashboardConfig) -> int:
+    from engine.osutil import run_child
+    if not (Path(c.store) / "chain").is_dir():
+        print(f"kvledger: note: no store at {c.store} yet; the dashboard shows it once the engine writes there",
+              file=sys.stderr)
+    app = importlib.util.find_spec("dashboard.app").origin      # the script Streamlit runs (not imported here)
+    env = {**os.environ, "KVLEDGER_STORE": str(Path(c.store).resolve()), "KVLEDGER_REFRESH_S": str(c.refresh),
+           "KVLEDGER_ENGINE": c.engine.engine, "KVLEDGER_DSN": c.engine.dsn or ""}
+    print(f"kvledger dashboard on http://{c.host}:{c.port} (store {c.store})", file=sys.stderr)
+    return run_child([sys.executable, "-m", "dashboard.serve", app, "--server.address", c.host,
+                      "--server.port", str(c.port), "--server.headless", "true",
+                      "--browser.gatherUsageStats", "false", "--client.toolbarMode", "viewer"], env=env)

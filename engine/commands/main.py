@@ -1,0 +1,89 @@
+"""The ``kvledger`` entry point: it assembles the commands each layer owns and maps errors to exit codes.
+
+Each command is one module, ``<layer>/commands/<name>.py``, with the same three functions (as
+pip's ``commands/`` and vLLM's ``entrypoints/cli``):
+
+    add_arguments(parser)      its options, each with a help line naming its default
+    make_config(args)          a typed, frozen config built from the flags (bad input -> InputError,
+                               before any resource is taken); nothing below the command sees argparse
+    run(config) -> int         the work, and the exit code
+
+``COMMANDS`` names the modules by string and only the one asked for is imported, so ``kvledger
+--help`` loads no torch, no DuckDB and no server. The command modules are the top layer of the
+house: they may import every layer; no other module imports them (``tests/test_layers.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from engine.errors import KvledgerError
+
+# name -> (module, one line for `kvledger --help`), in the order --help lists them
+COMMANDS: dict[str, tuple[str, str]] = {
+    "generate": ("engine.commands.generate", "run the engine on one prompt, print the text and per-request stats"),
+    "replay": ("engine.commands.replay", "run a scenario (glm53 or a fault of its bug family) and print what happened"),
+    "preflight": ("engine.commands.preflight",
+                  "each node's KV pool in tokens against the context length; non-zero exit when smaller"),
+    "serve": ("engine.commands.serve", "OpenAI-compatible server (tenants from API keys), recording into the store"),
+    "collect": ("telemetry.commands.collect", "receive a vLLM/SGLang fleet's telemetry (OTLP/HTTP spans and "
+                                              "metrics, ZMQ KV cache events) into a store until SIGTERM/SIGINT"),
+    "ingest-logs": ("telemetry.commands.ingest_logs",
+                    "a vLLM/SGLang log's capacity, KV canary and KV checksum lines into a store"),
+    "verify": ("telemetry.commands.verify", "verify the store's signed chain against its anchor; non-zero exit "
+                                            "naming the first broken link or the truncation; needs no secret, "
+                                            "writes nothing"),
+    "export": ("telemetry.commands.export", "copy the store into ClickHouse (a server, or embedded chdb), "
+                                            "idempotent per segment; --follow keeps copying a live store"),
+    "forensics": ("forensics.commands.query", "forensic queries over the store"),
+    "report": ("forensics.commands.report", "disclosure report: Markdown, HTML, JSON (schema-validated), CSV"),
+    "probe": ("forensics.commands.probe",
+              "isolation probe against any OpenAI-compatible endpoint: exit 0 pass, 1 finding, 3 inconclusive"),
+    "dashboard": ("dashboard.commands.dashboard", "the live Streamlit exposure dashboard (loopback by default)"),
+}
+EXIT_BAD_INPUT = 2          # argparse's own code for a usage error; every refused input exits with it
+
+
+def die(msg: str) -> int:
+    """One line on stderr, the bad-input exit code: how every command refuses."""
+    print(f"kvledger: error: {msg}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def command(name: str):
+    """The module of command ``name`` (imported on first use)."""
+    return importlib.import_module(COMMANDS[name][0])
+
+
+def _parser(only: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    subs = {name: sub.add_parser(name, help=summary, description=summary)
+            for name, (_, summary) in COMMANDS.items()}
+    for name, sp in subs.items():
+        if only is None or name == only:
+            command(name).add_arguments(sp)
+    return p, subs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's parser, all options added (tests and shell completion walk it)."""
+    return _parser(None)[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser, _ = _parser(chosen if chosen in COMMANDS else "")
+    args = parser.parse_args(argv)
+    mod = command(args.command)
+    try:
+        return mod.run(mod.make_config(args))
+    except KvledgerError as e:
+        return die(str(e))
+    except OSError as e:          # read-only or full disk, a path that is a file: name it, no traceback
+        where = f"{e.filename}: " if e.filename else ""
+        return die(f"{where}{e.strerror or e}")
+    except KeyboardInterrupt:
+        return die("interrupted")

@@ -1,0 +1,60 @@
+"""Options and checks more than one command shares (pip's ``cmdoptions``): the store, ports, times."""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+from pathlib import Path
+
+from engine.errors import InputError
+
+DEFAULT_STORE = "./kvledger-store"
+
+
+def add_store(p: argparse.ArgumentParser, what: str, default: str = DEFAULT_STORE) -> None:
+    p.add_argument("--store", default=default, help=f"{what} (default {default})")
+
+
+def check_range(flag: str, value, lo, hi, unit: str = "") -> None:
+    """``flag`` lies in [lo, hi], or the InputError that names the limit."""
+    if not lo <= value <= hi:
+        raise InputError(f"{flag} must be in [{lo}, {hi}]{unit}, got {value}")
+
+
+def check_port(flag: str, port: int) -> None:
+    if not 0 < port < 65536:
+        raise InputError(f"{flag} must be in 1..65535, got {port}")
+
+
+def check_writable_store(store: str) -> None:
+    """Refuse a store that cannot be written at ``store`` (or a writer secret that is malformed),
+    found before anything is created."""
+    from telemetry.store.keys import KeyError_, check_secret_env
+    try:
+        check_secret_env()
+    except KeyError_ as e:
+        raise InputError(str(e)) from None
+    p = Path(store).absolute()
+    if p.exists() and not p.is_dir():
+        raise InputError(f"--store {store} exists and is not a directory")
+    up = p
+    while not up.exists():
+        up = up.parent
+    if not up.is_dir():
+        raise InputError(f"--store {store}: {up} is a file, not a directory")
+    if not os.access(up, os.W_OK | os.X_OK):
+        raise InputError(f"--store {store}: {up} is not writable")
+
+
+def timestamp(text: str) -> dt.datetime:
+    """An ISO 8601 time as naive UTC (a time without a zone is UTC)."""
+    try:
+        t = dt.datetime.fromisoformat(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-09-01T12:00:00)") from None
+    return t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+
+
+def check_window(start: dt.datetime | None, end: dt.datetime | None) -> None:
+    if start is not None and end is not None and start > end:
+        raise InputError(f"--from {start.isoformat()}Z is after --to {end.isoformat()}Z: the window would be empty")

@@ -1,0 +1,105 @@
+"""``kvledger preflight``: each node's KV pool in tokens against the context length, for a model
+of ours (by memory budget) or for a running engine (ours, SGLang, vLLM: its server info or log).
+Exit 1 when a pool is smaller than its context, 3 when a foreign instance's context is unknown."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from engine.errors import InputError
+
+FOREIGN = ("--endpoint", "--vllm-log", "--sglang-log")
+
+
+@dataclass(frozen=True, slots=True)
+class PreflightConfig:
+    model: str = "recall"
+    context_length: int = 2048
+    memory_budgets: tuple[str, ...] = ("64MiB",)
+    page_size: int = 16
+    foreign: tuple[str, str] | None = None      # (flag, value): judge a running engine instead
+
+
+def add_arguments(pf) -> None:
+    pf.add_argument("--model", default="recall", help="'recall' (default) or an HF-format directory")
+    pf.add_argument("--context-length", type=int, default=2048,
+                    help="the context each pool must hold (default 2048, the engine's default; GLM-5.3 advertised "
+                         "1048576 on a pool of a few thousand tokens)")
+    pf.add_argument("--memory-budget", action="append", metavar="SIZE",
+                    help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
+    pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    pf.add_argument("--endpoint", default=None, metavar="URL",
+                    help="judge a running server instead: ours or SGLang (/server_info or /get_server_info)")
+    pf.add_argument("--vllm-log", default=None, metavar="FILE",
+                    help="judge a vLLM instance from its start-up log (GPU KV cache size / # GPU blocks lines)")
+    pf.add_argument("--sglang-log", default=None, metavar="FILE",
+                    help="judge SGLang instances from their start-up log (max_total_num_tokens=..., context_len=...)")
+
+
+def make_config(a) -> PreflightConfig:
+    foreign = [(f, v) for f, v in zip(FOREIGN, (a.endpoint, a.vllm_log, a.sglang_log)) if v]
+    if len(foreign) > 1:
+        raise InputError(f"give one of --endpoint, --vllm-log, --sglang-log (got {', '.join(f for f, _ in foreign)})")
+    if foreign:
+        return PreflightConfig(foreign=foreign[0])
+    if a.context_length <= 0:
+        raise InputError(f"--context-length must be >= 1, got {a.context_length}")
+    if a.page_size <= 0:
+        raise InputError(f"--page-size must be >= 1, got {a.page_size}")
+    return PreflightConfig(a.model, a.context_length, tuple(a.memory_budget or ["64MiB"]), a.page_size)
+
+
+def run(c: PreflightConfig) -> int:
+    if c.foreign is not None:
+        return _foreign(*c.foreign)
+    from rich.console import Console
+    from rich.table import Table
+
+    from engine.config import EngineConfig, parse_bytes
+    from engine.kv.preflight import pool_tokens_for
+    from engine.models import load_model
+
+    model, _ = load_model(c.model)
+    t = Table(title=f"kvledger preflight: model {c.model}, context length {c.context_length}")
+    for col in ("node", "KV memory budget", "pool (tokens)", "pool / context", "verdict"):
+        t.add_column(col, justify="right" if col != "node" else "left")
+    short = []
+    for i, b in enumerate(c.memory_budgets):
+        cfg = EngineConfig(kv_memory_budget=parse_bytes(b), page_size=c.page_size, context_length=c.context_length)
+        pool = pool_tokens_for(model, cfg)
+        ok = pool >= c.context_length
+        short += [] if ok else [f"node{i}"]
+        t.add_row(f"node{i}", b, str(pool), f"{pool / c.context_length:.4f}",
+                  "[green]fits" if ok else f"[red]pool < context: hardened refuses to start (or lower the context to {pool})")
+    Console().print(t)
+    return _verdict(short)
+
+
+def _verdict(short: list[str]) -> int:
+    if short:
+        print(f"kvledger: preflight failed: {', '.join(short)} cannot hold a full-context prompt", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _foreign(flag: str, value: str) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from forensics.preflight import from_endpoint, from_log
+    try:
+        found = from_endpoint(value) if flag == "--endpoint" else from_log(value, flag[2:].split("-")[0])
+    except ValueError as e:
+        raise InputError(str(e)) from None
+    t = Table(title=f"kvledger preflight {flag} {value}")
+    for col in ("instance", "pool (tokens)", "context", "pool / context", "verdict", "from"):
+        t.add_column(col, justify="right" if col in ("pool (tokens)", "context", "pool / context") else "left")
+    for i in found:
+        ratio = f"{i.pool_tokens / i.context_length:.4f}" if i.fits is not None else "-"
+        verdict = {True: "[green]fits", False: "[red]pool < context: the incident's precondition",
+                   None: "[yellow]context unknown"}[i.fits]
+        t.add_row(i.name, f"{i.pool_tokens:,}" if i.pool_tokens else "?", f"{i.context_length:,}" if i.context_length
+                  else "?", ratio, verdict, i.source)
+    Console().print(t)
+    code = _verdict([i.name for i in found if i.fits is False])
+    return code or (3 if any(i.fits is None for i in found) else 0)

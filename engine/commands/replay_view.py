@@ -1,0 +1,83 @@
+"""What ``kvledger replay`` prints: the pools, the requests, who read whose KV (by the oracle)."""
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import Progress
+from rich.table import Table
+
+
+def with_progress(title: str, work):
+    """Run ``work(progress)`` under a progress bar on stderr (``progress(n)``: n more steps done)."""
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(title, total=None)
+        return work(lambda n: bar.advance(task, n))
+
+
+def _store_line(res, store: str | None, detail: bool) -> str | None:
+    if res.telemetry is None:
+        return None
+    tm = res.telemetry
+    rows = (f" ({tm['rows']['page_reads']} page-read runs, {tm['rows']['page_writes']} page-write runs, "
+            f"{tm['spans_exported']} spans, {tm['spans_dropped']} dropped)" if detail else "")
+    return (f"store {store}: {tm['segments']} segments, {sum(tm['rows'].values())} rows{rows}; "
+            f"next: kvledger forensics exposures --store {store}")
+
+
+def print_glm53(res, store: str | None) -> None:
+    con = Console()
+    t = Table(title=f"kvledger replay glm53: policy={res.policy}, mode={res.mode}, context={res.context}")
+    t.add_column("node")
+    t.add_column("KV pool (tokens)", justify="right")
+    t.add_column("vs context", justify="right")
+    for node, cap in res.pools.items():
+        t.add_row(node, str(cap), ("[red]" if cap < res.context else "[green]") + f"{cap / res.context:.3f}")
+    con.print(t)
+    ok = [r for r in res.requests if r.error is None]
+    con.print(f"requests: {len(res.requests)}  served: {len(ok)}  errors: {len(res.requests) - len(ok)}  "
+              f"longer than their prefill pool: {len(res.over_pool)}  "
+              f"pool free counts back to initial: {res.pages_balanced}")
+    rt = Table(title="requests longer than their prefill node's pool")
+    rt.add_column("incarnation", no_wrap=True, min_width=19)       # decimal, as in the store: never cut short
+    for c in ("prompt tokens (billed)", "outcome", "foreign slots read (oracle)", "donors"):
+        rt.add_column(c)
+    for r in res.over_pool:
+        foreign = [e for e in res.exposures.get(r.incarnation, []) if e.donor != r.incarnation]
+        outcome = f"[red]error: {r.error}" if r.error else f"HTTP 200, {len(r.output_ids)} tokens, TTFT {r.ttft * 1e3:.0f} ms"
+        rt.add_row(str(r.incarnation), str(r.prompt_tokens_billed), outcome, str(len(foreign)),
+                   str(len({e.donor for e in foreign})))
+    con.print(rt)
+    con.print(f"responses that read foreign slots: [bold]{len(res.foreign_readers)}[/]  "
+              f"(oracle: clean re-run of each response's own tokens vs what it read)")
+    served_over = [r for r in res.over_pool if r.error is None]
+    rate = len({i for i, _, _ in res.surfaced}) / len(served_over) if served_over else 0.0
+    con.print(f"canaries planted: {len(res.canaries)}; surfaced in another tenant's output: {len(res.surfaced)} "
+              f"(surfacing rate {rate:.0%} of served over-pool responses)")
+    for inc, tenant, canary in res.surfaced:
+        con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc} of tenant {tenant}")
+    if (line := _store_line(res, store, detail=True)):
+        con.print(line)
+
+
+def print_fault(res, store: str | None) -> None:
+    from engine.replay import FAULTS
+    con = Console()
+    con.print(f"[bold]kvledger replay {res.scenario}[/]: {FAULTS[res.scenario]}")
+    con.print(f"policy={res.policy}, mode={res.mode}, triggering event: {'yes' if res.triggered else 'no (--no-trigger)'}")
+    t = Table(title="requests (foreign slots judged by the oracle: clean re-run of each response's own tokens)")
+    t.add_column("incarnation", no_wrap=True, min_width=19)        # decimal, as in the store: never cut short
+    for c in ("tenant", "prompt tokens", "outcome", "foreign slots read", "donors"):
+        t.add_column(c)
+    for r in res.requests:
+        ex = [e for e in res.exposures.get(r.incarnation, []) if e.donor != r.incarnation]
+        outcome = f"[red]{r.finish_reason}: {r.error}" if r.error else f"{r.finish_reason}, {len(r.output_ids)} tokens"
+        mark = " [yellow](event)" if r in res.affected else ""
+        t.add_row(f"{r.incarnation}{mark}", r.tenant, str(len(r.prompt_ids)), outcome,
+                  ("[red]" if ex else "") + str(len(ex)), str(len({e.donor for e in ex})))
+    con.print(t)
+    pools = ", ".join(f"{n} {f}/{tot}" for n, (f, tot) in res.free_pages.items())
+    con.print(f"responses that read foreign slots: [bold]{len(res.readers_of_foreign)}[/]; free pages at the end "
+              f"(free/total): {pools}{'' if res.pages_balanced else '  [red]pages lost or double-counted'}")
+    if res.surfaced:
+        con.print(f"canaries that surfaced in another tenant's output: {len(res.surfaced)}")
+    if (line := _store_line(res, store, detail=False)):
+        con.print(line)

@@ -1,0 +1,88 @@
+"""``kvledger forensics QUERY``: one named query of the catalogue (``forensics/queries/catalog.py``)
+over the store, as a table (80 columns by default), CSV, JSON or Parquet."""
+from __future__ import annotations
+
+import datetime as dt
+import sys
+from dataclasses import dataclass
+
+from engine.commands.options import add_store, check_window, timestamp
+from engine.errors import InputError
+from forensics.commands.options import EngineChoice, add_engine_options, engine_choice
+from forensics.queries.catalog import FOLDED, QUERIES, SOURCES
+
+
+@dataclass(frozen=True, slots=True)
+class QueryConfig:
+    query: str
+    store: str
+    format: str = "table"
+    start: dt.datetime | None = None
+    end: dt.datetime | None = None
+    bucket: int = 60
+    wide: bool = False
+    columns: str | None = None
+    run: str | None = None
+    source: str = "auto"
+    allow_unverified: bool = False
+    anchor: str | None = None
+    engine: EngineChoice = EngineChoice()
+
+
+def add_arguments(f) -> None:
+    f.add_argument("query", choices=QUERIES, help="; ".join(f"{k}: {v}" for k, v in QUERIES.items()))
+    add_store(f, "the store to query")
+    f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
+                   help="table (default), csv, json (one array of objects on stdout) or parquet (binary on stdout: "
+                        "redirect it)")
+    f.add_argument("--from", dest="start", type=timestamp, default=None, help="window start (ISO 8601, UTC)")
+    f.add_argument("--to", dest="end", type=timestamp, default=None, help="window end (ISO 8601, UTC)")
+    f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
+    f.add_argument("--wide", action="store_true",
+                   help="table format: every column (default: the columns that fit 80 characters; csv/json/parquet "
+                        "always carry every column)")
+    f.add_argument("--columns", default=None, metavar="A,B,...", help="table format: these columns, in this order")
+    f.add_argument("--run", metavar="BOOT", default=None,
+                   help="answer for one run only: a boot id from `kvledger forensics runs`, or a unique prefix of one "
+                        "(default: every run the store holds)")
+    f.add_argument("--source", choices=SOURCES, default="auto",
+                   help="ttft, impact, tenants: 'ledger' (kvledger's own requests and page ledger), 'spans' (a "
+                        "foreign fleet's request spans: fleet_ttft, fleet_impact, fleet_tenants) or 'auto' (default: "
+                        "the ledger when the store has kvledger requests, else the spans)")
+    f.add_argument("--allow-unverified", action="store_true",
+                   help="answer even when the store does not verify (every output then says so)")
+    f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+    add_engine_options(f, spans=True)
+
+
+def make_config(a) -> QueryConfig:
+    if a.query not in FOLDED and a.source != "auto":
+        raise InputError(f"--source applies to {', '.join(FOLDED)} only (their page-ledger and foreign-span views), "
+                         f"not to {a.query}")
+    if a.bucket <= 0:
+        raise InputError(f"--bucket must be a positive number of seconds, got {a.bucket}")
+    check_window(a.start, a.end)
+    return QueryConfig(a.query, a.store, a.format, a.start, a.end, a.bucket, a.wide, a.columns, a.run, a.source,
+                       a.allow_unverified, a.anchor, engine_choice(a))
+
+
+def run(c: QueryConfig) -> int:
+    from forensics.output import emit, pick_columns
+    from forensics.queries import open_forensics
+    from forensics.queries.fleet import folded
+
+    fx = open_forensics(c.store, c.run, allow_unverified=c.allow_unverified, anchor=c.anchor,
+                        **c.engine.kwargs(spans=True))
+    df, answered, fold_note = folded(fx, c.query, c.source, c.start, c.end, bucket_s=c.bucket)
+    note = fx.unverified_note
+    if note:
+        print(f"kvledger: warning: {note}", file=sys.stderr)
+    if fold_note:
+        print(f"kvledger: note: {fold_note}", file=sys.stderr)
+    title = f"kvledger forensics {answered} ({c.store})"
+    width = None
+    if c.format == "table":
+        df = pick_columns(df, answered, c.wide, c.columns)
+        if c.wide:                          # every column, as wide as it needs (a pager with -S reads it)
+            width = 0
+    return emit(df, c.format, title=f"{note} - {title}" if note else title, width=width)

@@ -1,0 +1,14 @@
+"""The named forensic queries and the engines that answer them.
+
+- ``catalog.py``    the one query catalogue: every name, what it answers, which fold to the fleet view
+- ``base.py``       ``ForensicsBackend``: what every engine offers (the Protocol both implement)
+- ``duckdb.py``     ``Forensics``: DuckDB over the local store (``forensics/sql/*.sql``)
+- ``clickhouse.py`` ``ClickHouseForensics``: chdb or a ClickHouse server (``forensics/sql/clickhouse``)
+- ``fleet.py``      the ledger/spans fold (``--source``)
+"""
+
+
+def open_forensics(store, run=None, **kw):
+    """The backend for ``engine`` (duckdb, chdb, clickhouse), the store verified first."""
+    from forensics.queries.clickhouse import open_forensics as open_
+    return open_(store, run, **kw)

@@ -1,0 +1,314 @@
+"""The store's signed chain, its intents and its anchor; ``verify``, which needs no secret.
+
+    ROOT/store.json               store id + the writer's Ed25519 public key (telemetry/keys.py)
+    ROOT/chain/<seq>.json         one flush: {"store_id", "links": [...], "signature"}
+    ROOT/intent.json              the segments the writer is about to put in place (signed)
+    ROOT/seal.json                written by a clean close: the head it closed on (signed)
+    ANCHOR (outside the store)    one signed JSON line per flush: {store_id, seq, head, seal}
+
+link = SHA-256(prev link | seq | table | file | rows | sha256(file)). The hash chain makes any edit,
+removal, reordering or insertion visible; the signature on each chain file's last link (Ed25519,
+by a key that never enters the store) makes recomputing the chain useless to anyone but the
+writer. What a copy of the store alone cannot show is its own truncation - deleting the newest
+chain files leaves a shorter chain that still verifies - so every flush's signed head also goes
+to an anchor outside the store (a per-user state directory by default: put it on another disk or
+a mounted remote; it is logged to ``kvledger.anchor`` and, with an OTLP endpoint set, sent there
+as a ``kvledger.anchor`` span by ``Telemetry``, so a collector or SIEM keeps a copy). ``verify``
+with the anchor names a truncation: "store ends at seq N, anchor says M".
+
+Strangers: the writer signs an intent (name, sha256 of every segment of a flush) before it renames
+a segment into place; after a crash it adopts exactly those. Any other file in the store is
+reported by ``verify`` and never read or linked.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import NamedTuple
+
+from telemetry.store.keys import ENV_STATE, Identity, KeyError_, WriterKeys, read_identity, state_dir
+
+GENESIS = "0" * 64
+ENV_ANCHOR = "KVLEDGER_ANCHOR"
+anchor_log = logging.getLogger("kvledger.anchor")
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class Link(NamedTuple):
+    seq: int
+    table: str
+    file: str
+    rows: int
+    sha256: str
+    prev: str
+    link: str
+
+    def payload(self) -> str:
+        return f"{self.seq}|{self.table}|{self.file}|{self.rows}|{self.sha256}"
+
+    def computed(self) -> str:
+        return hashlib.sha256(f"{self.prev}|{self.payload()}".encode()).hexdigest()
+
+
+def _msg(kind: str, store_id: str, *parts) -> bytes:
+    return "|".join(["kvledger-" + kind + "/1", store_id, *map(str, parts)]).encode()
+
+
+class ChainFile(NamedTuple):
+    name: str
+    links: list[Link]
+    signature: str | None
+
+
+def read_chain_files(root: Path) -> list[ChainFile]:
+    """Every chain file in name (= first seq) order; raises ValueError naming an unreadable one."""
+    out = []
+    for p in sorted((root / "chain").iterdir()) if (root / "chain").is_dir() else []:
+        if p.name.startswith(".tmp-"):
+            continue
+        try:
+            if not (p.suffix == ".json" and p.stem.isdigit()):
+                raise ValueError("not a chain file")
+            body = json.loads(p.read_text())
+            if isinstance(body, dict) and "links" in body:
+                out.append(ChainFile(p.name, [Link(**e) for e in body["links"]], body.get("signature")))
+            else:                                  # format 1: unsigned, HMAC-keyed
+                out.append(ChainFile(p.name, [Link(**e) for e in (body if isinstance(body, list) else [body])], None))
+        except (ValueError, TypeError, UnicodeDecodeError) as e:
+            raise ValueError(f"chain/{p.name} is unreadable ({str(e)[:80]}): not written by this store's writer") from None
+    return out
+
+
+def read_chain(root: Path) -> list[Link]:
+    return [ln for f in read_chain_files(root) for ln in f.links]
+
+
+def chain_body(keys: WriterKeys, links: list[Link]) -> bytes:
+    """A chain file for one flush's links, signed over its last link (which commits to all before it)."""
+    sid = keys.identity.store_id
+    return json.dumps({"store_id": sid, "links": [ln._asdict() for ln in links],
+                       "signature": keys.sign(_msg("chain", sid, links[-1].seq, links[-1].link))}).encode()
+
+
+def intent_body(keys: WriterKeys, segments: list[tuple[int, str, str, int, str]]) -> bytes:
+    sid = keys.identity.store_id
+    listed = [{"seq": s, "table": t, "file": f, "rows": r, "sha256": h} for s, t, f, r, h in segments]
+    return json.dumps({"store_id": sid, "segments": listed,
+                       "signature": keys.sign(_msg("intent", sid, json.dumps(listed, sort_keys=True)))}).encode()
+
+
+def read_intent(root: Path, ident: Identity) -> dict[str, dict]:
+    """file -> its intent entry, if ROOT/intent.json is there and signed by the store's key."""
+    try:
+        body = json.loads((root / "intent.json").read_text())
+        listed = body["segments"]
+        if ident.check(_msg("intent", ident.store_id, json.dumps(listed, sort_keys=True)), body["signature"]):
+            return {e["file"]: e for e in listed}
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    return {}
+
+
+# ---- the anchor ----------------------------------------------------------------------------------
+def anchor_path(store_id: str, override: str | Path | None = None) -> Path:
+    if override is not None:
+        return Path(override)
+    if os.environ.get(ENV_ANCHOR):
+        return Path(os.environ[ENV_ANCHOR])
+    return state_dir() / "anchors" / f"{store_id}.jsonl"
+
+
+def anchor_entry(keys: WriterKeys, seq: int, head: str, seal: bool) -> dict:
+    sid = keys.identity.store_id
+    return {"store_id": sid, "seq": seq, "head": head, "seal": seal, "fingerprint": keys.identity.fingerprint,
+            "ts": time.time_ns(), "signature": keys.sign(_msg("anchor", sid, seq, head, seal))}
+
+
+def append_anchor(path: Path, entry: dict) -> None:
+    """One line, appended and fsynced (the anchor is evidence too); also logged for a collector."""
+    line = json.dumps(entry, sort_keys=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (line + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    anchor_log.info(line)
+
+
+def _anchor_entries(path: Path, ident: Identity, cache: dict | None = None) -> tuple[list[dict], str | None]:
+    """This store's entries in the anchor, and the first problem with them (None if none)."""
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if cache is not None and ("anchor", line) in cache:
+            out.append(cache[("anchor", line)])
+            continue
+        try:
+            e = json.loads(line)
+        except ValueError:
+            return out, f"anchor {path} line {n} is not JSON (the anchor was edited)"
+        if e.get("store_id") != ident.store_id:
+            continue
+        if not ident.check(_msg("anchor", ident.store_id, e.get("seq"), e.get("head"), e.get("seal")),
+                           str(e.get("signature"))):
+            return out, (f"anchor {path} line {n} is not signed by this store's public key "
+                         f"(fingerprint {ident.fingerprint}): the store's key was replaced, or the anchor was edited")
+        out.append(e)
+        if cache is not None:
+            cache[("anchor", line)] = e
+    return out, None
+
+
+# ---- verify ---------------------------------------------------------------------------------------
+class Verdict(NamedTuple):
+    ok: bool
+    segments: int
+    rows: int
+    head: str                  # the last good link: the store's digest
+    broken: str | None         # the first problem, named
+    warnings: list[str]
+    seq: int = -1              # the last good link's seq
+    anchor: str | None = None  # the anchor checked against (None: none found)
+    anchor_seq: int | None = None
+    sealed: bool = False       # the last writer closed cleanly on this head
+    store_id: str = ""
+    fingerprint: str = ""
+    unlinked: tuple = ()       # (seq, table, file, rows, sha256) a killed writer put in place, signed intent
+
+
+def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | None = None) -> Verdict:
+    """Check the store against its own signatures and (when one is found) its anchor. Reads only.
+    ``cache``: a dict a long-lived reader keeps (the dashboard) so a growing store is verified
+    incrementally: segment hashes, verified chain-file signatures and verified anchor lines, each
+    keyed by its file's (path, size, mtime_ns, inode). A file edited in place with its size and
+    times restored would pass such a reader until it restarts; ``kvledger verify`` keeps no cache."""
+    root = Path(root)
+    if not (root / "chain").is_dir():
+        from telemetry.errors import StoreError
+        raise StoreError(f"no kvledger store at {root} (expected {root}/chain)")
+    try:
+        ident = read_identity(root)
+    except KeyError_ as e:
+        return Verdict(False, 0, 0, GENESIS, str(e), [])
+    base = {"store_id": ident.store_id, "fingerprint": ident.fingerprint}
+    try:
+        files = read_chain_files(root)
+    except ValueError as e:
+        return Verdict(False, 0, 0, GENESIS, str(e), [], **base)
+    prev, rows, n, seq, warnings = GENESIS, 0, 0, -1, []
+    linked: set[str] = set()
+    for cf in files:
+        for link in cf.links:
+            where = f"segment {link.seq} ({link.file})"
+            problem = None
+            path = root / link.file
+            if link.seq != seq + 1:
+                problem = f"sequence gap: expected {seq + 1}, found {link.seq} (a segment was removed)"
+            elif link.prev != prev:
+                problem = "does not link to the previous segment (reordered or inserted)"
+            elif link.computed() != link.link:
+                problem = "link hash does not match its entry (the entry was edited)"
+            elif not path.is_file():
+                problem = "segment file is missing"
+            elif _sha(path, cache) != link.sha256:
+                problem = "segment content does not match its hash (the file was modified)"
+            if problem:
+                return Verdict(False, n, rows, prev, f"{where}: {problem}", warnings, seq, **base)
+            prev, rows, n, seq = link.link, rows + link.rows, n + 1, link.seq
+            linked.add(link.file)
+        last = cf.links[-1] if cf.links else None
+        if cf.signature is None or last is None or not _checked(
+                cache, ("sig", cf.name, last.link, cf.signature),
+                lambda: ident.check(_msg("chain", ident.store_id, last.seq, last.link), cf.signature)):
+            return Verdict(False, n - len(cf.links), rows - sum(ln.rows for ln in cf.links), cf.links[0].prev
+                           if cf.links else prev, f"chain/{cf.name}: not signed by this store's key "
+                           f"(fingerprint {ident.fingerprint}): rewritten by someone without it", warnings,
+                           cf.links[0].seq - 1 if cf.links else seq, **base)
+    # files the chain does not name: a killed writer's signed tail, or strangers
+    intent, unlinked = read_intent(root, ident), []
+    for p in sorted((root / "segments").rglob("*")) if (root / "segments").is_dir() else []:
+        rel = str(p.relative_to(root))
+        if p.is_dir() or rel in linked:
+            continue
+        if p.name.startswith(".tmp-"):
+            warnings.append(f"{rel}: a temp file a writer left when it stopped mid-write; readers ignore it")
+            continue
+        e = intent.get(rel)
+        if e is not None and e["seq"] > seq and p.is_file() and _sha(p, cache) == e["sha256"]:
+            unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"]))
+            warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
+                            "readers ignore it until the next writer links it")
+            continue
+        return Verdict(False, n, rows, prev, f"{rel}: not written by this store's writer (no link or signed intent "
+                       "names it): a file was dropped into the store", warnings, seq, **base)
+    sealed = _sealed(root, ident, seq, prev)
+    # the anchor: names a truncation or a rewrite that the store alone cannot show
+    apath = anchor_path(ident.store_id, anchor)
+    if not apath.is_file():
+        if anchor is not None:
+            return Verdict(False, n, rows, prev, f"anchor {apath} does not exist", warnings, seq, **base)
+        warnings.append(f"no anchor at {apath} (set ${ENV_STATE} or --anchor): without it, deleting the newest "
+                        "history cannot be detected")
+        return Verdict(True, n, rows, prev, None, warnings, seq, None, None, sealed, unlinked=tuple(unlinked), **base)
+    entries, problem = _anchor_entries(apath, ident, cache)
+    if problem:
+        return Verdict(False, n, rows, prev, problem, warnings, seq, str(apath), None, sealed, **base)
+    if not entries:
+        warnings.append(f"anchor {apath} holds nothing for store {ident.store_id}")
+        return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), None, sealed, unlinked=tuple(unlinked), **base)
+    top = max(entries, key=lambda e: e["seq"])
+    heads = {-1: GENESIS, **{ln.seq: ln.link for cf in files for ln in cf.links}}   # -1: a store closed empty
+    if seq < top["seq"]:
+        return Verdict(False, n, rows, prev, f"truncated: store ends at seq {seq}, anchor says {top['seq']} "
+                       f"(the newest {top['seq'] - seq} segment(s) and their links were removed)", warnings, seq,
+                       str(apath), top["seq"], sealed, **base)
+    for e in entries:
+        if heads.get(e["seq"]) != e["head"]:
+            return Verdict(False, n, rows, prev, f"history rewritten: link {e['seq']} is not the head the anchor "
+                           "recorded for it", warnings, seq, str(apath), top["seq"], sealed, **base)
+    if seq > top["seq"]:
+        warnings.append(f"segments {top['seq'] + 1}..{seq} are not anchored yet (the writer is running, or stopped "
+                        "before anchoring them)")
+    return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), top["seq"], sealed,
+                   unlinked=tuple(unlinked), **base)
+
+
+def _checked(cache: dict | None, key: tuple, check) -> bool:
+    """A signature check, remembered (only when it passed) under a key naming exactly what was signed."""
+    if cache is not None and cache.get(key):
+        return True
+    ok = check()
+    if ok and cache is not None:
+        cache[key] = True
+    return ok
+
+
+def _sha(path: Path, cache: dict | None) -> str:
+    if cache is None:
+        return sha256_file(path)
+    st = path.stat()
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in cache:
+        cache[key] = sha256_file(path)
+    return cache[key]
+
+
+def _sealed(root: Path, ident: Identity, seq: int, head: str) -> bool:
+    try:
+        e = json.loads((root / "seal.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return (e.get("seq") == seq and e.get("head") == head
+            and ident.check(_msg("anchor", ident.store_id, seq, head, True), str(e.get("signature"))))

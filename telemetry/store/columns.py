@@ -1,0 +1,94 @@
+"""Columns on their way into a segment: the writer's batches as numpy arrays (``Columns``, with
+``Coded`` strings and ``Ragged`` lists), made Arrow only on the writer thread, and the Parquet
+options each table is written with. Hot paths hand over columns, never per-row objects."""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+
+class Coded(NamedTuple):
+    """A string column as codes into a few distinct values; becomes Arrow on the writer thread."""
+    codes: np.ndarray
+    values: list
+
+
+class Ragged(NamedTuple):
+    """A list column of variable length: row i is values[offsets[i]:offsets[i + 1]]."""
+    offsets: np.ndarray
+    values: np.ndarray
+
+
+Columns = dict[str, "np.ndarray | Coded | Ragged"]   # 1-D arrays, 2-D arrays (one list per row), Coded strings (2-D: lists), Ragged lists
+
+
+def num_rows(data: "pa.Table | Columns") -> int:
+    if isinstance(data, pa.Table):
+        return data.num_rows
+    first = next(iter(data.values()))
+    if isinstance(first, Ragged):
+        return len(first.offsets) - 1
+    return len(first.codes if isinstance(first, Coded) else first)
+
+
+def concat_columns(batches: list[Columns]) -> Columns:
+    """Concatenate column batches (same keys) into one batch, all in numpy (string codes remapped)."""
+    out: Columns = {}
+    for name in batches[0]:
+        parts = [b[name] for b in batches]
+        if isinstance(parts[0], Coded):
+            uniq: dict = {}
+            codes = [np.array([uniq.setdefault(v, len(uniq)) for v in p.values], dtype=np.int32)[p.codes] for p in parts]
+            out[name] = Coded(np.concatenate(codes), list(uniq))
+        elif isinstance(parts[0], Ragged):
+            sizes = [int(p.offsets[-1] - p.offsets[0]) for p in parts]
+            base = np.cumsum([0] + sizes[:-1])
+            offsets = np.concatenate([np.zeros(1, np.int64)] + [p.offsets[1:] - p.offsets[0] + b for p, b in zip(parts, base)])
+            out[name] = Ragged(offsets, np.concatenate([p.values[p.offsets[0]:p.offsets[-1]] for p in parts]))
+        else:
+            out[name] = np.concatenate(parts)
+    return out
+
+
+def columns_to_arrow(batches: list[Columns]) -> pa.Table:
+    """Concatenate column batches (same keys) into one Arrow table, all in numpy/C++."""
+    cols = concat_columns(batches) if len(batches) > 1 else batches[0]
+    out = {}
+    for name, v in cols.items():
+        if isinstance(v, Coded):
+            codes = v.codes.astype(np.int32, copy=False)
+            arr = pa.DictionaryArray.from_arrays(codes.ravel(), pa.array(v.values, pa.string()))
+            if codes.ndim == 2:         # one list of strings per row (e.g. a scope per slot)
+                arr = pa.ListArray.from_arrays(np.arange(codes.shape[0] + 1, dtype=np.int32) * codes.shape[1], arr)
+            out[name] = arr
+        elif isinstance(v, Ragged):
+            out[name] = pa.ListArray.from_arrays(v.offsets.astype(np.int32), pa.array(v.values))
+        elif (v := np.asarray(v)).ndim == 2:
+            offsets = np.arange(v.shape[0] + 1, dtype=np.int32) * v.shape[1]
+            out[name] = pa.ListArray.from_arrays(offsets, pa.array(v.ravel()))
+        else:       # a float NaN is a value not measured: NULL in the store
+            out[name] = pa.array(v, from_pandas=v.dtype.kind == "f")
+    return pa.table(out)
+
+
+HEX_HASHES = {"block_hashes", "parent_hash"}                      # a foreign engine's block hashes, in hex
+NO_DICTIONARY = {"tag_h", "hash", *HEX_HASHES}   # content hashes: they do not repeat, a dictionary only costs
+
+
+def parquet_options(schema: pa.Schema) -> dict:
+    """Statistics on scalar columns only (what a reader prunes on: times, clocks, ids; not lists
+    of slots), no dictionary for the keyed hashes: every flush writes a segment per table, so its CPU counts.
+    LZ4 everywhere but on hex hashes, which it cannot shrink and zstd halves in the same time."""
+    if not any(f.name in HEX_HASHES for f in schema):
+        compression: str | dict = "lz4"
+    else:
+        compression = {_leaf_path(f): "zstd" if f.name in HEX_HASHES else "lz4" for f in schema}
+    return {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
+            "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY], "compression": compression}
+
+
+def _leaf_path(f: pa.Field) -> str:
+    """The Parquet column path of a field's values ("found_writers.list.element" for a list)."""
+    return f"{f.name}.list.element" if pa.types.is_list(f.type) else f.name

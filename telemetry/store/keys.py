@@ -1,0 +1,215 @@
+"""Key custody: who holds which key, and where (README "Telemetry and the store": threat model).
+
+A store directory holds no secret. It carries ``store.json``: the store's id and the Ed25519
+*public* key its writer signs with (and that key's fingerprint). The writer's keys live outside it,
+in ``KEY_DIR/<store id>/`` (``$KVLEDGER_KEY_DIR``, else ``$KVLEDGER_STATE_DIR/keys``, else
+``$XDG_STATE_HOME/kvledger/keys`` or ``~/.local/state/kvledger/keys``), each file 0600:
+
+    signing.key     Ed25519 private key: signs every chain file, intent and anchor entry
+    pseudonym.key   keys the tenant / scope pseudonyms and re-keys content tags (HMAC-SHA256 / mix)
+    ngram.key       keys the n-gram hashes that tell "surfaced" from "read"
+
+Three separate secrets: a copy of the store handed to an auditor (with or without the public key)
+re-identifies no tenant, recovers no prompt text from n-gram hashes and can sign nothing.
+``$KVLEDGER_STORE_SECRET`` (hex) overrides the two pseudonymisation keys (each derived from it
+under its own label), as before; the signing key is always a file of its own.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+    Ed25519PrivateKey,
+    Ed25519PublicKey,
+)
+
+from engine.errors import KvledgerError
+
+ENV_SECRET = "KVLEDGER_STORE_SECRET"
+ENV_STATE = "KVLEDGER_STATE_DIR"
+ENV_KEYS = "KVLEDGER_KEY_DIR"
+STORE_FILE = "store.json"
+STORE_FORMAT = "kvledger-store/2"
+
+
+class KeyError_(KvledgerError):
+    """Raised as telemetry.store.StoreError by callers (this module stays free of the engine)."""
+
+
+def state_dir() -> Path:
+    """Per-user state outside every store: keys and anchors."""
+    if os.environ.get(ENV_STATE):
+        return Path(os.environ[ENV_STATE])
+    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(base) / "kvledger"
+
+
+def key_dir(store_id: str) -> Path:
+    root = Path(os.environ[ENV_KEYS]) if os.environ.get(ENV_KEYS) else state_dir() / "keys"
+    return root / store_id
+
+
+def fingerprint(public_key: bytes) -> str:
+    return hashlib.sha256(public_key).hexdigest()[:32]
+
+
+class Identity(NamedTuple):
+    """What a store says about itself (ROOT/store.json): public, needed by ``verify``."""
+    store_id: str
+    public_key: bytes
+
+    @property
+    def fingerprint(self) -> str:
+        return fingerprint(self.public_key)
+
+    def check(self, message: bytes, signature: str) -> bool:
+        try:
+            Ed25519PublicKey.from_public_bytes(self.public_key).verify(bytes.fromhex(signature), message)
+            return True
+        except (InvalidSignature, ValueError, TypeError):
+            return False
+
+
+def read_identity(root: Path) -> Identity:
+    path = root / STORE_FILE
+    try:
+        body = json.loads(path.read_text())
+        ident = Identity(str(body["store_id"]), bytes.fromhex(body["public_key"]))
+    except FileNotFoundError:
+        if (root / "secret.key").exists():
+            raise KeyError_(f"{root} was written by an older kvledger (an HMAC chain, its secret.key inside the store): "
+                            "it has no signed chain to verify; read it with --allow-unverified, or start a new "
+                            "store") from None
+        raise KeyError_(f"{path} is missing: the store's public key is gone, so no signature can be checked") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise KeyError_(f"{path} is unreadable ({e}): the store's public key cannot be read") from None
+    if body.get("fingerprint") not in (None, ident.fingerprint):
+        raise KeyError_(f"{path}: the public key does not match its recorded fingerprint")
+    return ident
+
+
+def _write_private(path: Path, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def _read_private(path: Path, store_id: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise KeyError_(f"the writer key {path.name} of store {store_id} is not at {path.parent}: only the process "
+                        f"holding that store's keys can append to it (set ${ENV_KEYS} or ${ENV_STATE} to where they "
+                        "are); reading and verifying need no key") from None
+    except PermissionError:
+        raise KeyError_(f"cannot read {path}: permission denied") from None
+
+
+def check_secret_env() -> None:
+    """Raise (KeyError_) when $KVLEDGER_STORE_SECRET is set but unusable."""
+    WriterKeys._env_secrets()
+
+
+class WriterKeys:
+    """The writer's side: the signing key and the two pseudonymisation secrets of one store."""
+
+    def __init__(self, identity: Identity, signing: Ed25519PrivateKey, pseudonym: bytes, ngram: bytes):
+        self.identity, self._signing = identity, signing
+        self.keys = Keys(pseudonym, ngram)
+
+    @classmethod
+    def open_or_create(cls, root: Path) -> "WriterKeys":
+        """Load the keys of the store at ``root``; a new store gets fresh keys (outside it) and its
+        store.json. A store whose store.json is gone while its chain is not is refused."""
+        if (root / STORE_FILE).exists():
+            ident = read_identity(root)
+            kd = key_dir(ident.store_id)
+            signing = Ed25519PrivateKey.from_private_bytes(_read_private(kd / "signing.key", ident.store_id))
+            if signing.public_key().public_bytes_raw() != ident.public_key:
+                raise KeyError_(f"the signing key at {kd} is not the one {root / STORE_FILE} names")
+            pseud, ngram = cls._secrets(kd, ident.store_id)
+            return cls(ident, signing, pseud, ngram)
+        if any((root / "chain").glob("*")):
+            read_identity(root)                # names an older kvledger's store, or the deleted key
+            raise KeyError_(f"{root / STORE_FILE} is missing but the store has a chain")
+        store_id = os.urandom(8).hex()
+        kd = key_dir(store_id)
+        kd.mkdir(parents=True, exist_ok=True, mode=0o700)
+        signing = Ed25519PrivateKey.generate()
+        _write_private(kd / "signing.key", signing.private_bytes_raw())
+        if not os.environ.get(ENV_SECRET):
+            _write_private(kd / "pseudonym.key", os.urandom(32))
+            _write_private(kd / "ngram.key", os.urandom(32))
+        ident = Identity(store_id, signing.public_key().public_bytes_raw())
+        body = json.dumps({"format": STORE_FORMAT, "store_id": store_id, "public_key": ident.public_key.hex(),
+                           "fingerprint": ident.fingerprint, "key_dir": str(kd)}, indent=1)
+        tmp = root / f".tmp-{STORE_FILE}"
+        tmp.write_text(body)
+        os.replace(tmp, root / STORE_FILE)
+        pseud, ngram = cls._secrets(kd, store_id)
+        return cls(ident, signing, pseud, ngram)
+
+    @staticmethod
+    def _secrets(kd: Path, store_id: str) -> tuple[bytes, bytes]:
+        env = WriterKeys._env_secrets()
+        if env is not None:
+            return env
+        return _read_private(kd / "pseudonym.key", store_id), _read_private(kd / "ngram.key", store_id)
+
+    @staticmethod
+    def _env_secrets() -> tuple[bytes, bytes] | None:
+        env = os.environ.get(ENV_SECRET)
+        if env:
+            try:
+                secret = bytes.fromhex(env)
+            except ValueError:
+                raise KeyError_(f"${ENV_SECRET} must be hex (e.g. the output of `openssl rand -hex 32`), "
+                                f"got {len(env)} characters that are not") from None
+            if len(secret) < 16:
+                raise KeyError_(f"${ENV_SECRET} must hold at least 16 bytes (32 hex characters), got {len(secret)}")
+            return (hmac.new(secret, b"kvledger/pseudonym-key", hashlib.sha256).digest(),
+                    hmac.new(secret, b"kvledger/ngram-key", hashlib.sha256).digest())
+        return None
+
+    def sign(self, message: bytes) -> str:
+        return self._signing.sign(message).hex()
+
+
+class Keys:
+    """Keyed pseudonyms: tenant ids and scopes (HMAC-SHA256), content tags and n-grams (a keyed
+    64-bit permutation each, vectorised over whole columns), under two separate secrets."""
+
+    def __init__(self, pseudonym_secret: bytes, ngram_secret: bytes):
+        self._pseud = hmac.new(pseudonym_secret, b"kvledger/pseudonym", hashlib.sha256).digest()
+        self._tag_mix = np.frombuffer(hmac.new(pseudonym_secret, b"kvledger/tag-mix", hashlib.sha256).digest(),
+                                      dtype=np.uint64).copy()
+        self._ngram_mix = np.frombuffer(hmac.new(ngram_secret, b"kvledger/ngram-mix", hashlib.sha256).digest(),
+                                        dtype=np.uint64).copy()
+
+    def pseudonym(self, value: str) -> str:
+        return hmac.new(self._pseud, value.encode(), hashlib.sha256).hexdigest()[:16]
+
+    def tag_pseudonyms(self, tags: np.ndarray) -> np.ndarray:
+        return _mix(tags, self._tag_mix)
+
+    def ngram_pseudonyms(self, hashes: np.ndarray) -> np.ndarray:
+        return _mix(hashes, self._ngram_mix)
+
+
+def _mix(values: np.ndarray, key: np.ndarray) -> np.ndarray:
+    """Keyed murmur3-finaliser mix of int64 values (a keyed permutation of 64-bit values)."""
+    x = values.astype(np.int64, copy=False).view(np.uint64) ^ key[0]
+    with np.errstate(over="ignore"):
+        x = x * np.uint64(0xFF51AFD7ED558CCD)
+        x ^= x >> np.uint64(33)
+        x ^= key[1]
+        x = x * np.uint64(0xC4CEB9FE1A85EC53)
+        x ^= x >> np.uint64(33)
+    return (x ^ key[2]).view(np.int64)

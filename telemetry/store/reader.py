@@ -1,0 +1,82 @@
+"""Reading the store: an in-memory DuckDB with one view per table over exactly the chained
+segments (a reader never sees a half-written file), narrowed to one run on request."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import duckdb
+
+from telemetry.errors import StoreError
+from telemetry.store.chain import read_chain
+from telemetry.store.schema import arrow_schemas, empty
+
+
+def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with one view per table over the chained segments (read-only use).
+    ``run``: a boot id, or a unique prefix of one: every table with a ``boot`` column shows that
+    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole)."""
+    root = Path(root)
+    if not (root / "chain").is_dir():
+        raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
+    # big joins spill to disk: keep that out of the caller's working directory
+    import tempfile
+    con = duckdb.connect(config={"temp_directory": str(Path(tempfile.gettempdir()) / "kvledger-duckdb-spill")})
+    by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
+    try:
+        chain = read_chain(root)
+    except ValueError as e:
+        raise StoreError(str(e)) from None
+    for link in chain:
+        if link.table in by_table and (root / link.file).exists():
+            by_table[link.table].append(str(root / link.file))
+    schemas = arrow_schemas()
+    rels = {}
+    for table, files in by_table.items():
+        if not files:
+            rels[table] = con.from_arrow(empty(table))
+            continue
+        # Segments written by an older schema lack the columns added since: read by name, and
+        # give every column of today's schema (NULL where a segment did not have it), so an old
+        # store opens and every query runs on it.
+        rel = con.read_parquet(files, union_by_name=True)
+        have = set(rel.columns)
+        cols = [duckdb.ColumnExpression(f.name) if f.name in have else
+                duckdb.ConstantExpression(None).cast(_duck_type(con, table, f.name)).alias(f.name)
+                for f in schemas[table]]
+        if "boot" in schemas[table].names:      # rows written before runs had ids: one run, ''
+            cols[schemas[table].names.index("boot")] = duckdb.CoalesceOperator(
+                duckdb.ColumnExpression("boot") if "boot" in have else duckdb.ConstantExpression(None).cast("VARCHAR"),
+                duckdb.ConstantExpression("")).alias("boot")
+        rels[table] = rel.select(*cols)
+    if run is not None:
+        boot = resolve_run(rels["config_snapshots"], run)
+        for table, rel in rels.items():
+            if "boot" in schemas[table].names:
+                rels[table] = rel.filter(duckdb.ColumnExpression("boot") == duckdb.ConstantExpression(boot))
+    for table, rel in rels.items():
+        rel.create_view(table)
+    return con
+
+
+def resolve_run(config_snapshots: duckdb.DuckDBPyRelation, run: str) -> str:
+    """The boot id a user named by a unique prefix (as git names commits)."""
+    return resolve_boot({r[0] for r in config_snapshots.select(duckdb.ColumnExpression("boot")).fetchall()}, run)
+
+
+def resolve_boot(boots: "set[str] | list[str]", run: str) -> str:
+    """The one boot id of ``boots`` that ``run`` names (a unique prefix; '' names the pre-boot run)."""
+    boots = sorted(set(boots))
+    hits = [b for b in boots if b.startswith(run)] if run else [b for b in boots if b == ""]
+    if len(hits) == 1:
+        return hits[0]
+    listed = ", ".join(b or "''" for b in boots[:8]) + (" ..." if len(boots) > 8 else "")
+    if not hits:
+        raise StoreError(f"--run {run!r}: no run with that boot id in this store (it holds {len(boots)}: {listed}; "
+                         "see `kvledger forensics runs`)")
+    raise StoreError(f"--run {run!r} is ambiguous: it starts {len(hits)} boot ids ({', '.join(hits[:8])}); "
+                     "give more characters")
+
+
+def _duck_type(con: duckdb.DuckDBPyConnection, table: str, column: str) -> duckdb.typing.DuckDBPyType:
+    """The DuckDB type of a schema column (from the empty Arrow table of that schema)."""
+    return con.from_arrow(empty(table)).select(duckdb.ColumnExpression(column)).types[0]

@@ -1,0 +1,382 @@
+"""The store: immutable Parquet segments in a signed hash chain, read through DuckDB.
+
+DuckDB allows one writing process and no concurrent reader on one database file, yet the
+dashboard reads while the engine writes. So the engine never holds a database file: its
+``SegmentWriter`` writes each batch of rows as an immutable Parquet segment (temp file, fsync,
+rename), then appends a signed chain file for the flush (temp file, fsync, rename) and the signed
+head to the anchor outside the store. Readers open an in-memory DuckDB over exactly the chained
+segments, so a reader never sees a half-written file.
+
+    ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
+    ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/chain.py
+    ROOT/writer.lock                        one writer at a time (flock)
+    (no secret: the writer's keys live outside the store, telemetry/keys.py)
+
+Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
+seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` or ``max_bytes`` are buffered, and on close. After
+``kill -9`` at most the last ``flush_interval`` seconds of rows (plus one segment being written)
+are lost; a segment written but not yet linked is named by the writer's signed intent, reported by
+``verify`` as an unlinked tail, ignored by readers, and linked by the next writer (``adopted``). A
+write that fails mid-flush leaves what the flush wrote before it linked and its own rows buffered
+(the next flush or the close retries them); the producer gets the StoreError.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from telemetry.errors import StoreError
+from telemetry.store.chain import Link, anchor_entry, anchor_path, append_anchor, chain_body, intent_body, verify
+from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options
+from telemetry.store.keys import KeyError_, WriterKeys
+from telemetry.store.schema import arrow_schemas, conform
+
+# Seconds between flushes: the durability window after kill -9 and how far behind a live reader
+# is. Each flush writes a segment and a chain link per table, a cost that does not shrink with
+# fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py --flush-intervals 1,2
+# measures them side by side).
+FLUSH_INTERVAL = 2.0
+log = logging.getLogger("kvledger.store")
+
+
+def can_leave_idle() -> bool:
+    """Whether a thread of this process may go from SCHED_IDLE back to normal (it needs CAP_SYS_NICE
+    or RLIMIT_NICE >= 20): tried on a scratch thread, never on the writer itself."""
+    ok = []
+
+    def probe() -> None:
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))
+            ok.append(True)
+        except (AttributeError, OSError):
+            pass
+    t = threading.Thread(target=probe, name="kvledger-priority-probe")
+    t.start()
+    t.join()
+    return bool(ok)
+
+
+def enter_idle_priority() -> str:
+    """Put the calling thread under SCHED_IDLE: it runs on a core no other thread wants (between
+    the engine's steps, while torch's workers sleep) and yields it the moment one does.
+    bench/telemetry.py's calibration compares a thread burning the writer's CPU at both priorities
+    beside the tiny decode. While this was built, standalone runs of it cost the decode 1.4, 2.0 and
+    3.4 points less under SCHED_IDLE than at normal priority, and the bench's own runs -0.2 and 0.3
+    points less: within this machine's noise, so not shown to save anything yet (nice 19 instead:
+    1.4 and 2.0 points in two standalone runs)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))     # pid 0: this thread only
+        return "idle"
+    except (AttributeError, OSError):       # not Linux, or refused: stays at normal priority
+        return "normal"
+
+
+def _atomic_write(path: Path, data: "bytes | pa.Buffer") -> None:
+    """Write data as path: a temp file, fsync, rename (a reader never sees a partial file)."""
+    tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            view, done = memoryview(data), 0
+            while done < len(view):
+                done += os.write(fd, view[done:])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)            # e.g. disk full: no half-written temp file is left behind
+        raise
+
+
+class SegmentWriter:
+    """Buffers columnar batches per table and writes chained Parquet segments from one thread.
+
+    ``submit`` puts a batch on a bounded queue and blocks when it is full (back-pressure, never
+    loss). Functions given to ``add_drain`` run on the writer thread before every flush and return
+    rows to write with it (the page ledger closes its open read runs there).
+    """
+
+    def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
+                 max_bytes: int = 32 << 20, queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None,
+                 idle_priority: bool = False):
+        """``idle_priority``: run the writer thread under SCHED_IDLE (Linux), so that it takes the CPU
+        only when nothing else wants it - for an engine whose torch threads fill every core, where a
+        writer at normal priority takes its CPU time out of the decode. Its producers must bound what
+        they hand over (the page ledger waits for it past a backlog), and call ``nudge`` (the ledger
+        does every step, ``submit`` every batch): under load that never leaves a core idle it would
+        not run at all, and a flush overdue by a quarter interval (at most 0.5 s) is raised to normal
+        priority until it is done - the flush interval stays the durability window after a kill -9
+        (tests/test_store.py kills a writer beside busy processes; without the nudge nothing was
+        flushed). Needs the right to leave SCHED_IDLE again (CAP_SYS_NICE or RLIMIT_NICE >= 20),
+        checked first: without it the writer stays at normal priority."""
+        from engine.request import new_boot_id
+        self.root = Path(root)
+        self.idle_priority = idle_priority
+        self.priority = "normal"           # what the thread got ("idle" once it is under SCHED_IDLE)
+        self._boosted, self.boosts = False, 0          # raised to normal for an overdue flush (nudge)
+        self._last_flush = time.monotonic()
+        # the run this writer records: every row of a table with a ``boot`` column that its producer
+        # did not label gets it (node names and logical clocks restart with every boot)
+        self.boot = boot or new_boot_id()
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store path {self.root} exists and is not a directory")
+        (self.root / "chain").mkdir(parents=True, exist_ok=True)
+        self._lock_fd = os.open(self.root / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self._lock_fd)
+            raise StoreError(f"store {self.root} already has a writer (another engine process holds writer.lock)") from None
+        try:
+            self._open_chain(anchor)
+        except BaseException:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+            raise
+        # a table is written once it holds max_rows rows or max_bytes of Arrow buffers, else every
+        # flush_interval: memory stays bounded, and a fast producer's rows are written while it sends
+        self.flush_interval, self.max_rows, self.max_bytes = flush_interval, max_rows, max_bytes
+        self._bytes: dict[str, int] = {}
+        self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
+        self.schemas = arrow_schemas()
+        self._parquet = {t: parquet_options(s) for t, s in self.schemas.items()}
+        self._q: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._buf: dict[str, list[pa.Table]] = {t: [] for t in self.schemas}
+        self._rows: dict[str, int] = dict.fromkeys(self.schemas, 0)
+        self.rows_written: dict[str, int] = dict.fromkeys(self.schemas, 0)
+        self.segments_written = 0
+        self.error: BaseException | None = None
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
+        self._thread.start()
+
+    def add_drain(self, drain: Callable[[], list[tuple[str, "Columns"]]]) -> None:
+        self._drains.append(drain)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def saturated(self) -> bool:
+        """The batch queue is (nearly) full: a receiver answers 503 instead of blocking its sender."""
+        return self._q.qsize() >= self._q.maxsize - 1
+
+    @property
+    def accepting(self) -> bool:
+        """Open and not failed: a background exporter checks this and reports a failure to its SDK
+        instead of raising into the SDK's thread (the engine still gets the StoreError itself)."""
+        return not self._closed and self.error is None
+
+    # ---- producer side -------------------------------------------------------------------------
+    def submit(self, table: str, data: "pa.Table | Columns") -> None:
+        if table not in self.schemas:
+            raise StoreError(f"unknown table {table!r}; schema.sql defines {sorted(self.schemas)}")
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+        if self._closed:
+            raise StoreError("store writer is closed")
+        if num_rows(data):
+            self.nudge()
+            self._q.put((table, data))
+
+    def submit_lazy(self, build: Callable[[], list[tuple[str, "pa.Table | Columns"]]]) -> None:
+        """Queue a function the writer thread calls to build (table, rows) pairs: the engine hands over
+        its step's immutable tensors and goes on; the column work happens here, off its path."""
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+        self._q.put(("__lazy__", build))
+
+    def flush(self) -> None:
+        """Write every buffered row now and wait until it is linked."""
+        if self._closed:
+            raise StoreError("store writer is closed")
+        done = threading.Event()
+        self._q.put(("__flush__", done))
+        done.wait()
+        if self.error is not None:
+            raise StoreError(f"store writer failed: {self.error}") from self.error
+
+    def close(self) -> None:
+        """Flush and stop; the thread and the store's lock are released even when the flush fails
+        (its StoreError still reaches the caller), so another writer can take the store over."""
+        if self._closed:
+            return
+        try:
+            self.flush()
+            self._anchor(self._seq - 1, self._prev, seal=True)   # a clean close: the head it closed on, signed
+        finally:
+            self._closed = True
+            self._q.put(None)
+            self._thread.join()
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+            os.close(self._lock_fd)
+
+    # ---- the writer thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        if self.idle_priority and can_leave_idle():     # (else an overdue flush could not be sped up: normal)
+            self.priority = enter_idle_priority()
+        last = self._last_flush = time.monotonic()
+        while True:
+            timeout = max(0.0, self.flush_interval - (time.monotonic() - last))
+            try:
+                item = self._q.get(timeout=timeout)
+            except queue.Empty:
+                item = ("__tick__", None)
+            if item is None:
+                return
+            table, data = item
+            try:
+                if table == "__flush__":
+                    self._write_all()
+                    last = self._flushed()          # everything is written: the next periodic flush is an interval away
+                    data.set()
+                    continue
+                items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
+                for t, d in items:
+                    if num_rows(d):
+                        self._buf[t].append(d)
+                        self._rows[t] += num_rows(d)
+                        self._bytes[t] = self._bytes.get(t, 0) + (d.nbytes if isinstance(d, pa.Table) else 0)
+                        if self._rows[t] >= self.max_rows or self._bytes[t] >= self.max_bytes:
+                            self._write([t])
+                if time.monotonic() - last >= self.flush_interval:
+                    self._write_all()
+                    last = self._flushed()
+            except BaseException as e:        # surfaced to the producer on its next call
+                self.error = e
+                if table == "__flush__":
+                    data.set()
+
+    def _flushed(self) -> float:
+        """Writer thread, after each flush: the time of it; a boosted idle writer goes back to idle."""
+        if self._boosted:
+            self._boosted = False
+            enter_idle_priority()
+        self._last_flush = time.monotonic()
+        return self._last_flush
+
+    def nudge(self) -> None:
+        """Producer's thread (the engine's, every step): an idle-priority writer whose periodic flush
+        is overdue - the cores were never idle - runs at normal priority until that flush is done, so
+        the flush interval stays the durability window. A comparison when nothing is overdue."""
+        if (self.priority == "idle" and not self._boosted
+                and time.monotonic() - self._last_flush > self.flush_interval + min(0.5, self.flush_interval / 4)):
+            self._boosted = True
+            self.boosts += 1
+            try:
+                os.sched_setscheduler(self._thread.native_id, os.SCHED_OTHER, os.sched_param(0))
+            except OSError as e:           # checked before the writer went idle: not expected
+                log.warning("store writer: could not raise its idle priority for an overdue flush: %s", e)
+
+    def _open_chain(self, anchor) -> None:
+        """Load the writer's keys (outside the store), verify what is there before signing anything
+        after it, and link the segments a killed writer renamed into place but did not link - only
+        those its signed intent names (complete: rename follows fsync), never a file someone dropped
+        in. A store that does not verify is refused: appending would sign over the damage."""
+        try:
+            self.wkeys = WriterKeys.open_or_create(self.root)
+        except KeyError_ as e:
+            raise StoreError(str(e)) from None
+        self.keys = self.wkeys.keys
+        self.anchor = anchor_path(self.wkeys.identity.store_id, anchor)
+        self.anchor_error: BaseException | None = None
+        self.on_anchor: list[Callable[[dict], None]] = []
+        v = verify(self.root, self.anchor if self.anchor.exists() else None)
+        if not v.ok:
+            raise StoreError(f"store {self.root} does not verify ({v.broken}); refusing to append to it "
+                             "(`kvledger verify` names the damage; start a new store)")
+        self._seq, self._prev = v.seq + 1, v.head
+        (self.root / "seal.json").unlink(missing_ok=True)      # open again: no longer closed on that head
+        self._unlinked: list[tuple[int, str, str, int, str]] = sorted(v.unlinked)   # in place, not yet chained
+        self.adopted = [u[2] for u in self._unlinked]
+        if self._unlinked:
+            self._seq = self._unlinked[-1][0] + 1
+            self._link_unlinked()
+
+    def _link_unlinked(self) -> None:
+        """Chain the segments written and not yet linked (seq order), one link each, as one chain
+        file named by the first seq (temp file, fsync, rename): a flush's segments cost one chain
+        write, not one each. A segment's hash is the one taken as it was written, or read back from
+        its file (None). The chain head moves only once the file is in place: if writing it fails,
+        the segments stay waiting and the next flush links them."""
+        if not self._unlinked:
+            return
+        links, prev = [], self._prev
+        for seq, table, rel, rows, sha in self._unlinked:
+            link = Link(seq, table, rel, rows, sha, prev, "")
+            links.append(link := link._replace(link=link.computed()))
+            prev = link.link
+        _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", chain_body(self.wkeys, links))
+        self._prev, self._unlinked = prev, []
+        self._anchor(links[-1].seq, prev, seal=False)
+
+    def _anchor(self, seq: int, head: str, seal: bool) -> None:
+        """The signed head, out of the store. A failing anchor (its disk gone) loses no row: the
+        store stays whole and verifiable, the next flush anchors a newer head, and the failure is
+        kept for close() and logged (verify reports the unanchored tail meanwhile)."""
+        entry = anchor_entry(self.wkeys, seq, head, seal)
+        try:
+            append_anchor(self.anchor, entry)
+        except OSError as e:
+            self.anchor_error = e
+            log.warning("anchor %s not written: %s", self.anchor, e)
+        for fn in self.on_anchor:             # e.g. Telemetry: the signed head out as a span (OTLP)
+            fn(entry)
+        if seal:
+            _atomic_write(self.root / "seal.json", json.dumps(entry).encode())
+
+    def _write_all(self) -> None:
+        for drain in self._drains:
+            for t, d in drain():
+                self._buf[t].append(d)
+                self._rows[t] += num_rows(d)
+        self._write([t for t in self.schemas if self._rows[t]])
+
+    def _write(self, tables: list[str]) -> None:
+        """Write each table's buffered rows as one segment and link them: all are encoded and
+        hashed in memory first, the signed intent naming them goes down, then each segment (temp
+        file, fsync, rename). What was written is linked even if a later table fails; a failed
+        table's rows stay buffered and its seq is not taken."""
+        if not tables:
+            return
+        encoded = [self._encode(t, self._seq + i) for i, t in enumerate(tables)]
+        try:
+            _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [e[:5] for e in encoded]))
+            for seq, table, rel, rows, sha, body in encoded:
+                _atomic_write(self.root / rel, body)
+                self._seq = seq + 1              # taken only once the segment is in place: no gap on a failed write
+                self.rows_written[table] += rows
+                self.segments_written += 1
+                self._buf[table], self._rows[table], self._bytes[table] = [], 0, 0
+                self._unlinked.append((seq, table, rel, rows, sha))
+        finally:
+            self._link_unlinked()
+
+    def _encode(self, table: str, seq: int) -> tuple[int, str, str, int, str, "pa.Buffer"]:
+        """The table's buffered rows as one Parquet segment, in memory, with its sha256."""
+        raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
+        fill = {"boot": self.boot}
+        tables = [conform(table, b, fill) for b in self._buf[table] if isinstance(b, pa.Table)]
+        if raw:
+            tables.append(conform(table, columns_to_arrow(raw), fill))
+        data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
+        rel = f"segments/{table}/{seq:09d}.parquet"
+        (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
+        sink = pa.BufferOutputStream()
+        pq.write_table(data, sink, **self._parquet[table])
+        body = sink.getvalue()
+        return seq, table, rel, data.num_rows, hashlib.sha256(body).hexdigest(), body
