@@ -96,7 +96,7 @@ def main() -> None:
     import torch
 
     from engine.models import load_model
-    from engine.server.backend import ClusterSpec, Keys, build_backend
+    from engine.server.backend import ClusterSpec, ApiKeys, build_backend
     from engine.request import SamplingParams
     from forensics.queries.duckdb import Forensics
     from tests.tiny_models import build_tiny
@@ -126,7 +126,7 @@ def main() -> None:
     # the ratio is what the HTTP layer costs, not what recording costs (bench/telemetry.py measures that)
     from telemetry import Telemetry
     tel = Telemetry(tmp / "engine-store", policy="hardened", model_name="tiny")
-    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), Keys(None), tel)
+    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), ApiKeys(None), tel)
     sp = SamplingParams(max_tokens=args.new_tokens)
     served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
     server_threads = max(1, (os.cpu_count() or 1) - 1)        # `kvledger serve --torch-threads` default

@@ -43,7 +43,7 @@ class EngineConfig:
     isolation_level: str = "tenant"     # cache scope: user | tenant | org | none (derived server-side, never from the client)
     orgs: dict = field(default_factory=dict)   # tenant -> org, for isolation_level="org"
     shared_pool_path: str | None = None   # the pool lives in this shared file mapping (process mode's decode node)
-    preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/preflight.py)
+    preflight: str = "record"          # pool < context at start: record | refuse | fit (engine/kv/preflight.py)
     node_id: str = "node0"
     role: str = "unified"
     seed: int = 0

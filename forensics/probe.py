@@ -75,7 +75,7 @@ def _root(base_url: str) -> str:
     return urlunsplit((parts.scheme, parts.netloc, path, "", ""))
 
 
-class Target:
+class Endpoint:
     """The endpoint under test, as two tenants see it, with token counting and prompt building."""
 
     def __init__(self, base_url: str, key_a: str, key_b: str, model: str | None, tokenizer: str | None,
@@ -174,7 +174,7 @@ class Target:
         return out
 
 
-def check_limits(t: Target, pool: int | None, context: int | None, tick) -> tuple[Result, list[dict]]:
+def check_limits(t: Endpoint, pool: int | None, context: int | None, tick) -> tuple[Result, list[dict]]:
     if pool is None and context is None:
         return Result("limits", INCONCLUSIVE, "neither the pool nor the context length could be discovered; "
                       "pass --pool-tokens / --context-length"), []
@@ -195,7 +195,7 @@ def check_limits(t: Target, pool: int | None, context: int | None, tick) -> tupl
     return Result("limits", verdict, detail, bad), rows
 
 
-def check_usage(t: Target, pool: int | None, context: int | None, over: list[dict], samples: int, tick) -> Result:
+def check_usage(t: Endpoint, pool: int | None, context: int | None, over: list[dict], samples: int, tick) -> Result:
     top = min(x for x in (pool, context) if x) if (pool or context) else 512
     sizes = np.linspace(max(16, top // 16), max(17, top - 2), num=max(samples, 4)).astype(int)
     short = []
@@ -226,7 +226,7 @@ def check_usage(t: Target, pool: int | None, context: int | None, over: list[dic
     return Result("usage", FINDING if bad else PASS, fit, bad)
 
 
-def check_canary(t: Target, pool: int | None, context: int | None, samples: int, tick) -> Result:
+def check_canary(t: Endpoint, pool: int | None, context: int | None, samples: int, tick) -> Result:
     if pool is None or context is None or pool >= context:
         return Result("canary", INCONCLUSIVE if pool is None or context is None else PASS,
                       "needs the pool and the context" if pool is None or context is None else
@@ -263,7 +263,7 @@ def validate(checks: list[str], samples: int, pool: int | None, context: int | N
             raise ProbeError(f"{flag} must be in [2, {1 << 24}], got {v}")
 
 
-def check_salt(t: Target, pool: int | None, samples: int, tick) -> Result:
+def check_salt(t: Endpoint, pool: int | None, samples: int, tick) -> Result:
     n = max(64, min(pool or 512, 1024) // 4)
     salt = {"cache_salt": f"salt-{secrets.token_hex(8)}", "user": f"user-{secrets.token_hex(4)}"}
     control, bad = [], []
@@ -290,7 +290,7 @@ def check_salt(t: Target, pool: int | None, samples: int, tick) -> Result:
                   f"B sending A's cache_salt and user got none in {len(control)} tries")
 
 
-def check_timing(t: Target, pool: int | None, samples: int, tick) -> Result:
+def check_timing(t: Endpoint, pool: int | None, samples: int, tick) -> Result:
     from scipy.stats import mannwhitneyu
     n = max(128, min(pool or 512, 1024) // 2)
     fresh, cross, own = [], [], []
@@ -330,7 +330,7 @@ def _has(text: str, canary: str) -> bool:
     return canary in text or any(canary[i:i + 8] in text for i in range(len(canary) - 7))
 
 
-def check_abort(t: Target, pool: int | None, context: int | None, samples: int, tick) -> Result:
+def check_abort(t: Endpoint, pool: int | None, context: int | None, samples: int, tick) -> Result:
     import threading
     top = min(x for x in (pool, context) if x) if (pool or context) else 512
     n = max(64, top - 32)                           # B's prompts: long prefills, still under every limit
@@ -395,7 +395,7 @@ def check_abort(t: Target, pool: int | None, context: int | None, samples: int, 
     return Result("abort", PASS if again.verdict != INCONCLUSIVE else INCONCLUSIVE, stats)
 
 
-def run_probe(t: Target, checks: list[str], pool: int | None = None, context: int | None = None,
+def run_probe(t: Endpoint, checks: list[str], pool: int | None = None, context: int | None = None,
               samples: int = 6, progress=None) -> tuple[list[Result], dict]:
     tick = progress or (lambda: None)
     pool, context, where = t.discover(pool, context)

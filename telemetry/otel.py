@@ -33,6 +33,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, Spa
 from opentelemetry.semconv._incubating.attributes import gen_ai_attributes as GA
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 
+from engine.semconv import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS  # noqa: F401 (tests read them here)
 from telemetry.store import SegmentWriter
 
 SPAN_EXPORT_DELAY_MS = 500
@@ -42,10 +43,6 @@ PROVIDER = "kvledger"
 OPERATION = "text_completion"
 log = logging.getLogger("kvledger.telemetry")
 
-# bucket boundaries from the GenAI metrics spec
-TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0]
-TPOT_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5]
-DURATION_BUCKETS = [0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96, 81.92]
 _PROMOTED = {"kvledger.incarnation": "incarnation", "kvledger.node": "node", "kvledger.operation": "operation",
              "kvledger.tenant": "tenant_h", "kvledger.cache_scope": "scope_h",
              GA.GEN_AI_USAGE_INPUT_TOKENS: "input_tokens", "kvledger.prompt_tokens.prefilled": "prefilled_tokens",

@@ -1,7 +1,7 @@
 """Forensic truth whatever history the store holds (issue 16): several runs in one store, exact
 labels, evidence levels that mean what they say, blocked reads, same-tenant exposure, seeds.
 
-Every comparison is against the time-aware oracle (engine/oracle.py), never against the ledger."""
+Every comparison is against the time-aware oracle (engine/replay/oracle.py), never against the ledger."""
 from __future__ import annotations
 
 import json

@@ -382,7 +382,7 @@ def test_an_engine_failure_of_one_request_is_a_500_for_that_request_only(tmp_pat
     from engine.llm import LLMEngine
     from engine.models import load_model
     from engine.server.app import State, create_app
-    from engine.server.backend import Keys
+    from engine.server.backend import ApiKeys
     from engine.server.loop import EngineLoop
     from engine.server.metrics import ServerMetrics
     model, tok = load_model("recall")
@@ -398,7 +398,7 @@ def test_an_engine_failure_of_one_request_is_a_500_for_that_request_only(tmp_pat
     eng.step = step
     metrics = ServerMetrics(lambda t: t, "hardened", {"read_check": True})
     loop = EngineLoop(eng, on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else "error"))
-    state = State(loop, tok, "recall", Keys(None), metrics, {}, 512)
+    state = State(loop, tok, "recall", ApiKeys(None), metrics, {}, 512)
     with TestClient(create_app(state)) as client:
         bad = client.post("/v1/completions", json={"prompt": "POISON pill, pill", "max_tokens": 8})
         good = client.post("/v1/completions", json={"prompt": "a healthy one, healthy", "max_tokens": 8})

@@ -118,7 +118,7 @@ def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):
     m = open_store(store).sql("""SELECT node, bucket_counts, boundaries, count FROM metrics
                                  WHERE name = 'gen_ai.server.time_to_first_token'
                                  QUALIFY row_number() OVER (PARTITION BY node ORDER BY ts DESC) = 1""").pl()
-    assert m["boundaries"][0].to_list() == TTFT_BUCKETS
+    assert m["boundaries"][0].to_list() == list(TTFT_BUCKETS)
     assert m["count"].sum() == sum(r.first_token_at is not None for r in res.requests)
 
 

@@ -29,231 +29,45 @@ code takes the named deviation that the guard exists to prevent:
 """
 from __future__ import annotations
 
-import hashlib
 import itertools
-import queue
-import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import replace
+from enum import StrEnum
 from typing import Callable, NamedTuple
 
 import torch
 
 from engine.kv.block_manager import Held
 from engine.config import EngineConfig
-from engine.errors import DoubleFree, InputError, KvledgerError, OutOfPages
+from engine.errors import DoubleFree, InputError, OutOfPages
 from engine.llm import LLMEngine
-from engine.kv.pool import KVPool
 from engine.recorder import NULL_RECORDER, Recorder, TransferRecord
 from engine.request import Request, SamplingParams, Status
+from engine.disagg.node import PrefillNode
+from engine.disagg.guards import Guards  # noqa: F401 (engine.disagg.cluster.Guards: scripts import it here)
+from engine.disagg.link import (Completion, Link, LinkConfig, LinkStatus, TransferError,  # noqa: F401
+                               TransferJob, records_checksum)
 
 PLACEHOLDER_TOKEN = 0   # what set_finish_with_abort puts in place of the rejected prompt
 
 
-@dataclass(slots=True, frozen=True)
-class Guards:
-    terminal_predicate: bool = True
-    reject_before_bootstrap: bool = True
-    landed_set_check: bool = True
-    checksum: bool = True
-    read_check: bool = True
-    deferred_release: bool = True
-    transfer_batch_bound: bool = True
-    cancel_both_halves: bool = True
-    incarnation_ids: bool = True
-    single_release: bool = True
-    double_free_check: bool = True
-
-    @classmethod
-    def policy(cls, name: str) -> "Guards":
-        if name == "hardened":
-            return cls()
-        if name == "vulnerable":
-            return cls.only()
-        raise InputError(f"unknown policy {name!r}: expected 'vulnerable' or 'hardened'")
-
-    @classmethod
-    def only(cls, *names: str) -> "Guards":
-        """Every guard off except ``names`` (the fix x fault matrix)."""
-        known = [f.name for f in fields(cls)]
-        bad = [n for n in names if n not in known]
-        if bad:
-            raise InputError(f"unknown guard(s) {bad}: known are {known}")
-        return cls(**{f: f in names for f in known})
+class Verdict(StrEnum):
+    """Decode's verdict on a landed transfer."""
+    ADMITTED = "admitted"        # decode generates from it
+    REJECTED = "rejected"        # not generating: the request fails with the reason
+    ABANDONED = "abandoned"      # the request had finished already
 
 
-@dataclass(slots=True, frozen=True)
-class LinkConfig:
-    slots_per_tick: int = 128               # link bandwidth: records per cluster step
-    batch_slots: int = 128                  # records per transfer call when transfer_batch_bound is on
-    release_timeout_ticks: int = 4          # a deferred release gives up after this many ticks
-    prefill_lease_ticks: int | None = None  # pull model: how long prefill keeps source pages for decode
+class Outcome(NamedTuple):
+    """A transfer's outcome: the verdict, why, and which guard's check decided it (if one did).
+    ``str()`` is what the store records (``transfers.outcome``): "admitted", "rejected: <reason>"."""
+    verdict: Verdict
+    reason: str = ""
+    check: str | None = None     # "landed_set_check" | "checksum" when that guard rejected it
 
-    def call_ticks(self, n: int) -> int:
-        return -(-n // self.slots_per_tick)
-
-
-class TransferError(KvledgerError):
-    pass
-
-
-def records_checksum(records: torch.Tensor) -> str:
-    """BLAKE2b over slot records (K/V + tags) in logical token order."""
-    return hashlib.blake2b(records.contiguous().numpy().tobytes(), digest_size=16).hexdigest()
-
-
-@dataclass(eq=False)
-class TransferJob:
-    transfer_id: int
-    incarnation: int
-    key: object                   # what the sender registers the transfer under (room, or (room, incarnation))
-    src: KVPool
-    dst: KVPool
-    positions: torch.Tensor       # logical token positions sent, in order
-    src_pages: torch.Tensor
-    src_offsets: torch.Tensor
-    dst_pages: torch.Tensor
-    dst_offsets: torch.Tensor
-    checksum_src: str
-    first_token: int
-    dst_clock: Callable[[], int]  # the receiver's logical clock, ticked once per landed call
-    seq: int = 0                  # transfer sequence number on the source node
-    src_node: str = ""
-    submitted_at: float = 0.0
-    batch_slots: int | None = None          # None: the whole transfer in one call (unbounded)
-    lease_until: int | None = None          # link tick when the prefill lease on the source pages ends
-    fail_after_calls: int | None = None     # the link fails this transfer after that many calls
-    cancelled: bool = False
-    cancel_reason: str = "cancelled"
-    sent: int = 0                           # positions [0, sent) were read from the source
-    calls: int = 0
-    landed: list = field(default_factory=list)
-
-    @property
-    def started(self) -> bool:
-        return self.calls > 0
-
-
-class Completion(NamedTuple):
-    job: TransferJob
-    status: str                  # drained | cancelled (stopped at a call boundary) | failed (never "drained")
-    landed: torch.Tensor         # logical positions whose records landed
-    landed_lclock: torch.Tensor  # receiver's logical clock when each landed
-    landed_gen: torch.Tensor     # the destination page's generation when each landed
-    landed_tags: torch.Tensor    # content tags inside the landed records
-    landed_writers: torch.Tensor
-    landed_pages: torch.Tensor
-    landed_offsets: torch.Tensor
-
-
-class Link:
-    """The KV link: a worker thread performs one-sided record writes, paced by ``tick`` (one tick
-    per cluster step; the caller waits for the tick's writes). Each source node has its own lane
-    (its own queue pair): lanes progress side by side, one call at a time each."""
-
-    def __init__(self, cfg: LinkConfig, observers: list):
-        self.cfg = cfg
-        self.now = 0
-        self._lanes: dict[str, deque[TransferJob]] = {}
-        self._calls: dict[str, tuple[TransferJob, slice, torch.Tensor, int]] = {}
-        self._stall_until: dict[str, int] = {}
-        self._observers = observers       # (job, slice of job.positions) after each landed call, on the worker
-        self._ids = itertools.count(1)
-        self._lock = threading.Lock()
-        self._ticks: queue.Queue[bool | None] = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._worker = threading.Thread(target=self._run, name="kv-link", daemon=True)
-        self._worker.start()
-
-    def next_id(self) -> int:
-        return next(self._ids)
-
-    @property
-    def in_flight(self) -> int:
-        return sum(len(q) for q in self._lanes.values())
-
-    def submit(self, job: TransferJob) -> None:
-        with self._lock:
-            self._lanes.setdefault(job.src_node, deque()).append(job)
-
-    def _on_wire(self, job: TransferJob) -> bool:
-        call = self._calls.get(job.src_node)
-        return call is not None and call[0] is job
-
-    def cancel(self, job: TransferJob) -> Completion | None:
-        """Stop sending at the next call boundary. A job with no call on the wire is removed now
-        (its completion is returned); one mid-call completes as 'cancelled' when that call lands."""
-        with self._lock:
-            job.cancelled = True
-            lane = self._lanes.get(job.src_node, deque())
-            if job in lane and not self._on_wire(job):
-                lane.remove(job)
-                return self._complete(job, "cancelled")
-        return None
-
-    def stall(self, lane: str, ticks: int) -> None:
-        """A lane makes no progress for ``ticks`` ticks (a busy NIC, a decode pull delayed)."""
-        self._stall_until[lane] = self.now + ticks
-
-    def tick(self) -> list[Completion]:
-        self._ticks.put(True)
-        out = self._done.get()
-        if isinstance(out, BaseException):
-            raise out
-        return out
-
-    def close(self) -> None:
-        self._ticks.put(None)
-
-    def _run(self) -> None:
-        while self._ticks.get() is not None:
-            try:
-                with self._lock:
-                    self.now += 1
-                    out = [c for lane in list(self._lanes) for c in self._advance(lane)]
-            except BaseException as e:     # surfaced on the caller's thread
-                out = e
-            self._done.put(out)
-
-    def _advance(self, name: str) -> list[Completion]:
-        lane, out = self._lanes[name], []
-        if self.now <= self._stall_until.get(name, 0):
-            return out
-        while name not in self._calls and lane:
-            job = lane[0]
-            if job.cancelled or (job.fail_after_calls is not None and job.calls >= job.fail_after_calls):
-                lane.popleft()
-                out.append(self._complete(job, "cancelled" if job.cancelled else "failed"))
-                continue
-            left = len(job.positions) - job.sent
-            n = left if job.batch_slots is None else min(job.batch_slots, left)
-            sl = slice(job.sent, job.sent + n)
-            recs = job.src.read_records(job.src_pages[sl], job.src_offsets[sl]).clone()   # the source is read now
-            job.sent += n
-            job.calls += 1
-            self._calls[name] = (job, sl, recs, self.now + self.cfg.call_ticks(n) - 1)
-        call = self._calls.get(name)
-        if call is not None and call[3] <= self.now:
-            job, sl, recs, _ = self._calls.pop(name)
-            pages, offs = job.dst_pages[sl], job.dst_offsets[sl]
-            job.dst.write_records(pages, offs, recs)        # lands: K/V and tags in one copy
-            n = pages.numel()
-            job.landed.append((job.positions[sl], torch.full((n,), job.dst_clock(), dtype=torch.long),
-                               job.dst.generation[pages].clone(), job.dst.record_tags(recs),
-                               job.dst.record_writers(recs), pages, offs))
-            for obs in self._observers:
-                obs(job, sl)
-            if job.sent == len(job.positions) or job.cancelled:
-                lane.popleft()
-                out.append(self._complete(job, "cancelled" if job.sent < len(job.positions) else "drained"))
-        return out
-
-    @staticmethod
-    def _complete(job: TransferJob, status: str) -> Completion:
-        empty = job.positions[:0]
-        cols = [torch.cat([c[i] for c in job.landed]) if job.landed else empty for i in range(7)]
-        return Completion(job, status, *cols)
+    def __str__(self) -> str:
+        return self.verdict.value + (f": {self.reason}" if self.reason else "")
 
 
 class Half:
@@ -291,7 +105,7 @@ class DisaggCluster:
                     "detect_double_free": guards.double_free_check}
         self.decode = self._make_decode(model, tokenizer, replace(decode_cfg, **switches, role="decode",
                                                                    check_reads=True))   # recording != protection
-        self.prefills: list[LLMEngine] = []
+        self.prefills: list[PrefillNode] = []
         for cfg in prefill_cfgs:
             node = self._make_prefill(model, tokenizer, replace(cfg, **switches, role="prefill"))
             node.on_prefill_done = self._handoff
@@ -309,7 +123,7 @@ class DisaggCluster:
         self.steps = 0
         self._rr = 0                             # admit(): the next prefill node, round robin
 
-    # ---- what process mode (engine/procs.py) replaces: the nodes' homes and the link ------------
+    # ---- what process mode (engine/disagg/procs.py) replaces: the nodes' homes and the link ------------
     def _make_decode(self, model, tokenizer, cfg: EngineConfig) -> LLMEngine:
         return LLMEngine(model, tokenizer, cfg, self.rec)
 
@@ -442,39 +256,27 @@ class DisaggCluster:
         self._source_done(node, job, c.status)
         if not preq.is_finished:
             preq.transition(Status.FINISHED_LENGTH)
-        if c.status != "failed":               # a failed transfer never reports its writes as drained
+        if c.status != LinkStatus.FAILED:      # a failed transfer never reports its writes as drained
             self._end_holds(job.incarnation, "drained")
         dreq.transfer_landed_at = time.perf_counter()
         reserved = len(dreq.prompt_ids)
-        checksum_dst, outcome = None, "admitted"
-        if dreq.is_finished:
-            outcome = "abandoned: request already finished"
-        elif c.status != "drained":
-            why = job.cancel_reason if c.status == "cancelled" else "the link failed"
-            outcome = f"rejected: transfer {job.transfer_id} {c.status} ({why}) after {c.landed.numel()} of {reserved} slots"
-        elif self.guards.landed_set_check and not torch.equal(torch.unique(c.landed), torch.arange(reserved)):
-            outcome = (f"rejected: {c.landed.numel()} of {reserved} reserved slots landed; not generating "
-                       f"(prefill said: {preq.to_finish or 'done'})")
-        elif self.guards.checksum:
-            dp, do = slot_addresses(half.reservation, self.decode.cfg.page_size, job.positions)
-            checksum_dst = records_checksum(self.decode.pool.read_records(dp, do))
-            if checksum_dst != job.checksum_src:
-                outcome = f"rejected: transfer {job.transfer_id} checksum mismatch ({checksum_dst} != {job.checksum_src})"
-        if self.guards.landed_set_check and c.status == "drained" and not dreq.is_finished:
-            self.rec.guard_checked(self.decode, "landed_set_check", failed="slots landed" in outcome)
+        outcome, checksum_dst = self._judge(c, half, reserved)
+        if self.guards.landed_set_check and c.status == LinkStatus.DRAINED and outcome.verdict != Verdict.ABANDONED:
+            self.rec.guard_checked(self.decode, "landed_set_check", failed=outcome.check == "landed_set_check")
         if checksum_dst is not None:
-            self.rec.guard_checked(self.decode, "checksum", failed="checksum" in outcome)
+            self.rec.guard_checked(self.decode, "checksum", failed=outcome.check == "checksum")
         self.rec.transfer_landed(self.decode, TransferRecord(
             job.transfer_id, job.seq, dreq.incarnation, job.src_node, self.decode.cfg.node_id,
             torch.arange(reserved), job.positions[:job.sent], c.landed, c.landed_lclock, c.landed_pages,
             c.landed_offsets, c.landed_gen, c.landed_tags, c.landed_writers, job.checksum_src,
-            checksum_dst, outcome, job.submitted_at, dreq.transfer_landed_at))
-        if outcome.startswith("abandoned"):
+            checksum_dst, str(outcome), job.submitted_at, dreq.transfer_landed_at))
+        if outcome.verdict == Verdict.ABANDONED:
             return
-        if outcome.startswith("rejected"):
-            error = TransferError(f"request {dreq.incarnation}: {outcome.removeprefix('rejected: ')}")
+        if outcome.verdict == Verdict.REJECTED:
+            error = TransferError(f"request {dreq.incarnation}: {outcome.reason}")
             self.rec.rejected(self.decode, dreq, f"decode:{self.decode.cfg.node_id}", error)
-            return self._release_decode(half, error, in_flight=c.status == "failed", link_failed=c.status == "failed")
+            failed = c.status == LinkStatus.FAILED
+            return self._release_decode(half, error, in_flight=failed, link_failed=failed)
         # decode trusts "transfer complete": the whole reserved prompt counts as computed
         dreq.prefilled_tokens = int(c.landed.numel())
         dreq.num_computed = reserved
@@ -488,12 +290,33 @@ class DisaggCluster:
             return
         self.decode.enqueue_running(dreq)
 
-    def _source_done(self, node: LLMEngine, job: TransferJob, status: str) -> None:
+    def _judge(self, c: Completion, half: Half, reserved: int) -> tuple[Outcome, str | None]:
+        """Decode's verdict on a landed transfer (and the checksum it computed, when it did)."""
+        job, preq, dreq = c.job, half.preq, half.dreq
+        if dreq.is_finished:
+            return Outcome(Verdict.ABANDONED, "request already finished"), None
+        if c.status != LinkStatus.DRAINED:
+            why = job.cancel_reason if c.status == LinkStatus.CANCELLED else "the link failed"
+            return Outcome(Verdict.REJECTED, f"transfer {job.transfer_id} {c.status} ({why}) after "
+                                             f"{c.landed.numel()} of {reserved} slots"), None
+        if self.guards.landed_set_check and not torch.equal(torch.unique(c.landed), torch.arange(reserved)):
+            return Outcome(Verdict.REJECTED, f"{c.landed.numel()} of {reserved} reserved slots landed; not generating "
+                                             f"(prefill said: {preq.to_finish or 'done'})", "landed_set_check"), None
+        if not self.guards.checksum:
+            return Outcome(Verdict.ADMITTED), None
+        dp, do = slot_addresses(half.reservation, self.decode.cfg.page_size, job.positions)
+        checksum_dst = records_checksum(self.decode.pool.read_records(dp, do))
+        if checksum_dst != job.checksum_src:
+            return Outcome(Verdict.REJECTED, f"transfer {job.transfer_id} checksum mismatch ({checksum_dst} != "
+                                             f"{job.checksum_src})", "checksum"), checksum_dst
+        return Outcome(Verdict.ADMITTED), checksum_dst
+
+    def _source_done(self, node: LLMEngine, job: TransferJob, status: LinkStatus) -> None:
         """The sender's side of a completed transfer: give back the pages registered under its id."""
         preq = node.sending.pop(job.key, None)
         if preq is None:                       # freed when its lease ended, or never registered (reused id)
             return
-        if status == "failed" and self.guards.deferred_release:
+        if status == LinkStatus.FAILED and self.guards.deferred_release:
             self._hold(node, preq, "transfer failed")   # writes may still land: only the timeout ends this
         else:
             node.blocks.release(preq)

@@ -34,7 +34,7 @@ from types import SimpleNamespace
 import torch
 
 from engine.config import EngineConfig
-from engine.disagg.cluster import Completion, DisaggCluster, Guards, Half, LinkConfig, TransferError, TransferJob, \
+from engine.disagg.cluster import Completion, DisaggCluster, LinkStatus, Guards, Half, LinkConfig, TransferError, TransferJob, \
     slot_addresses, records_checksum
 from engine.errors import InputError, KvledgerError
 from engine.llm import LLMEngine
@@ -321,7 +321,7 @@ class ProcessCluster(DisaggCluster):
         for obs in self.landing_observers:
             obs(self.decode, job, slice(0, n))
         lclock = torch.full((n,), self.decode.next_lclock(), dtype=torch.long)
-        c = Completion(job, "drained", pos, lclock, pool.generation[dp].clone(), pool.tags[dp, do].clone(),
+        c = Completion(job, LinkStatus.DRAINED, pos, lclock, pool.generation[dp].clone(), pool.tags[dp, do].clone(),
                        pool.writers[dp, do].clone(), dp, do)
         self._landed(c)
 

@@ -50,7 +50,7 @@ class KVPool:
             self.buf = torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device)
         else:
             # the buffer is a shared file mapping (e.g. under /dev/shm): another process - a
-            # prefill node - maps the same bytes and writes records into it (engine/procs.py)
+            # prefill node - maps the same bytes and writes records into it (engine/disagg/procs.py)
             if create:
                 with open(shared_path, "wb") as f:
                     f.truncate(self.memory_bytes)

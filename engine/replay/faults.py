@@ -3,7 +3,7 @@
 Each scenario runs real multi-tenant traffic through the engine and fires one triggering event:
 memory pressure, a client abort, a link failure, a delayed pull, a client reusing its request id.
 The fault itself is the deviation the engine's lifecycle code takes when the guard that exists to
-prevent it is off (``engine/disagg.py``, ``engine/block_manager.py``: search "Deviation (fault
+prevent it is off (``engine/disagg/cluster.py``, ``engine/kv/block_manager.py``: search "Deviation (fault
 N)"). Nothing writes into anyone's page except the engine's own copy paths (model steps, the KV
 link, the host DMA). ``trigger=False`` runs the same workload without the event.
 

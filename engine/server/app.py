@@ -25,7 +25,7 @@ from engine.recorder import RecorderFactory
 from engine.request import SamplingParams
 from engine.server import protocol as P
 from engine.server.config import ServeConfig
-from engine.server.backend import Keys, Tenant
+from engine.server.backend import ApiKeys, Tenant
 from engine.server.limits import Limits, RateLimiter, Refusal
 from engine.server.client import EngineClient
 from engine.server.loop import QueueFull, Stream
@@ -40,7 +40,7 @@ class State:
     loop: EngineClient
     tokenizer: object
     model_name: str
-    keys: Keys
+    keys: ApiKeys
     metrics: ServerMetrics
     info: dict
     context_length: int
@@ -352,7 +352,7 @@ def serve(c: ServeConfig, open_recorder: RecorderFactory) -> int:
     from engine.server.backend import ClusterSpec
     from engine.server.remote import RemoteLoop
 
-    keys = Keys.load(c.keys)                   # refused here, before the engine process is started
+    keys = ApiKeys.load(c.keys)                   # refused here, before the engine process is started
     ClusterSpec.load(c.config)
     tok = load_tokenizer(c.model)
     loop = RemoteLoop(c, open_recorder)

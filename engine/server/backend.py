@@ -45,7 +45,7 @@ class Tenant(NamedTuple):
     org: str = ""
 
 
-class Keys:
+class ApiKeys:
     """API key -> tenant. Compared in constant time; with no keys file every caller is 'default'."""
 
     def __init__(self, table: dict[str, Tenant] | None, limits: "dict[str, Limits] | None" = None):
@@ -53,7 +53,7 @@ class Keys:
         self.limits = limits or {}        # tenant -> the rate limits its keys file entry sets
 
     @classmethod
-    def load(cls, path: str | None) -> "Keys":
+    def load(cls, path: str | None) -> "ApiKeys":
         if path is None:
             return cls(None)
         try:
@@ -155,7 +155,7 @@ def _int(table: dict, key: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
-def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: Keys, recorder):
+def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: ApiKeys, recorder):
     """The engine (unified) or the cluster (router, prefill nodes, decode node, KV link) to serve with."""
     from engine.disagg.cluster import DisaggCluster, Guards
     from engine.llm import LLMEngine
@@ -190,7 +190,7 @@ def build_engine(c: ServeConfig, open_recorder: RecorderFactory) -> Built:
     from engine.models import load_model
     from engine.server.metrics import ServerMetrics
 
-    keys = Keys.load(c.keys)
+    keys = ApiKeys.load(c.keys)
     spec = ClusterSpec.load(c.config)
     model, tok = load_model(c.model)
     guards = asdict(Guards.policy(c.policy)) if c.mode == "disaggregated" else {

@@ -13,9 +13,10 @@ import threading
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from engine.semconv import TTFT_BUCKETS
+
 disable_created_metrics()      # no *_created series: they double every counter's lines for nothing here
 PROMPT_BUCKETS = (64, 256, 1024, 4096, 16384, 65536)
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
 HEALTHY_MIN_TOKENS, FLOOR_SLACK = 32, 0.5     # as forensics/sql/ttft.sql: $min_tokens, $slack
 
 

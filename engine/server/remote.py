@@ -174,8 +174,8 @@ def engine_main(c: ServeConfig, open_recorder: RecorderFactory, cmd_addr: str, o
                 return
             loop._cmds.put(msg)
     threading.Thread(target=reader, name="kvledger-engine-commands", daemon=True).start()
-    from engine.server.backend import Keys
-    pseudonyms = {t: tel.pseudonym(t) for t in Keys.load(c.keys).tenants()}   # for the HTTP side's labels
+    from engine.server.backend import ApiKeys
+    pseudonyms = {t: tel.pseudonym(t) for t in ApiKeys.load(c.keys).tenants()}   # for the HTTP side's labels
     out.send(M.encode(M.Ready(built.info, built.context_length, pseudonyms)))
     try:
         loop.run()

@@ -62,10 +62,10 @@ def run(c: ProbeConfig) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from forensics.probe import Target, as_json, exit_code, record, run_probe
+    from forensics.probe import Endpoint, as_json, exit_code, record, run_probe
     writer = _writer(c.store) if c.store else None
     try:                                   # the writer is closed (sealed) on every path, errors included
-        target = Target(c.base_url, c.key_a, c.key_b, c.model, c.tokenizer)
+        target = Endpoint(c.base_url, c.key_a, c.key_b, c.model, c.tokenizer)
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"probing {c.base_url}", total=None)
             results, meta = run_probe(target, list(c.checks), c.pool_tokens, c.context_length, c.samples,

@@ -6,9 +6,15 @@
 - ``clickhouse.py`` ``ClickHouseForensics``: chdb or a ClickHouse server (``forensics/sql/clickhouse``)
 - ``fleet.py``      the ledger/spans fold (``--source``)
 """
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from forensics.queries.base import ForensicsBackend
 
 
-def open_forensics(store, run=None, **kw):
+def open_forensics(store, run=None, **kw) -> "ForensicsBackend":
     """The backend for ``engine`` (duckdb, chdb, clickhouse), the store verified first."""
     from forensics.queries.clickhouse import open_forensics as open_
     return open_(store, run, **kw)

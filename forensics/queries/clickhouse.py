@@ -30,6 +30,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
+from forensics.queries.base import ForensicsBackend
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.store.chain import Verdict, verify
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
@@ -265,7 +266,7 @@ def to_polars(t: pa.Table) -> pl.DataFrame:
     return pl.from_arrow(pa.Table.from_arrays(cols, names=t.column_names))
 
 
-def open_forensics(store, run=None, *, engine: str = "duckdb", dsn: str | None = None, **kw):
+def open_forensics(store, run=None, *, engine: str = "duckdb", dsn: str | None = None, **kw) -> ForensicsBackend:
     """The forensics of one engine: DuckDB (the default) over the local store, or ClickHouse."""
     if engine == "duckdb":
         if dsn:

@@ -1,6 +1,6 @@
 """The store's signed chain, its intents and its anchor; ``verify``, which needs no secret.
 
-    ROOT/store.json               store id + the writer's Ed25519 public key (telemetry/keys.py)
+    ROOT/store.json               store id + the writer's Ed25519 public key (telemetry/store/keys.py)
     ROOT/chain/<seq>.json         one flush: {"store_id", "links": [...], "signature"}
     ROOT/intent.json              the segments the writer is about to put in place (signed)
     ROOT/seal.json                written by a clean close: the head it closed on (signed)

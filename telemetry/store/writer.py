@@ -8,9 +8,9 @@ head to the anchor outside the store. Readers open an in-memory DuckDB over exac
 segments, so a reader never sees a half-written file.
 
     ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
-    ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/chain.py
+    ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/store/chain.py
     ROOT/writer.lock                        one writer at a time (flock)
-    (no secret: the writer's keys live outside the store, telemetry/keys.py)
+    (no secret: the writer's keys live outside the store, telemetry/store/keys.py)
 
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
 seconds (default ``FLUSH_INTERVAL``, 2 s), when ``max_rows`` or ``max_bytes`` are buffered, and on close. After

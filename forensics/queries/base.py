@@ -1,0 +1,48 @@
+"""``ForensicsBackend``: what every engine that answers the named queries offers (DuckDB over the
+local store: ``duckdb.Forensics``; embedded or server ClickHouse: ``clickhouse.ClickHouseForensics``).
+The CLI, the report and the dashboard hold one of these and never ask which it is; the tests hold
+the two to the same rows (tests/test_clickhouse.py)."""
+from __future__ import annotations
+
+import datetime as dt
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import polars as pl
+
+    from telemetry.store import Verdict
+
+
+class ForensicsBackend(Protocol):
+    engine: str                     # "duckdb" | "chdb" | "clickhouse"
+    source: str                     # where it reads, for the reader ("the local store", a DSN)
+    verdict: "Verdict"              # the store's verification, done before the first answer
+
+    def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
+              **params) -> "pl.DataFrame":
+        """One named query of the catalogue (``catalog.QUERIES``) over the window [start, end]."""
+
+    def queries(self, names: list[str], start: dt.datetime | None = None, end: dt.datetime | None = None,
+                workers: int = 1, **params) -> "dict[str, pl.DataFrame]":
+        """Several named queries over one snapshot."""
+
+    def materialise(self) -> None:
+        """Build the tables the queries share (requests, the as-of join, n-gram evidence) now."""
+
+    @property
+    def unverified_note(self) -> str | None:
+        """What every output must say when the store did not verify (None when it did)."""
+
+    def exposure_slots(self) -> "pl.DataFrame":
+        """One row per failing slot read, with its donor (the as-of join: the ground truth)."""
+
+    def exposures(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> "pl.DataFrame":
+        """One row per (response, donor incarnation)."""
+
+    def requests(self) -> "pl.DataFrame":
+        """One row per request, from its spans."""
+
+    def rows(self, table: str) -> int:
+        """Rows of a store table in this snapshot."""
+
+    def close(self) -> None: ...
