@@ -76,7 +76,8 @@ def run(c: GenerateConfig) -> int:
         eng.run_until_done()
     wall = time.perf_counter() - t0
     if req.error is not None:
-        raise InputError(str(req.error)) if isinstance(req.error, InputError) else req.error
+        from engine.commands.main import die
+        return die(str(req.error))
     print(eng.text(req))
     con.print(_stats(eng, req, cfg, wall))
     return 0
