@@ -31,6 +31,12 @@ class EngineChoice:
         return kw
 
 
+def add_verify_options(p: argparse.ArgumentParser, allow_help: str) -> None:
+    """--allow-unverified and --anchor: how a reader treats a store that does not verify."""
+    p.add_argument("--allow-unverified", action="store_true", help=allow_help)
+    p.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+
+
 def add_engine_options(p: argparse.ArgumentParser, spans: bool = False) -> None:
     """--engine, --dsn, --chdb-path (and --spans-table, --tenant-attribute): which SQL engine answers."""
     p.add_argument("--engine", choices=ENGINES, default="duckdb",

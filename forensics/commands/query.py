@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from engine.commands.options import add_store, check_window, timestamp
 from engine.errors import InputError
-from forensics.commands.options import EngineChoice, add_engine_options, engine_choice
+from forensics.commands.options import EngineChoice, add_engine_options, add_verify_options, engine_choice
 from forensics.queries.catalog import FOLDED, QUERIES, SOURCES
 
 
@@ -49,9 +49,7 @@ def add_arguments(f) -> None:
                    help="ttft, impact, tenants: 'ledger' (kvledger's own requests and page ledger), 'spans' (a "
                         "foreign fleet's request spans: fleet_ttft, fleet_impact, fleet_tenants) or 'auto' (default: "
                         "the ledger when the store has kvledger requests, else the spans)")
-    f.add_argument("--allow-unverified", action="store_true",
-                   help="answer even when the store does not verify (every output then says so)")
-    f.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+    add_verify_options(f, "answer even when the store does not verify (every output then says so)")
     add_engine_options(f, spans=True)
 
 

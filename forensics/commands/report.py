@@ -8,7 +8,7 @@ from pathlib import Path
 
 from engine.commands.options import add_store, timestamp
 from engine.errors import InputError
-from forensics.commands.options import EngineChoice, add_engine_options, engine_choice
+from forensics.commands.options import EngineChoice, add_engine_options, add_verify_options, engine_choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,9 +37,7 @@ def add_arguments(rp) -> None:
                     help="an operator event for the timeline, e.g. '2026-09-01T10:00 report received' (repeatable; "
                          "a time without a zone is UTC); an event naming a report, declaration or awareness starts "
                          "the 72-hour clock")
-    rp.add_argument("--allow-unverified", action="store_true",
-                    help="report on a store that does not verify (the report says so on every page; exit 1)")
-    rp.add_argument("--anchor", default=None, metavar="PATH", help="the anchor to verify against (see kvledger verify)")
+    add_verify_options(rp, "report on a store that does not verify (the report says so on every page; exit 1)")
     rp.add_argument("--allow-early-awareness", action="store_true",
                     help="accept an awareness event earlier than the first foreign read (refused by default: "
                          "usually a wrong time or zone)")
