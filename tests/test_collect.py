@@ -213,7 +213,7 @@ def test_kv_events_in_both_encodings_with_gaps_replay_and_a_salt_collision(tmp_p
     stored = a.filter(a["kind"] == "BlockStored")
     assert stored["scope_h"].n_unique() == 2 and None not in stored["scope_h"].to_list()
     b = ev.filter(ev["instance"] == "sglang-b")
-    assert b["block_hashes"][0].to_list() == [format(11, "x"), format(12, "x")] and b["token_count"][0] == 32
+    assert b["block_hashes"][0].to_list() == ["11", "12"] and b["token_count"][0] == 32      # the engine's own ints
     assert sorted(b["kind"].to_list()) == ["AllBlocksCleared", "BlockRemoved", "BlockStored"]
     scopes = fx.query("cache_scopes")
     assert scopes["block_hash"].to_list() == [h[0].hex()] and scopes["scopes"].to_list() == [2]
@@ -230,7 +230,7 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
     ctx = zmq.Context()
     pub = Publisher(ctx, replay=False)
     proc = subprocess.Popen([sys.executable, "-m", "engine.commands", "collect", "--store", str(tmp_path / "store"),
-                             "--otlp-port", str(port), "--kv-events", pub.endpoint + ",name=gpu-1"],
+                             "--otlp-port", str(port), "--otlp-grpc-port", "0", "--kv-events", pub.endpoint + ",name=gpu-1"],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 60
@@ -260,9 +260,20 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
 
 
 @pytest.mark.parametrize("argv,error", [
-    (["collect", "--kv-events", "localhost:5557"], "must be a ZMQ address"),
-    (["collect", "--kv-events", "tcp://127.0.0.1:5557,replay"], "options are replay=URL"),
+    (["collect", "--kv-events", "localhost:5557"], "a ZMQ address is tcp://HOST:PORT"),
+    (["collect", "--kv-events", "tcp://127.0.0.1:5557,replay"], "options are bind, connect, replay=URL"),
+    (["collect", "--kv-events", "tcp://127.0.0.1:70000"], "the port must be in [1, 65535]"),
+    (["collect", "--kv-events", "tcp://*:5557,connect"], "a wildcard host can only be bound"),
+    (["collect", "--kv-events", "tcp://h:1,bind,connect"], "give bind or connect once"),
+    (["collect", "--kv-events", "tcp://h:1,replay=tcp://*:5558"], "a wildcard host can only be bound"),
+    (["collect", "--kv-events", "tcp://h:1,replay=nowhere"], "a ZMQ address is"),
+    (["collect", "--kv-events", "tcp://h:1", "--kv-events", "tcp://h:1"], "two publishers with the same name"),
+    (["collect", "--scrape", "10.0.0.5:8000"], "give the engine's http(s) URL"),
+    (["collect", "--scrape", "http://h:8000,job=x"], "the one option is name=NAME"),
+    (["collect", "--scrape-interval", "0"], "--scrape-interval must be in [0.2, 3600]"),
     (["collect", "--otlp-port", "70000"], "--otlp-port must be in [0, 65535]"),
+    (["collect", "--otlp-grpc-port", "-1"], "--otlp-grpc-port must be in [0, 65535]"),
+    (["collect", "--otlp-grpc-port", "4400", "--otlp-port", "4400"], "give each its own port"),
     (["collect", "--decode-workers", "-1"], "--decode-workers must be in [0, 64]"),
     (["ingest-logs", "/nonexistent/vllm.log", "--engine", "vllm"], "/nonexistent/vllm.log: no such log file"),
 ])
@@ -493,17 +504,35 @@ _H = bytes(range(32))
     ([2.0, [["BlockStored", [7, 2**63 + 1], 5, [1, 2], 16, None], ["BlockRemoved", [7]], ["AllBlocksCleared"]], 3], 0,
      [{"kind": "AllBlocksCleared", "block_hashes": []},
       {"kind": "BlockRemoved", "block_hashes": ["7"], "dp_rank": 3},
-      {"kind": "BlockStored", "block_hashes": ["7", "8000000000000001"], "parent_hash": "5", "token_count": 2}]),
+      {"kind": "BlockStored", "block_hashes": ["7", str(2**63 + 1)], "parent_hash": "5", "token_count": 2}]),
     # a field vLLM does not send, of a shape the typed path does not know: the generic reader takes the batch
     ({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [_H], "group_idx": 2, "extra": {"x": 1}}]}, 0,
      [{"kind": "BlockRemoved", "group_idx": 2, "token_count": None}]),
     ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [_H], "token_ids": 5}]}, 1, []),
     (b"\xc1 not msgpack", 1, []),
     ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": ["not-a-hash"]}]}, 1, []),
-    ({"ts": 1, "events": [{"type": "BlockEvicted", "block_hashes": [_H]}]}, 1, []),
+    # an event type this reader does not know: skipped and counted by itself, the rest of the batch lands
+    ({"ts": 1, "events": [{"type": "BlockEvicted", "block_hashes": [_H]}, {"type": "BlockRemoved", "block_hashes": [_H]}]},
+     0, [{"kind": "BlockRemoved", "block_hashes": [_H.hex()]}]),
     ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [_H], "block_size": "sixteen"}]}, 1, []),
+    # hostile shapes: each is one unreadable batch (or lands without its odd field), never a dead subscriber
+    ({"ts": 1, "events": [{"type": ["BlockStored"], "block_hashes": [_H]}]}, 1, []),
+    ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [_H], "extra_keys": {"salt": "s"}}]}, 0,
+     [{"kind": "BlockStored", "scope_h": None}]),
+    ({"ts": 1e300, "events": [{"type": "BlockRemoved", "block_hashes": [_H]}]}, 1, []),
+    ({"ts": float("nan"), "events": [{"type": "BlockRemoved", "block_hashes": [_H]}]}, 1, []),
+    ({"ts": 1, "events": [{"type": "BlockRemoved", "block_hashes": [_H]}], "data_parallel_rank": -5}, 1, []),
+    ({"ts": 1, "events": [{"type": "BlockStored", "block_hashes": [True]}]}, 1, []),
+    # SGLang's shape: [ts, events, attn_dp_rank], tagged events with cache_salt; signed int64 hashes as sent
+    ([3.0, [{"type": "BlockStored", "block_hashes": [-(2**63), 2**63 - 1], "parent_block_hash": -7, "token_ids": [1],
+             "block_size": 1, "lora_id": None, "cache_salt": "tenant-a-salt", "session_id": "sess-1"}], 0], 0,
+     [{"kind": "BlockStored", "block_hashes": [str(-(2**63)), str(2**63 - 1)], "parent_hash": "-7", "lora": None}]),
+    # positional, SGLang's field order: the seventh field is its cache_salt, never the lora column
+    ([3.0, [["BlockStored", [5], None, [1], 1, None, "GPU", "tenant-b-salt", "sess-2"]], 0], 0,
+     [{"kind": "BlockStored", "block_hashes": ["5"], "lora": None, "medium": "GPU"}]),
 ], ids=["tagged-map", "array-like-int-hashes", "unknown-field", "token-ids-not-a-list", "not-msgpack",
-        "str-hash", "unknown-event", "size-as-text"])
+        "str-hash", "unknown-event", "size-as-text", "type-is-a-list", "extra-keys-a-map", "ts-1e300", "ts-nan",
+        "negative-dp-rank", "bool-hash", "sglang-map", "sglang-positional"])
 def test_kv_event_batches_decode_or_count_as_bad(tmp_path, payload, bad, check):
     """The typed fast path, the generic fallback, and what neither reads (counted, never a crash)."""
     w = SegmentWriter(tmp_path / "store")
@@ -512,9 +541,14 @@ def test_kv_event_batches_decode_or_count_as_bad(tmp_path, payload, bad, check):
     sub.stop()
     w.close()
     got = Forensics(tmp_path / "store").con.sql("SELECT * FROM kv_events ORDER BY kind").pl().to_dicts()
-    assert (len(got), sub.bad, sub.batches) == (len(check), bad, 1 - bad), (got, sub.bad)
+    assert (len(got), sub.bad, sub.batches) == (len(check), bad, 1 - bad), (got, sub.bad, sub.errors)
     for row, want in zip(got, check):
         assert {k: row[k] for k in want} == want
+    assert sub.unknown == ({"BlockEvicted": 1} if "BlockEvicted" in str(payload) else {})
+    if "-salt" in str(payload):             # a salt is a scope, in every shape, and never stored in clear
+        assert got[0]["scope_h"] is not None
+        raw = b"".join(f.read_bytes() for f in (tmp_path / "store").rglob("*") if f.is_file())
+        assert b"tenant-a-salt" not in raw and b"tenant-b-salt" not in raw and b"sess-" not in raw
     if check:       # hex hashes: zstd (LZ4 cannot shrink hex), no dictionary (they do not repeat); the rest LZ4
         import pyarrow.parquet as pq
         rg = pq.ParquetFile(next((tmp_path / "store" / "segments" / "kv_events").glob("*.parquet"))).metadata.row_group(0)
@@ -522,3 +556,28 @@ def test_kv_event_batches_decode_or_count_as_bad(tmp_path, payload, bad, check):
         assert cols["block_hashes.list.element"].compression == "ZSTD" == cols["parent_hash"].compression
         assert "RLE_DICTIONARY" not in cols["block_hashes.list.element"].encodings
         assert cols["kind"].compression == "LZ4"
+
+
+def test_a_restarted_or_renumbered_publisher_is_a_new_epoch_and_nothing_is_dropped(tmp_path):
+    """vLLM and SGLang count batches from 0 in each process: a restart on the same endpoint (and an
+    absurd jump) starts an epoch, recorded; the new engine's batches land; a real gap is still a gap.
+    (The real publishers' restart runs in the interop tier: tests/interop/test_sglang.py.)"""
+    w = SegmentWriter(tmp_path / "store")
+    sub = KVEventSubscriber(w, "tcp://127.0.0.1:1", instance="gpu-0")
+    batch = lambda i: _new([{"type": "BlockRemoved", "block_hashes": [bytes([i]) * 32]}])  # noqa: E731
+    for seq in (0, 1, 2, 0, 1, 2**63 - 1, 5, 7):
+        sub._frame([b"kv", seq.to_bytes(8, "big"), batch(seq % 256)])
+    sub._frame([b"kv", (-3).to_bytes(8, "big", signed=True), batch(1)])       # negative: unreadable, not an epoch
+    sub._frame([b"kv", b"\x00" * 8])                                           # two frames: unreadable
+    sub.stop()
+    w.close()
+    assert (sub.batches, sub.bad, sub.epoch) == (8, 2, 3)
+    assert [e[1:] for e in sub.epochs] == [(2, 0), (1, 2**63 - 1), (2**63 - 1, 5)]
+    assert sub.gaps == [(6, 6, False)]                                         # 5 -> 7 lost one batch
+    fx = Forensics(tmp_path / "store")
+    rows = fx.con.sql("SELECT epoch, seq FROM kv_events ORDER BY epoch, seq").fetchall()
+    assert rows == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 2**63 - 1), (3, 5), (3, 7)]
+    gaps = fx.con.sql("SELECT items, filled, note FROM telemetry_gaps ORDER BY detected_at").fetchall()
+    assert [(g[0], g[1]) for g in gaps] == [(0, True), (0, True), (0, True), (1, False)]
+    assert "went back, from 2 to 0" in gaps[0][2] and "a renumbering" in gaps[1][2]
+    assert "3 restart(s)" in sub.summary() and "2 unreadable" in sub.summary()

@@ -240,11 +240,12 @@ CREATE TABLE kv_events (
     boot            VARCHAR NOT NULL,  -- the collect run
     instance        VARCHAR NOT NULL,  -- the publisher (its endpoint, or the name given to it)
     topic           VARCHAR NOT NULL,
-    seq             BIGINT NOT NULL,   -- the publisher's batch sequence number
+    epoch           INTEGER,           -- 0, then +1 each time the publisher's sequence restarts (NULL: before epochs)
+    seq             BIGINT NOT NULL,   -- the publisher's batch sequence number, within its epoch
     ts              TIMESTAMP_NS NOT NULL, -- the batch's own time
     dp_rank         INTEGER,           -- data-parallel rank (newer publishers)
     kind            VARCHAR NOT NULL,  -- BlockStored | BlockRemoved | AllBlocksCleared
-    block_hashes    VARCHAR[] NOT NULL, -- hex
+    block_hashes    VARCHAR[] NOT NULL, -- the engine's own value: bytes as hex, ints as signed decimal
     parent_hash     VARCHAR,
     token_count     INTEGER,
     block_size      INTEGER,
