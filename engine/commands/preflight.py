@@ -29,9 +29,10 @@ def add_arguments(pf) -> None:
                     help="KV memory budget of one node (repeat for several nodes), e.g. 512MiB; default 64MiB")
     pf.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     pf.add_argument("--endpoint", default=None, metavar="URL",
-                    help="judge a running server instead: ours or SGLang (/server_info or /get_server_info)")
+                    help="judge a running server instead: ours, SGLang or its PD router (/server_info), vLLM (/metrics, "
+                         "/v1/models, /version)")
     pf.add_argument("--vllm-log", default=None, metavar="FILE",
-                    help="judge a vLLM instance from its start-up log (GPU KV cache size / # GPU blocks lines)")
+                    help="judge vLLM instances from a start-up log ('<device> KV cache size: N tokens' / '# <device> blocks: N')")
     pf.add_argument("--sglang-log", default=None, metavar="FILE",
                     help="judge SGLang instances from their start-up log (max_total_num_tokens=..., context_len=...)")
 
@@ -92,14 +93,22 @@ def _foreign(flag: str, value: str) -> int:
     except ValueError as e:
         raise InputError(str(e)) from None
     t = Table(title=f"kvledger preflight {flag} {value}")
-    for col in ("instance", "pool (tokens)", "context", "pool / context", "verdict", "from"):
-        t.add_column(col, justify="right" if col in ("pool (tokens)", "context", "pool / context") else "left")
+    for col in ("instance", "engine", "pool (tokens)", "context", "pool / context", "verdict", "from"):
+        t.add_column(col, justify="right" if col in ("pool (tokens)", "context", "pool / context") else "left",
+                     overflow="fold")
     for i in found:
         ratio = f"{i.pool_tokens / i.context_length:.4f}" if i.fits is not None else "-"
         verdict = {True: "[green]fits", False: "[red]pool < context: the incident's precondition",
-                   None: "[yellow]context unknown"}[i.fits]
-        t.add_row(i.name, f"{i.pool_tokens:,}" if i.pool_tokens else "?", f"{i.context_length:,}" if i.context_length
-                  else "?", ratio, verdict, i.source)
+                   None: "[yellow]context unknown" if i.pool_tokens else "[yellow]pool unknown"}[i.fits]
+        if i.finding:
+            verdict += f"; [red]{i.finding}"
+        engine = " ".join(x for x in (i.engine, i.version) if x) or "?"
+        t.add_row(i.name, engine, f"{i.pool_tokens:,}" if i.pool_tokens else "?",
+                  f"{i.context_length:,}" if i.context_length else "?", ratio, verdict, i.source)
     Console().print(t)
     code = _verdict([i.name for i in found if i.fits is False])
+    if any(i.finding for i in found):
+        print(f"kvledger: preflight failed: {', '.join(i.name for i in found if i.finding)}: "
+              f"{next(i.finding for i in found if i.finding)}", file=sys.stderr)
+        code = 1
     return code or (3 if any(i.fits is None for i in found) else 0)

@@ -62,14 +62,20 @@ def run(c: ProbeConfig) -> int:
     from rich.console import Console
     from rich.progress import Progress
 
-    from forensics.probe import Endpoint, as_json, exit_code, record, run_probe
+    import httpx
+
+    from forensics.probe import Endpoint, ProbeError, as_json, exit_code, record, run_probe
     writer = _writer(c.store) if c.store else None
     try:                                   # the writer is closed (sealed) on every path, errors included
         target = Endpoint(c.base_url, c.key_a, c.key_b, c.model, c.tokenizer)
         with Progress(console=Console(stderr=True), transient=True) as bar:
             task = bar.add_task(f"probing {c.base_url}", total=None)
-            results, meta = run_probe(target, list(c.checks), c.pool_tokens, c.context_length, c.samples,
-                                      progress=lambda: bar.advance(task))
+            try:
+                results, meta = run_probe(target, list(c.checks), c.pool_tokens, c.context_length, c.samples,
+                                          progress=lambda: bar.advance(task))
+            except httpx.HTTPError as e:
+                raise ProbeError(f"{c.base_url}: the endpoint stopped answering mid-probe ({e}); nothing was "
+                                 "judged") from None
         if writer is not None:
             record(writer, results, meta, c.key_a, c.key_b)
     finally:
