@@ -44,7 +44,7 @@ def peers_python() -> Path:
     venv = Path(os.environ.get("KVLEDGER_PEERS_VENV", ROOT / ".venv-peers"))
     py = venv / "bin" / "python"
     if not py.exists():
-        pytest.fail(f"no peers' environment at {venv}: build it as the README says (bash .ci/peers), "
+        pytest.fail(f"no peers' environment at {venv}: build it as the README says (bash tests/interop/peers.sh), "
                     "or point KVLEDGER_PEERS_VENV at one", pytrace=False)
     return py
 

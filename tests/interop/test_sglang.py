@@ -1,0 +1,68 @@
+"""SGLang's own KV event publisher (``sglang.srt.disaggregation.kv_events.ZmqEventPublisher``, sglang
+0.5.23 from the peers' environment) into ``kvledger collect``: its connect-form endpoint (collect
+binds), its ``cache_salt`` as a scope, its signed int64 hashes as it computes them, and a restart
+of the publisher on the same endpoint (a new epoch, nothing dropped)."""
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from forensics.queries.duckdb import Forensics
+from tests.interop.conftest import Collect, free_port, peer_env
+
+pytestmark = pytest.mark.interop
+
+# runs in the peers' environment: SGLang's classes publish, SGLang's functions compute the hashes
+PUBLISH = r"""
+import json, sys, time
+from sglang.srt.disaggregation.kv_events import (AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch,
+    ZmqEventPublisher, kv_event_namespace_seed, namespaced_block_hash)
+endpoint, salt, runs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+seed = kv_event_namespace_seed(extra_key=None, cache_salt=salt)
+hashes = [namespaced_block_hash(h, namespace_seed=seed) for h in (101, 202, 303)]
+for run in range(runs):                  # each run is a new engine process: its sequence starts at 0 again
+    pub = ZmqEventPublisher(attn_dp_rank=0, endpoint=endpoint, topic="kv")
+    time.sleep(1.0)                      # the SUB side's slow joiner
+    t = time.time()
+    pub.publish(KVEventBatch(ts=t, events=[BlockStored(block_hashes=hashes[:2], parent_block_hash=None,
+        token_ids=list(range(32)), block_size=16, lora_id=None, medium="GPU", cache_salt=salt, session_id="sess-9")]))
+    pub.publish(KVEventBatch(ts=t, events=[BlockStored(block_hashes=hashes[2:], parent_block_hash=hashes[1],
+        token_ids=list(range(16)), block_size=16, lora_id=None, medium="GPU")]))
+    pub.publish(KVEventBatch(ts=t, events=[BlockRemoved(block_hashes=hashes[:1], medium="GPU"), AllBlocksCleared()]))
+    time.sleep(1.0)                      # shutdown closes with linger 0: let the batches leave first
+    pub.shutdown()
+print(json.dumps(hashes))
+"""
+
+
+def test_sglang_publisher_connects_collect_binds_salt_scopes_hashes_and_restarts(peers_python, tmp_path):
+    port = free_port()
+    endpoint = f"tcp://127.0.0.1:{port}"          # a concrete host: SGLang connects, so collect must bind
+    collect = Collect(tmp_path / "store", ["--kv-events", f"{endpoint},bind,name=sglang-0"], tmp_path / "collect.log")
+    salt = "tenant-a-salt-7f3e"
+    try:
+        pub = subprocess.run([str(peers_python), "-c", PUBLISH, endpoint, salt, "2"], env=peer_env(),
+                             capture_output=True, text=True, timeout=180)
+    finally:
+        summary = collect.stop()
+    assert pub.returncode == 0, pub.stderr[-3000:]
+    hashes = json.loads(pub.stdout.strip().splitlines()[-1])
+    assert all(-(2**63) <= h < 2**63 for h in hashes)     # int64 namespaced hashes, as SGLang computes them
+    assert collect.proc.returncode == 0, summary
+    assert "sglang-0: 6 batches" in summary and "1 restart(s)" in summary and "0 unreadable" in summary, summary
+    fx = Forensics(tmp_path / "store")
+    rows = fx.con.sql("SELECT epoch, seq, kind, block_hashes, parent_hash, scope_h, lora FROM kv_events "
+                      "WHERE instance = 'sglang-0' ORDER BY epoch, seq, kind").fetchall()
+    assert [(e, s) for e, s, *_ in rows] == [(0, 0), (0, 1), (0, 2), (0, 2), (1, 0), (1, 1), (1, 2), (1, 2)]
+    first = rows[0]
+    assert first[3] == [str(h) for h in hashes[:2]] and first[4] is None      # the engine's own signed decimal
+    child = rows[1]
+    assert child[3] == [str(hashes[2])] and child[4] == str(hashes[1])
+    assert first[5] is not None and child[5] == first[5]                       # the salt's scope, inherited
+    assert all(r[6] is None for r in rows)                                      # no salt in the lora column
+    gaps = fx.con.sql("SELECT items, filled, note FROM telemetry_gaps WHERE instance = 'sglang-0'").fetchall()
+    assert len(gaps) == 1 and gaps[0][:2] == (0, True) and "went back, from 2 to 0" in gaps[0][2]
+    raw = b"".join(f.read_bytes() for f in (tmp_path / "store").rglob("*") if f.is_file())
+    assert salt.encode() not in raw and b"sess-9" not in raw
