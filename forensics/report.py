@@ -191,6 +191,8 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                    "usage_dishonest_responses": int(ttft["usage_dishonest"].sum()) if ttft.height else 0,
                    "transfers_with_integrity_failures": int((~transfers["integrity_ok"]).sum()) if transfers.height else 0,
                    "fleet_over_pool_requests": fleet_impact.height, "fleet_below_ttft_floor_requests": fleet_slow.height,
+                   "fleet_cache_hit_possible_requests": int(fleet_ttft["cache_hit_possible"].sum()) if fleet_ttft.height
+                   else 0,
                    "fleet_detector_lines": detectors.height, "fleet_shared_block_hashes": shared_blocks.height,
                    "telemetry_gaps_unfilled": int((~gaps["filled"]).sum()) if gaps.height else 0},
         "data_categories": ["KV cache (attention keys and values) computed from other customers' prompts and "
@@ -379,7 +381,8 @@ Tenants are store-keyed pseudonyms; map them to customers with the store secret'
 | measure | count |
 | --- | --- |
 | requests billed for more prompt than their instance's KV pool | {c['fleet_over_pool_requests']} |
-| requests answered under the TTFT floor of their length | {c['fleet_below_ttft_floor_requests']} |
+| requests answered under the TTFT floor of their length, a prefix-cache hit ruled out | {c['fleet_below_ttft_floor_requests']} |
+| as fast, but a prefix-cache hit could explain it (no cached-token count, no scrape saying otherwise) | {c['fleet_cache_hit_possible_requests']} |
 | KV canary / checksum lines in the engines' logs | {c['fleet_detector_lines']} |
 | block hashes stored under more than one cache scope | {c['fleet_shared_block_hashes']} |
 | telemetry gaps not filled (missing data, not a clean bill) | {c['telemetry_gaps_unfilled']} |

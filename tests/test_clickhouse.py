@@ -138,6 +138,10 @@ def _otlp_request(n: int = 44):
                           attributes=[kv("gen_ai.usage.prompt_tokens", tokens), kv("gen_ai.usage.completion_tokens", 8),
                                       kv("gen_ai.latency.time_to_first_token", ttft),
                                       kv("gen_ai.request.id", f"cmpl-{i}")]))
+        if i in (3, 16):       # a gateway's span in the same trace names the tenant the engine's span lacks
+            spans.append(Span(trace_id=i.to_bytes(16, "big"), span_id=(1000 + i).to_bytes(8, "big"), name="gateway",
+                              kind=Span.SPAN_KIND_SERVER, start_time_unix_nano=start - 1000,
+                              end_time_unix_nano=start + 95_000_000, attributes=[kv("tenant.id", f"tenant-{i}")]))
     res = [kv("service.name", "vllm"), kv("service.instance.id", "gpu-7")]
     req = ExportTraceServiceRequest(resource_spans=[ResourceSpans(
         resource={"attributes": res}, scope_spans=[ScopeSpans(scope={"name": "vllm"}, spans=spans)])])
@@ -158,9 +162,14 @@ def fleet(tmp_path_factory):
     req, incident = _otlp_request()
     w = SegmentWriter(store)
     w.submit("spans", span_rows(req, w.boot, w.keys.pseudonym, "tenant.id", None))
+    from telemetry.receivers.prometheus import Sample, metric_table
+    for at, hits in ((-1.0, 0.0), (1.0, 100.0), (10.0, 100.0)):     # gpu-7's scraped hit counter: rose, then not
+        w.submit("metrics", metric_table([Sample("vllm:prefix_cache_hits", "counter", "vllm:prefix_cache_hits_total",
+                                                 {"engine": "0"}, hits)], 1_790_000_000_000_000_000 + int(at * 1e9),
+                                         "gpu-7"))
     ts = pa.array([1_790_000_000_000_000_000 + i for i in range(4)], pa.timestamp("ns"))
     w.submit("kv_events", pa.table({
-        "instance": ["gpu-7"] * 4, "topic": ["kv"] * 4, "seq": pa.array([1, 2, 3, 5], pa.int64()), "ts": ts,
+        "instance": ["gpu-7"] * 4, "topic": ["kv"] * 4, "epoch": pa.array([0] * 4, pa.int32()), "seq": pa.array([1, 2, 3, 5], pa.int64()), "ts": ts,
         "dp_rank": pa.array([0] * 4, pa.int32()), "kind": ["BlockStored", "BlockStored", "BlockRemoved", "BlockStored"],
         "block_hashes": [["aa", "bb"], ["aa"], ["bb"], ["cc"]], "parent_hash": [None, None, None, "aa"],
         "token_count": pa.array([32, 16, None, 16], pa.int32()), "block_size": pa.array([16] * 4, pa.int32()),
@@ -189,6 +198,8 @@ def test_clickhouse_answers_as_duckdb_on_a_foreign_fleet_store(fleet):
     for name in ("fleet_ttft", "fleet_impact", "canary", "cache_scopes", "gaps", "probes"):
         assert rows[name] > 0, f"{name}: the comparison covers rows"
     assert rows["fleet_impact"] == len(incident) == 4
+    ttft = Forensics(store).query("fleet_ttft")      # every kind of cache evidence is in the comparison
+    assert set(ttft["cache_evidence"]) == {"hits rose", "no hits"} and ttft["tenant_h"].null_count() == 42
 
 
 def test_span_queries_read_a_collector_otel_traces_table_in_place(fleet):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import signal
 import socket
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import zmq
 
 from forensics.queries.duckdb import Forensics
+from forensics.queries.fleet import query as fleet_query
 from engine.commands.main import main
 from telemetry.receivers.kv_events import KVEventSubscriber
 from telemetry.receivers.otlp import build_app
@@ -308,6 +310,11 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=rx.url + "/v1/traces")))
     tracer, rnd = provider.get_tracer("vllm"), random.Random(7)
     incident = set()
+    from telemetry.receivers.prometheus import Sample, metric_table
+    def scrape() -> None:     # gpu-7's prefix-cache hit counter, as `collect --scrape` stores it: it never rises
+        w.submit("metrics", metric_table([Sample("vllm:prefix_cache_hits", "counter", "vllm:prefix_cache_hits_total",
+                                                 {"engine": "0"}, 0.0)], time.time_ns(), "gpu-7"))
+    scrape()
     for i in range(44):
         n = rnd.randint(1300, 2000) if i % 11 == 5 else rnd.randint(40, 1100)
         ttft = 0.012 * rnd.uniform(0.9, 1.1) if n > 1200 else (0.01 + 1e-4 * n) * rnd.uniform(0.9, 1.1)
@@ -320,6 +327,8 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
                 sp.set_attribute("kvledger.prompt_tokens.prefilled", 1 if n > 1200 else n)
     assert provider.force_flush(10_000)
     provider.shutdown()
+    time.sleep(0.3)           # past the synthetic TTFTs (up to 0.12 s after spans that start within milliseconds)
+    scrape()
     rx.stop()
     w.close()
     fx = Forensics(store)
@@ -328,8 +337,10 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     assert set(impact["request_id"]) == incident and set(impact["pool_tokens"]) == {1200}
     ttft = fx.query("fleet_ttft")
     assert set(ttft.filter(ttft["below_floor"])["request_id"]) == incident
-    assert ttft["fitted_on"].max() == 44
-    reported = {f"cmpl-{i}" for i in range(22)}
+    assert ttft["fitted_on"].max() == 44 and not ttft["cache_hit_possible"].any()
+    reported = {f"cmpl-{i}" for i in range(22)}       # the rest: a skip, because the scraped hit counter never rose
+    assert set(ttft.filter(ttft["cache_evidence"] == "reported")["request_id"]) == reported
+    assert set(ttft.filter(ttft["cache_evidence"] == "no hits")["request_id"]) == {f"cmpl-{i}" for i in range(22, 44)}
     assert set(ttft.filter(ttft["usage_dishonest"])["request_id"]) == incident & reported
     assert set(ttft.filter(ttft["usage_dishonest"].is_null())["request_id"]) == {f"cmpl-{i}" for i in range(22, 44)}
     assert fx.query("canary").select("instance", "kind", "line_no").rows() == [("sglang-0", "kv_canary", 3),
@@ -581,3 +592,63 @@ def test_a_restarted_or_renumbered_publisher_is_a_new_epoch_and_nothing_is_dropp
     assert [(g[0], g[1]) for g in gaps] == [(0, True), (0, True), (0, True), (1, False)]
     assert "went back, from 2 to 0" in gaps[0][2] and "a renumbering" in gaps[1][2]
     assert "3 restart(s)" in sub.summary() and "2 unreadable" in sub.summary()
+
+
+def test_a_fast_answer_is_a_possible_cache_hit_unless_ruled_out_and_the_tenant_comes_through_the_trace(tmp_path):
+    """vLLM's spans carry neither a cached-token count nor a tenant: a fast answer is "cache hit
+    possible" (not a skipped prefill) where no count and no scrape rule a hit out, or where the
+    scraped counter rose; a gateway span's tenant reaches the engine's span through the trace."""
+    from opentelemetry import trace
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from telemetry.receivers.prometheus import Sample, metric_table
+    store = tmp_path / "store"
+    w = SegmentWriter(store)
+    rx = Receiver(w)
+    exporters = []
+
+    def tracer(service: str, instance: str):
+        p = TracerProvider(resource=Resource.create({"service.name": service, "service.instance.id": instance}))
+        p.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(endpoint=rx.url + "/v1/traces")))
+        exporters.append(p)
+        return p.get_tracer(service)
+    gateway, engines = tracer("gateway", "gw-0"), {n: tracer("vllm", n) for n in ("quiet", "scraped")}
+    hits = {"scraped": 0.0}
+
+    def scrape() -> None:
+        w.submit("metrics", metric_table([Sample("vllm:prefix_cache_hits", "counter", "vllm:prefix_cache_hits_total",
+                                                 {"engine": "0"}, hits["scraped"])], time.time_ns(), "scraped"))
+    scrape()
+    rnd = random.Random(3)
+    for name, engine in engines.items():
+        for i in range(30):
+            n = rnd.randint(100, 1000)
+            fast = i in (7, 19)                       # answered at the floor: a cache hit, or a skipped prefill?
+            with gateway.start_as_current_span("POST /v1/completions") as g:
+                g.set_attribute("tenant.id", "tenant-b" if fast else "tenant-a")
+                with engine.start_as_current_span("llm_request", context=trace.set_span_in_context(g)) as sp:
+                    sp.set_attributes({"gen_ai.usage.prompt_tokens": n, "gen_ai.request.id": f"{name}-{i}",
+                                       "gen_ai.latency.time_to_first_token": 0.01 if fast else 0.01 + 1e-4 * n})
+            if name == "scraped" and fast:
+                hits["scraped"] += n                  # the counter rose across this request
+                time.sleep(0.01)
+                scrape()
+                time.sleep(0.01)
+    scrape()
+    for p in exporters:
+        p.shutdown()
+    rx.stop()
+    w.close()
+    fx = Forensics(store)
+    ttft = fx.query("fleet_ttft")
+    assert not ttft["below_floor"].any()
+    possible = ttft.filter(ttft["cache_hit_possible"])
+    assert sorted(possible["request_id"]) == ["quiet-19", "quiet-7", "scraped-19", "scraped-7"]
+    assert set(possible.filter(possible["instance"] == "quiet")["cache_evidence"]) == {"unknown"}
+    assert set(possible.filter(possible["instance"] == "scraped")["cache_evidence"]) == {"hits rose"}
+    b = w.keys.pseudonym("tenant-b")
+    assert set(possible["tenant_h"]) == {b} and ttft["tenant_h"].null_count() == 0     # through the trace
+    tenants = fleet_query(fx, "fleet_tenants")
+    assert sorted(tenants.select("tenant_h", "requests").rows()) == sorted([(b, 4), (w.keys.pseudonym("tenant-a"), 56)])

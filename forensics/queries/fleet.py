@@ -27,14 +27,17 @@ def fleet_requests(ttft: pl.DataFrame, impact: pl.DataFrame) -> pl.DataFrame:
 def fleet_tenants(ttft: pl.DataFrame, impact: pl.DataFrame) -> pl.DataFrame:
     """Per tenant of the foreign fleet: instances, requests, and how many were answered under the
     TTFT floor of their length or billed over their instance's pool - the incident's two signals
-    at tenant level, as ``tenants`` is for the page ledger."""
+    at tenant level, as ``tenants`` is for the page ledger (and the fast answers a prefix-cache hit
+    could explain, counted apart)."""
     import polars as pl
-    counts = {"instances": pl.UInt32, "requests": pl.UInt32, "below_floor": pl.UInt32, "over_pool": pl.UInt32}
+    counts = {"instances": pl.UInt32, "requests": pl.UInt32, "below_floor": pl.UInt32, "over_pool": pl.UInt32,
+              "cache_hit_possible": pl.UInt32}
     r = fleet_requests(ttft, impact)
     if r.is_empty():
         return pl.DataFrame(schema={"tenant_h": pl.String, **counts})
     return (r.group_by("tenant_h").agg(instances=pl.col("instance").n_unique(), requests=pl.len(),
-                                       below_floor=pl.col("below_floor").sum(), over_pool=pl.col("over_pool").sum())
+                                       below_floor=pl.col("below_floor").sum(), over_pool=pl.col("over_pool").sum(),
+                                       cache_hit_possible=pl.col("cache_hit_possible").sum())
             .cast(counts)
             .sort(["over_pool", "below_floor", "tenant_h"], descending=[True, True, False], nulls_last=True))
 

@@ -115,7 +115,9 @@ def vllm(peers_python, tmp_path_factory):
         [str(peers_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
          "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
          "--otlp-traces-endpoint", f"http://127.0.0.1:{collect.grpc_port}", "--kv-events-config", json.dumps(kv)],
-        cwd=work, env=peer_env(), stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+        # one engine, one instance: its spans name themselves as its KV events and scrape are named
+        cwd=work, env={**peer_env(), "OTEL_SERVICE_NAME": "vllm", "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=vllm-0"},
+        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     root = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + VLLM_START_S
