@@ -112,6 +112,7 @@ class Endpoint:
             except Exception as e:   # noqa: BLE001 - the tokenizers library raises its own kinds
                 raise ProbeError(f"--tokenizer {tokenizer}: cannot load tokenizer.json ({e})") from None
         self.requests = 0
+        self.pools: list[int] = []     # the admitting nodes' pools, where they differ across a cluster
 
     # ---- discovery -------------------------------------------------------------------------------
     def discover(self, pool: int | None, context: int | None) -> tuple[int | None, int | None, str]:
@@ -126,6 +127,9 @@ class Endpoint:
             if isinstance(info, dict):
                 pool = pool or info.get("max_total_num_tokens")
                 context = context or info.get("context_length")
+                nodes = info.get("nodes") if isinstance(info.get("nodes"), list) else []
+                self.pools = sorted({n["pool_tokens"] for n in nodes if isinstance(n, dict)
+                                     and n.get("role") in ("prefill", "unified") and n.get("pool_tokens")})
                 where.append(path)
                 break
         if pool is None and (m := self.engine_metrics()) is not None and m.pool_tokens:
@@ -229,21 +233,36 @@ def check_limits(t: Endpoint, pool: int | None, context: int | None, tick) -> tu
                       "pass --pool-tokens / --context-length"), []
     # prompts around the pool only where the pool is the tighter limit (a pool of millions of tokens
     # behind a 2,048-token context is tested by the context's prompts)
-    around_pool = (pool - 1, pool, pool + 1) if pool and (context is None or pool <= context) else ()
-    sizes = sorted({s for s in (*around_pool, context, context and context + 1) if s})
-    limit = lambda n: (pool is not None and n > pool and (context is None or pool < context)) or \
-        (context is not None and n > context)                                           # noqa: E731
-    rows, bad = [], []
+    # On a cluster whose nodes have different pools a prompt between the smallest and the largest may
+    # be served, rightly, by a bigger node: a 200 there is a configuration warning, not a finding by
+    # itself (usage/TTFT or a canary make it one); a 200 over the largest pool is a finding.
+    top_pool = max([pool or 0, *t.pools]) or None
+    around_pool = ((pool - 1, pool, pool + 1) + ((top_pool + 1,) if top_pool != pool else ())
+                   if pool and (context is None or pool <= context) else ())
+    sizes = sorted({s for s in (*around_pool, context, context and context + 1)
+                    if s and (context is None or s <= context + 1)})
+
+    def limit(n: int) -> bool:
+        return (top_pool is not None and n > top_pool and (context is None or top_pool < context)) or \
+            (context is not None and n > context)
+    rows, bad, warned = [], [], []
     for n in sizes:
         r = t.complete(t.a, t.prompt(n), 4)
-        r.update(sent=n, over_limit=limit(n))
+        between = pool is not None and top_pool is not None and pool < n <= top_pool and not limit(n)
+        r.update(sent=n, over_limit=limit(n), between_pools=between)
         rows.append(r)
         tick()
         if r["status"] == 200 and r["over_limit"]:
-            which = "context" if context is not None and n > context else "pool"
+            which = "context" if context is not None and n > context else "pool" if top_pool == pool else "largest pool"
             bad.append({"prompt_tokens": n, "response": r["id"], "why": f"HTTP 200 for a prompt over the {which}"})
+        elif r["status"] == 200 and between:
+            warned.append(n)
     verdict = FINDING if bad else PASS
-    detail = (f"pool {pool}, context {context}: " + ", ".join(f"{r['sent']} -> {r['status']}" for r in rows))
+    pools = f"pools {', '.join(map(str, t.pools))}" if len(t.pools) > 1 else f"pool {pool}"
+    detail = (f"{pools}, context {context}: " + ", ".join(f"{r['sent']} -> {r['status']}" for r in rows))
+    if warned:
+        detail += (f"; configuration warning: {', '.join(map(str, warned))} tokens answered 200 above the smallest "
+                   f"pool ({pool}) - a bigger node may have served it; the usage and canary checks decide")
     return Result("limits", verdict, detail, bad), rows
 
 
@@ -265,7 +284,8 @@ def check_usage(t: Endpoint, pool: int | None, context: int | None, over: list[d
     x, y = np.array([n for n, _ in timed], float), np.array([s for _, s in timed])
     slope, icpt = np.polyfit(x, y, 1)
     fit = f"TTFT fit on {len(timed)} below-pool prompts: {1e3 * icpt:.1f} ms + {1e6 * slope:.1f} us/token"
-    long_ok = [r for r in over if r["status"] == 200 and r["over_limit"] and r["ttft"] is not None]
+    long_ok = [r for r in over if r["status"] == 200 and (r["over_limit"] or r.get("between_pools"))
+               and r["ttft"] is not None]
     if long_ok and slope <= 0:
         return Result("usage", INCONCLUSIVE if not bad else FINDING,
                       fit + ": TTFT does not grow with the prompt here, so a skipped prefill cannot be told apart", bad)

@@ -4,6 +4,7 @@ and bad input refused before a request is sent."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -125,3 +126,54 @@ def test_bad_probe_input_is_refused_before_any_request(capsys, argv, error):
     assert main(["probe", *[x for kv in base.items() for x in kv]]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvledger: error: ") and error in err and "Traceback" not in err, err
+
+
+TWO_POOLS = ('context_length = 1024\n[[prefill]]\nnode_id = "prefill0"\npool_tokens = 656\n'
+             '[[prefill]]\nnode_id = "prefill1"\npool_tokens = 1200\n')
+
+
+def test_on_a_cluster_of_unequal_pools_a_200_between_them_is_a_warning_not_a_finding(tmp_path, capsys):
+    """A hardened server whose prefill nodes hold 656 and 1,200 tokens: a prompt of 657-1,024 tokens
+    answered 200 may have been served by the bigger node, rightly. The probe says so and passes,
+    whichever node round robin picks; only usage/TTFT or canary evidence would make it a finding."""
+    s = Server(tmp_path, "--mode", "disaggregated", "--policy", "hardened", config=TWO_POOLS)
+    try:
+        code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
+                     "--checks", "limits,usage"])
+    finally:
+        assert s.stop() == 0
+    rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
+    assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
+    assert rows["limits"]["detail"].startswith("pools 656, 1200, context 1024"), rows["limits"]
+    assert "1025 -> 400" in rows["limits"]["detail"]                         # over the context: refused
+    if "1024 -> 200" in rows["limits"]["detail"]:
+        assert "configuration warning" in rows["limits"]["detail"]
+
+
+def test_a_429_is_retried_after_its_retry_after(monkeypatch):
+    """The probe's request path against an endpoint that answers 429 twice (Retry-After: 0.2), then
+    streams: one answer, three requests, the waits honoured."""
+    import httpx
+    import openai
+
+    from forensics.probe import Endpoint
+    calls = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(time.monotonic())
+        if len(calls) <= 2:
+            return httpx.Response(429, headers={"Retry-After": "0.2"},
+                                  json={"error": {"message": "slow down", "type": "requests"}})
+        body = ('data: {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", '
+                '"choices": [{"index": 0, "text": "", "finish_reason": null}]}\n\n'
+                'data: {"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "m", "choices": [], '
+                '"usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body.encode())
+    t = Endpoint.__new__(Endpoint)
+    t.model, t.requests, t.root = "m", 0, "http://x"
+    client = openai.OpenAI(base_url="http://x/v1", api_key="k", max_retries=0,
+                           http_client=httpx.Client(transport=httpx.MockTransport(handler)))
+    out = t.complete(client, "a b c", 1)
+    assert out["status"] == 200 and out["id"] == "cmpl-1" and out["usage"] == 3 and len(calls) == 3
+    assert out["ttft"] is not None                         # the first chunk times it, though its text is empty
+    assert calls[1] - calls[0] >= 0.19 and calls[2] - calls[1] >= 0.19 and t.requests == 3
