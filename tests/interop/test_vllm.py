@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from forensics.queries.duckdb import Forensics
-from tests.interop.conftest import ROOT
+from tests.interop.peers import ROOT
 
 pytestmark = pytest.mark.interop
 
