@@ -98,14 +98,21 @@ def _foreign(flag: str, value: str) -> int:
                      overflow="fold")
     for i in found:
         ratio = f"{i.pool_tokens / i.context_length:.4f}" if i.fits is not None else "-"
-        verdict = {True: "[green]fits", False: "[red]pool < context: the incident's precondition",
+        verdict = {True: "[green]fits", False: "[red]pool < context",
                    None: "[yellow]context unknown" if i.pool_tokens else "[yellow]pool unknown"}[i.fits]
         if i.finding:
-            verdict += f"; [red]{i.finding}"
+            verdict += "; [red]release (below)"
         engine = " ".join(x for x in (i.engine, i.version) if x) or "?"
         t.add_row(i.name, engine, f"{i.pool_tokens:,}" if i.pool_tokens else "?",
                   f"{i.context_length:,}" if i.context_length else "?", ratio, verdict, i.source)
-    Console().print(t)
+    console = Console()
+    console.print(t)
+    if any(i.fits is False for i in found):
+        console.print("pool < context is the incident's precondition: a prompt longer than the pool is accepted "
+                      "and cannot all be held.")
+    for i in found:
+        if i.finding:
+            console.print(f"[red]{i.name}: {i.finding}")
     code = _verdict([i.name for i in found if i.fits is False])
     if any(i.finding for i in found):
         print(f"kvledger: preflight failed: {', '.join(i.name for i in found if i.finding)}: "

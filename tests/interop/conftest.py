@@ -13,8 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from tests.interop.peers import (ROOT, Collect, VLLM, build_vllm_model, free_port, peer_env,  # noqa: F401
-                                 peers_venv, start_vllm, stop, wait_up)
+from tests.interop.peers import (  # noqa: F401
+    ROOT,
+    VLLM,
+    Collect,
+    build_vllm_model,
+    free_port,
+    peer_env,
+    peers_venv,
+    start_vllm,
+    stop,
+    wait_up,
+)
 
 
 def pytest_collection_modifyitems(items):

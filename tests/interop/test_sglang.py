@@ -5,12 +5,14 @@ of the publisher on the same endpoint (a new epoch, nothing dropped)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
 
 import pytest
 
 from forensics.queries.duckdb import Forensics
-from tests.interop.peers import Collect, free_port, peer_env
+from tests.interop.peers import Collect, build_vllm_model, free_port, peer_env
 
 pytestmark = pytest.mark.interop
 
@@ -95,3 +97,58 @@ def test_sglang_detector_lines_as_its_sources_write_them_are_ingested(peers_pyth
                  "--instance", "sglang-0"]) == 0
     got = Forensics(tmp_path / "store").query("canary").select("instance", "kind", "line_no").rows()
     assert got == [("sglang-0", "kv_canary", 1), ("sglang-0", "kv_checksum", 8)]    # one event per violation
+
+
+# SGLang's own /server_info body, built by its own code (ServerArgs.resolved_dict via build_server_info,
+# plus what http_server.server_info adds) for a prefill node; the scheduler's handshake numbers are the
+# incident's. Served on loopback with the stdlib: SGLang's HTTP server itself needs a GPU build.
+SERVER_INFO = r"""
+import http.server, json, sys
+import sglang
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils.common import build_server_info
+model, port, version = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+args = ServerArgs(model_path=model, device="cpu", disaggregation_mode="prefill")
+info = {**build_server_info(args, {"status": "ready", "max_total_num_tokens": 681280, "max_req_input_len": 1048570}),
+        "internal_states": [], "version": version or sglang.__version__, "frontend": "python"}
+bodies = {"/server_info": info, "/health": {},
+          "/v1/models": {"object": "list", "data": [{"id": model, "object": "model", "max_model_len": 1048576}]}}
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = bodies.get(self.path)
+        data = json.dumps(body, default=str).encode()
+        self.send_response(200 if body is not None else 404)
+        self.send_header("content-type", "application/json")
+        self.end_headers()
+        self.wfile.write(data)
+    def log_message(self, *a):
+        pass
+srv = http.server.HTTPServer(("127.0.0.1", port), H)
+print("ready", flush=True)
+srv.serve_forever()
+"""
+
+
+@pytest.mark.parametrize("version,finding", [("", False), ("0.5.21", True)])
+def test_preflight_reads_sglangs_own_server_info_for_a_prefill_node(peers_python, tmp_path, version, finding):
+    import httpx
+
+    from tests.interop.peers import ROOT
+    model = build_vllm_model(tmp_path / "m")          # ServerArgs reads the model's config
+    port = free_port()
+    srv = subprocess.Popen([str(peers_python), "-c", SERVER_INFO, str(model), str(port), version], env=peer_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert srv.stdout.readline().strip() == "ready", srv.stderr.read()[-2000:]
+        info = httpx.get(f"http://127.0.0.1:{port}/server_info").json()
+        assert info["context_length"] is None and info["disaggregation_mode"] == "prefill"    # SGLang's own nulls
+        r = subprocess.run([sys.executable, "-m", "engine.commands", "preflight", "--endpoint",
+                            f"http://127.0.0.1:{port}/v1"], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "COLUMNS": "200"})
+    finally:
+        srv.kill()
+    out = " ".join(r.stdout.split())
+    assert r.returncode == 1, r.stdout + r.stderr                     # 681,280 < 1,048,576: the incident's numbers
+    assert "681,280" in out and "1,048,576" in out and "prefill node" in out, out   # context from /v1/models
+    assert ("without the incident's admission fixes" in out) is finding and ("release" in out) is finding, out
+    assert ("without the incident's admission fixes" in r.stderr) is finding, r.stderr
