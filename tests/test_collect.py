@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import httpx
@@ -24,7 +25,7 @@ from forensics.queries.duckdb import Forensics
 from forensics.queries.fleet import query as fleet_query
 from engine.commands.main import main
 from telemetry.receivers.kv_events import KVEventSubscriber
-from telemetry.receivers.otlp import build_app
+from telemetry.receivers.otlp import MAX_BODY, build_app
 from telemetry.store import SegmentWriter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,13 +96,24 @@ def _otlp_json(trace_id: str) -> dict:
                                {"key": "gen_ai.response.id", "value": {"stringValue": "req-9"}}]}]}]}]}
 
 
-BAD_BODIES = [   # (content type, encoding, body, what the 400 says)
-    ("application/json", "", b"{not json", "not JSON"),
-    ("application/x-protobuf", "", b"\xff\xff\xff\xff", "not an OTLP protobuf"),
-    ("application/json", "gzip", b"plain, not gzip", "does not decompress"),
-    ("text/plain", "", b"hello", "Content-Type 'text/plain'"),
-    ("application/json", "", json.dumps(_otlp_json("zz" * 16)).encode(), "is not hex"),
-    ("application/json", "br", b"{}", "Content-Encoding 'br' is not supported"),
+def _bomb(inflated: int) -> bytes:
+    """gzip of ``inflated`` zero bytes, built a MiB at a time (never held inflated here)."""
+    z = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+    mib = bytes(1 << 20)
+    return b"".join(z.compress(mib) for _ in range(inflated >> 20)) + z.flush()
+
+
+BAD_BODIES = [   # (content type, encoding, body, the status, what it says)
+    ("application/json", "", b"{not json", 400, "not JSON"),
+    ("application/x-protobuf", "", b"\xff\xff\xff\xff", 400, "not an OTLP protobuf"),
+    ("application/json", "gzip", b"plain, not gzip", 400, "does not decompress"),
+    ("application/json", "gzip", gzip.compress(b"{}" * 5000)[:-12], 400, "cut short"),
+    ("text/plain", "", b"hello", 400, "Content-Type 'text/plain'"),
+    ("application/json", "", json.dumps(_otlp_json("zz" * 16)).encode(), 400, "is not hex"),
+    ("application/json", "br", b"{}", 400, "Content-Encoding 'br' is not supported"),
+    ("application/json", "", b"[" * 100_000 + b"]" * 100_000, 400, "nested too deep"),
+    ("application/json", "gzip", _bomb(64 << 20), 413, "inflates past the"),
+    ("application/x-protobuf", "", bytes(MAX_BODY + 1), 413, "over the"),
 ]
 
 
@@ -110,20 +122,20 @@ def test_otlp_json_and_gzip_are_received_and_bad_bodies_get_400(tmp_path):
     rx = Receiver(w, tenant_attribute=None, tenant_header="x-tenant")
     try:
         body = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
-        for enc, data in (("", body), ("gzip", gzip.compress(body))):
+        for enc, data in (("", body), ("gzip", gzip.compress(body)), ("gzip", gzip.compress(body) + gzip.compress(b""))):
             r = httpx.post(rx.url + "/v1/traces", content=data, headers={
                 "content-type": "application/json", "x-tenant": "acme", **({"content-encoding": enc} if enc else {})})
             assert r.status_code == 200, r.text
-        for ctype, enc, data, why in BAD_BODIES:
+        for ctype, enc, data, status, why in BAD_BODIES:
             r = httpx.post(rx.url + "/v1/traces", content=data,
                            headers={"content-type": ctype, **({"content-encoding": enc} if enc else {})})
-            assert r.status_code == 400 and why in r.json()["message"], (why, r.text)
+            assert r.status_code == status and why in r.json()["message"], (why, r.text)
         assert httpx.get(rx.url + "/health").json()["received"]["refused_bodies"] == len(BAD_BODIES)
     finally:
         rx.stop()
         w.close()
     df = Forensics(tmp_path / "store").con.sql("SELECT TraceId, request_id, input_tokens, tenant_h FROM spans").pl()
-    assert df.height == 2 and set(df["TraceId"]) == {"0123456789abcdef0123456789abcdef"}
+    assert df.height == 3 and set(df["TraceId"]) == {"0123456789abcdef0123456789abcdef"}   # plain, gzip, 2 members
     assert set(df["request_id"]) == {"req-9"} and set(df["input_tokens"]) == {777} and df["tenant_h"][0] is not None
 
 
@@ -652,3 +664,53 @@ def test_a_fast_answer_is_a_possible_cache_hit_unless_ruled_out_and_the_tenant_c
     assert set(possible["tenant_h"]) == {b} and ttft["tenant_h"].null_count() == 0     # through the trace
     tenants = fleet_query(fx, "fleet_tenants")
     assert sorted(tenants.select("tenant_h", "requests").rows()) == sorted([(b, 4), (w.keys.pseudonym("tenant-a"), 56)])
+
+
+def _hwm_mib(pid: int) -> float:
+    """The process's peak resident memory so far (VmHWM), MiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
+
+
+def test_the_receivers_memory_stays_bounded_under_a_bomb_and_a_100_mb_body(tmp_path):
+    """`kvledger collect` as run: a 512 MiB gzip bomb (0.5 MB on the wire), a 100 MB body declared
+    up front and one streamed without a length: 413 each, and the receiver's peak RSS grows by less
+    than 64 MiB over its idle peak; it then still takes a good body."""
+    port = _port()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.commands", "collect", "--store", str(tmp_path / "store"),
+                             "--otlp-port", str(port), "--otlp-grpc-port", "0", "--decode-workers", "0"],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/v1/traces"
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        good = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
+        assert httpx.post(url, content=good, headers={"content-type": "application/json"}).status_code == 200
+        idle = _hwm_mib(proc.pid)
+        bomb = _bomb(512 << 20)
+        r = httpx.post(url, content=bomb, headers={"content-type": "application/json", "content-encoding": "gzip"})
+        assert r.status_code == 413 and "inflates past" in r.text, r.text
+        big = bytes(100 << 20)
+
+        def stream():
+            for i in range(0, len(big), 1 << 20):
+                yield big[i:i + (1 << 20)]
+        for content, why in ((big, "is over the"), (stream(), "over the")):
+            try:
+                r = httpx.post(url, content=content, headers={"content-type": "application/x-protobuf"}, timeout=60)
+                assert r.status_code == 413 and why in r.text, r.text
+            except (httpx.WriteError, httpx.RemoteProtocolError, httpx.ReadError):
+                pass                  # refused before the client finished sending: the server closed on it
+        grown = _hwm_mib(proc.pid) - idle
+        assert grown < 64, f"peak RSS grew by {grown:.0f} MiB"
+        assert httpx.post(url, content=good, headers={"content-type": "application/json"}).status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, proc.stderr.read()

@@ -114,6 +114,7 @@ BAD = {   # body (dict: JSON; bytes: raw), headers, status, what the error says
     "unknown key": ({"prompt": "x"}, {"Authorization": "Bearer nope"}, 401, "missing or unknown API key"),
     "malformed JSON": (b'{"prompt": ', None, 400, "not JSON"),
     "not an object": (b"[1, 2]", None, 400, "must be a JSON object"),
+    "nested 100,000 deep": (b"[" * 100_000 + b"]" * 100_000, None, 400, "nested too deep"),
     "invalid UTF-8": (b'{"prompt": "\xff\xfe"}', None, 400, "not valid UTF-8"),
     "missing prompt": ({"max_tokens": 3}, None, 400, "prompt: Field required"),
     "wrong type": ({"prompt": "x", "max_tokens": "three"}, None, 400, "max_tokens"),

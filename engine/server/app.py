@@ -133,6 +133,8 @@ async def _body(request: Request) -> dict | JSONResponse:
         return _err(400, f"request body is not valid UTF-8 (byte {e.start})")
     except ValueError as e:
         return _err(400, f"request body is not JSON: {e}")
+    except RecursionError:
+        return _err(400, "request body is nested too deep (past Python's recursion limit)")
     if not isinstance(body, dict):
         return _err(400, f"request body must be a JSON object, got {type(body).__name__}")
     return body

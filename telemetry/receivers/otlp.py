@@ -16,11 +16,14 @@ The tenant comes from a span or resource attribute (``--tenant-attribute``) or a
 (``--tenant-header``), stored only as its keyed pseudonym. Every attribute is kept in the maps.
 A body that does not decode -> 400 (OTLP's error shape), never a crash; a store writer that is
 behind -> 503 with Retry-After (OTLP clients back off and retry) rather than unbounded memory.
+Memory is bounded before decoding: a declared Content-Length over the limit is refused unread, the
+body is read as a stream and refused the moment it passes the limit, gzip is inflated at most to
+the limit (a bomb costs the limit, not its inflated size) - each a 413; JSON nested past Python's
+recursion limit is a 400.
 """
 from __future__ import annotations
 
 import base64
-import gzip
 import json
 import operator
 import time
@@ -64,7 +67,32 @@ _STATUS = {0: "UNSET", 1: "OK", 2: "ERROR"}
 
 
 class BadBody(KvledgerError, ValueError):
-    pass
+    status = 400
+
+
+class TooLarge(BadBody):
+    status = 413
+
+
+def inflate(body: bytes, limit: int) -> bytes:
+    """gzip (one member or several) inflated to at most ``limit`` bytes: TooLarge past it, BadBody
+    when it is not gzip or is cut short."""
+    out, data = [], body
+    size = 0
+    try:
+        while data:
+            d = zlib.decompressobj(16 + zlib.MAX_WBITS)
+            chunk = d.decompress(data, limit - size + 1)
+            size += len(chunk)
+            if size > limit or d.unconsumed_tail:
+                raise TooLarge(f"the gzip body inflates past the {limit}-byte limit")
+            out.append(chunk)
+            if not d.eof:
+                raise BadBody("Content-Encoding gzip, but the body is cut short")
+            data = d.unused_data
+    except zlib.error as e:
+        raise BadBody(f"Content-Encoding gzip, but the body does not decompress: {e}") from None
+    return b"".join(out)
 
 
 def _value(v) -> object:
@@ -100,27 +128,28 @@ def _hexify_ids(obj) -> None:
             _hexify_ids(x)
 
 
-def parse(body: bytes, content_type: str, encoding: str, message):
+def parse(body: bytes, content_type: str, encoding: str, message, limit: int = MAX_BODY):
     if encoding == "gzip":
-        try:
-            body = gzip.decompress(body)
-        except (OSError, EOFError, zlib.error) as e:
-            raise BadBody(f"Content-Encoding gzip, but the body does not decompress: {e}") from None
+        body = inflate(body, limit)
     elif encoding not in ("", "identity"):
         raise BadBody(f"Content-Encoding {encoding!r} is not supported (gzip or none)")
-    if len(body) > MAX_BODY:
-        raise BadBody(f"body of {len(body)} bytes is over the {MAX_BODY}-byte limit")
+    if len(body) > limit:
+        raise TooLarge(f"body of {len(body)} bytes is over the {limit}-byte limit")
     msg = message()
     if content_type.startswith("application/json"):
         try:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
             raise BadBody(f"not JSON: {e}") from None
+        except RecursionError:
+            raise BadBody("JSON nested too deep (past Python's recursion limit): not an OTLP body") from None
         _hexify_ids(obj)
         try:
             json_format.ParseDict(obj, msg, ignore_unknown_fields=True)
         except json_format.ParseError as e:
             raise BadBody(f"not an OTLP/JSON {message.__name__}: {e}") from None
+        except RecursionError:
+            raise BadBody("JSON nested too deep: not an OTLP body") from None
     elif content_type.startswith("application/x-protobuf") or not content_type:
         try:
             msg.ParseFromString(body)
@@ -397,11 +426,27 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
     app.state.decoders = decoders
 
     def error(status: int, text: str) -> Response:
-        return Response(json.dumps({"code": 3 if status == 400 else 14, "message": text}), status,
+        return Response(json.dumps({"code": {400: 3, 413: 8}.get(status, 14), "message": text}), status,
                         media_type="application/json", headers={"Retry-After": "1"} if status == 503 else None)
 
+    async def read(request: Request) -> bytes:
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY:
+            raise TooLarge(f"a body of {declared} bytes is over the {MAX_BODY}-byte limit")
+        chunks, size = [], 0
+        async for part in request.stream():
+            size += len(part)
+            if size > MAX_BODY:
+                raise TooLarge(f"the body is over the {MAX_BODY}-byte limit")
+            chunks.append(part)
+        return b"".join(chunks)
+
     async def receive(request: Request, kind: str, response_cls, counter: str) -> Response:
-        body = await request.body()
+        try:
+            body = await read(request)
+        except TooLarge as e:
+            app.state.received["refused_bodies"] += 1
+            return error(413, str(e))
         if writer.saturated or decoders.full(len(body)):
             app.state.received["throttled"] += 1
             return error(503, "the store writer is behind; retry later" if writer.saturated else
@@ -413,7 +458,7 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
                                    tenant_attribute, header)
         except BadBody as e:
             app.state.received["refused_bodies"] += 1
-            return error(400, str(e))
+            return error(e.status, str(e))
         except BrokenProcessPool:
             app.state.received["throttled"] += 1
             return error(503, "a decoder process died; retry")
