@@ -135,12 +135,25 @@ def test_a_failed_segment_write_leaves_the_store_verifiable(tmp_path, monkeypatc
 
 
 def test_a_second_writer_is_refused_with_a_clear_error(tmp_path):
+    """One writer, really: the lock is the kernel's, on the store directory's descriptor. Deleting
+    any file (an old writer.lock, or one planted) lets no second writer in, in this process or in
+    another; the lock goes with the writer."""
     w = SegmentWriter(tmp_path / "s")
     try:
         with pytest.raises(StoreError, match="already has a writer"):
             SegmentWriter(tmp_path / "s")
+        for f in (tmp_path / "s").glob("*.lock"):
+            f.unlink()
+        (tmp_path / "s" / "writer.lock").write_text("")          # a planted, unlocked lock file changes nothing
+        with pytest.raises(StoreError, match="already has a writer"):
+            SegmentWriter(tmp_path / "s")
+        other = subprocess.run([sys.executable, "-c", "import sys; from telemetry.store import SegmentWriter\n"
+                                f"SegmentWriter({str(tmp_path / 's')!r})"], capture_output=True, text=True,
+                               cwd=Path(__file__).resolve().parents[1])
+        assert other.returncode != 0 and "already has a writer" in other.stderr, other.stderr[-500:]
     finally:
         w.close()
+    SegmentWriter(tmp_path / "s").close()                        # released on close
 
 
 def test_bad_input_names_the_problem(tmp_path, capsys):

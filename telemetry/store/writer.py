@@ -9,7 +9,8 @@ segments, so a reader never sees a half-written file.
 
     ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
     ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/store/chain.py
-    ROOT/writer.lock                        one writer at a time (flock)
+    (ROOT itself)                           one writer at a time: flock on the store directory's own
+                                            descriptor (no lock file a careless hand could delete)
     (no secret: the writer's keys live outside the store, telemetry/store/keys.py)
 
 Durability: rows reach disk when their table's buffer is flushed - every ``flush_interval``
@@ -134,12 +135,15 @@ class SegmentWriter:
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"store path {self.root} exists and is not a directory")
         (self.root / "chain").mkdir(parents=True, exist_ok=True)
-        self._lock_fd = os.open(self.root / "writer.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        # the lock is on the directory's own descriptor: deleting or replacing a lock file cannot let
+        # a second writer in (the kernel drops it only when the holder closes it or dies)
+        self._lock_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(self._lock_fd)
-            raise StoreError(f"store {self.root} already has a writer (another engine process holds writer.lock)") from None
+            raise StoreError(f"store {self.root} already has a writer (another process holds its lock); one "
+                             "writer at a time") from None
         try:
             self._open_chain(anchor)
         except BaseException:
