@@ -16,7 +16,24 @@ CASES = {
     "invalid UTF-8 prompt": (["generate", "--model", "recall", "--prompt", "ok \udcff"], "not valid UTF-8"),
     "seed 2**70": (["generate", "--model", "recall", "--prompt", "x", "--seed", str(2 ** 70)], "seed must be in [0, 2**63)"),
     "generate max-tokens 0": (["generate", "--model", "recall", "--prompt", "x", "--max-tokens", "0"],
-                              "--max-tokens must be >= 1"),
+                              "--max-tokens must be in [1, 16777216]"),
+    "generate max-tokens 1e12": (["generate", "--model", "recall", "--prompt", "x", "--max-tokens", "1000000000000"],
+                                 "--max-tokens must be in [1, 16777216]"),
+    "generate max-tokens over the context": (["generate", "--model", "recall", "--prompt", "x", "--max-tokens", "100000"],
+                                             "leaves no room for the prompt in the context of"),
+    "generate memory-budget 1024GiB": (["generate", "--model", "recall", "--prompt", "x", "--memory-budget", "1024GiB"],
+                                       "at most this machine's memory"),
+    "generate memory-budget 0": (["generate", "--model", "recall", "--prompt", "x", "--memory-budget", "0"],
+                                 "must be more than 0"),
+    "tenant_scores bucket 2**62": (["forensics", "tenant_scores", "--bucket", str(2 ** 62)],
+                                   "--bucket must be in [1, 315360000] seconds"),
+    "dashboard refresh nan": (["dashboard", "--refresh", "nan"], "--refresh must be in [0.5, 3600] seconds, got nan"),
+    "dashboard refresh 0": (["dashboard", "--refresh", "0"], "--refresh must be in [0.5, 3600]"),
+    "serve host 999.1.1.1": (["serve", "--host", "999.1.1.1"], "--host '999.1.1.1' is not an address"),
+    "collect host 999.1.1.1": (["collect", "--otlp-host", "999.1.1.1"], "--otlp-host '999.1.1.1' is not an address"),
+    "collect kv-events port abc": (["collect", "--kv-events", "tcp://127.0.0.1:abc"], "a ZMQ address is tcp://HOST:PORT"),
+    "serve port in use": (["serve", "--port", "@busy"], "cannot listen on 127.0.0.1:"),
+    "collect port in use": (["collect", "--otlp-port", "@busy"], "cannot listen on 127.0.0.1:"),
     "replay context 0": (["replay", "glm53", "--context-length", "0"], "--context-length must be in [256, 131072]"),
     "replay context -5": (["replay", "glm53", "--context-length", "-5"], "--context-length must be in [256, 131072]"),
     "replay context 1e9": (["replay", "glm53", "--context-length", "1000000000"], "--context-length must be in [256"),
@@ -43,7 +60,15 @@ def test_bad_input_is_one_clear_line_and_takes_nothing(case, tmp_path, monkeypat
     argv, expect = CASES[case]
     if expect is None:
         argv, expect = ["forensics", "runs", "--store", str(tmp_path / "nowhere")], "no kvledger store at"
-    code = main(argv)
+    import socket
+    busy = socket.socket()                       # a port something else listens on
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    argv = [str(busy.getsockname()[1]) if a == "@busy" else a for a in argv]
+    try:
+        code = main(argv)
+    finally:
+        busy.close()
     err = capsys.readouterr().err
     assert code != 0 and err.startswith("kvledger: error: ") and expect in err, err
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1

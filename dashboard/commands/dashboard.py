@@ -34,8 +34,9 @@ def add_arguments(d) -> None:
 
 def make_config(a) -> DashboardConfig:
     check_port("--port", a.port)
-    if a.refresh <= 0:
-        raise InputError(f"--refresh must be > 0 seconds, got {a.refresh}")
+    import math
+    if not (math.isfinite(a.refresh) and 0.5 <= a.refresh <= 3600):
+        raise InputError(f"--refresh must be in [0.5, 3600] seconds, got {a.refresh}")
     return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a))
 
 

@@ -39,11 +39,24 @@ def add_arguments(g) -> None:
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
 
 
+MAX_TOKENS = 1 << 24          # tokens: no context this engine serves is longer
+
+
+def physical_memory() -> int:
+    import os
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def make_config(args) -> GenerateConfig:
     for flag, value in (("--max-tokens", args.max_tokens), ("--context-length", args.context_length),
                         ("--page-size", args.page_size)):
-        if value is not None and value < 1:
-            raise InputError(f"{flag} must be >= 1, got {value}")
+        if value is not None and not 1 <= value <= MAX_TOKENS:
+            raise InputError(f"{flag} must be in [1, {MAX_TOKENS}], got {value}")
+    from engine.config import parse_bytes
+    budget, ram = parse_bytes(args.memory_budget), physical_memory()
+    if not 0 < budget <= ram:
+        raise InputError(f"--memory-budget {args.memory_budget}: must be more than 0 and at most this machine's "
+                         f"memory ({ram / 2**30:.1f} GiB)")
     return GenerateConfig(args.model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
                           args.tenant, args.memory_budget, args.context_length, args.page_size, not args.no_check)
 
@@ -62,6 +75,9 @@ def run(c: GenerateConfig) -> int:
     model, tok = load_model(c.model)
     pool = pool_tokens_for(model, EngineConfig(kv_memory_budget=budget, page_size=c.page_size))
     context = c.context_length or pool          # by default the context is what the pool holds
+    if c.max_tokens >= context:
+        raise InputError(f"--max-tokens {c.max_tokens} leaves no room for the prompt in the context of {context} "
+                         "tokens; give fewer (or a larger --context-length)")
     if context > pool:
         print(f"kvledger: warning: --context-length {context} is longer than the KV pool ({pool} tokens from "
               f"--memory-budget {c.memory_budget}): a prompt longer than the pool is the GLM-5.3 incident's "

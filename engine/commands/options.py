@@ -26,6 +26,27 @@ def check_port(flag: str, port: int) -> None:
         raise InputError(f"{flag} must be in 1..65535, got {port}")
 
 
+def check_listen(host: str, *ports: tuple[str, int], host_flag: str = "--host") -> None:
+    """``host`` resolves and each (flag, port) can be bound on it now (0: any port, not checked),
+    found before a store or a process exists; the bind is released at once."""
+    import socket
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as e:
+        raise InputError(f"{host_flag} {host!r} is not an address this machine can bind ({e.args[-1]})") from None
+    family, *_, addr = infos[0]
+    for flag, port in ports:
+        if not port:
+            continue
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr[0], port))
+            except OSError as e:
+                raise InputError(f"{flag} {port}: cannot listen on {host}:{port} ({e.strerror}); is another "
+                                 "server using it?") from None
+
+
 def check_writable_store(store: str) -> None:
     """Refuse a store that cannot be written at ``store`` (or a writer secret that is malformed),
     found before anything is created."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from engine.commands.options import add_store, check_port, check_range, check_writable_store
+from engine.commands.options import add_store, check_listen, check_port, check_range, check_writable_store
 from engine.server.config import ServeConfig
 
 
@@ -46,6 +46,7 @@ def add_arguments(sv) -> None:
 def make_config(a) -> ServeConfig:
     from engine.server.limits import MAX_LIMIT
     check_port("--port", a.port)
+    check_listen(a.host, ("--port", a.port))
     check_range("--max-pending", a.max_pending, 1, 1_000_000)
     check_range("--drain-timeout", a.drain_timeout, 0, 3600, " seconds")
     check_range("--torch-threads", a.torch_threads, 1, 1024)

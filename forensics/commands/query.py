@@ -12,6 +12,9 @@ from forensics.commands.options import EngineChoice, add_engine_options, add_ver
 from forensics.queries.catalog import FOLDED, QUERIES, SOURCES
 
 
+MAX_BUCKET = 10 * 365 * 86400
+
+
 @dataclass(frozen=True, slots=True)
 class QueryConfig:
     query: str
@@ -57,8 +60,8 @@ def make_config(a) -> QueryConfig:
     if a.query not in FOLDED and a.source != "auto":
         raise InputError(f"--source applies to {', '.join(FOLDED)} only (their page-ledger and foreign-span views), "
                          f"not to {a.query}")
-    if a.bucket <= 0:
-        raise InputError(f"--bucket must be a positive number of seconds, got {a.bucket}")
+    if not 1 <= a.bucket <= MAX_BUCKET:
+        raise InputError(f"--bucket must be in [1, {MAX_BUCKET}] seconds (ten years), got {a.bucket}")
     check_window(a.start, a.end)
     return QueryConfig(a.query, a.store, a.format, a.start, a.end, a.bucket, a.wide, a.columns, a.run, a.source,
                        a.allow_unverified, a.anchor, engine_choice(a))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from engine.commands.options import check_writable_store
+from engine.commands.options import check_listen, check_writable_store
 from telemetry.receivers.config import CollectConfig, parse_kv_source, parse_scrape
 
 
@@ -40,6 +40,8 @@ def make_config(a) -> CollectConfig:
                       a.tenant_attribute, a.tenant_header, a.decode_workers,
                       None if a.otlp_grpc_port == 0 else a.otlp_grpc_port,
                       tuple(parse_scrape(s) for s in a.scrape or []), a.scrape_interval)
+    check_listen(c.otlp_host, ("--otlp-port", c.otlp_port), ("--otlp-grpc-port", c.otlp_grpc_port or 0),
+                 host_flag="--otlp-host")
     check_writable_store(a.store)
     return c
 
