@@ -91,7 +91,27 @@ KEYS_FILES = {   # keys file text, what the error says
     "tpm as text": ('{"k": {"tenant": "acme", "tpm": "1000"}}', "tenant 'acme': tpm must be an integer"),
     "two keys, two limits": ('{"k1": {"tenant": "acme", "rpm": 5}, "k2": {"tenant": "acme", "rpm": 6}}',
                              "tenant 'acme' has two keys with different rate limits"),
+    "a misspelt limit": ('{"k": {"tenant": "acme", "rmp": 5}}', "tenant 'acme': unknown field(s) rmp (known:"),
 }
+
+CLUSTER_FILES = {   # cluster.toml text, what the error says
+    "not TOML": ("context_length = ", "is not TOML"),
+    "an unknown key": ("context_lenght = 1024\n", "unknown key(s) context_lenght (known:"),
+    "prefill of numbers": ("prefill = [1, 2]\n", "[[prefill]] #1 must be a table of node_id, pool_tokens, got int"),
+    "a misspelt node key": ('[[prefill]]\nnode_id = "p0"\npool_tokns = 64\n', "[[prefill]] #1: unknown key(s) pool_tokns"),
+    "decode not a table": ("decode = 5\n", "[decode] must be a table of pool_tokens"),
+    "isolation typo": ('isolation_level = "tenants"\n', "isolation_level must be user, tenant, org or none"),
+}
+
+
+@pytest.mark.parametrize("case", list(CLUSTER_FILES))
+def test_a_bad_cluster_config_is_named_before_anything_starts(case, tmp_path, capsys):
+    text, says = CLUSTER_FILES[case]
+    (tmp_path / "cluster.toml").write_text(text)
+    assert main(["serve", "--config", str(tmp_path / "cluster.toml"), "--store", str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: ") and says in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
 
 
 @pytest.mark.parametrize("case", list(KEYS_FILES))

@@ -69,6 +69,10 @@ class ApiKeys:
             if isinstance(v, str) and v:
                 table[key] = Tenant(v)
             elif isinstance(v, dict) and isinstance(v.get("tenant"), str) and v["tenant"]:
+                unknown = sorted(set(v) - KEY_FIELDS)
+                if unknown:
+                    raise InputError(f"--keys {path}: tenant {v['tenant']!r}: unknown field(s) {', '.join(unknown)} "
+                                     f"(known: {', '.join(sorted(KEY_FIELDS))})")
                 table[key] = Tenant(v["tenant"], str(v.get("user", "")), str(v.get("org", "")))
                 lim = parse_limits(v, f"--keys {path}: tenant {v['tenant']!r}")
                 if lim:
@@ -101,6 +105,20 @@ class ApiKeys:
         return found
 
 
+KEY_FIELDS = {"tenant", "user", "org", "rpm", "tpm", "max_parallel_requests"}
+CLUSTER_KEYS = {"context_length", "page_size", "isolation_level", "prefix_cache", "prefill", "decode", "unified"}
+NODE_KEYS = {"prefill": {"node_id", "pool_tokens"}, "decode": {"pool_tokens"}, "unified": {"pool_tokens"}}
+
+
+def _known(where: str, table, known: set) -> None:
+    """A cluster.toml table with only the keys this server reads (a typo is refused by name)."""
+    if not isinstance(table, dict):
+        raise InputError(f"{where} must be a table of {', '.join(sorted(known))}, got {type(table).__name__}")
+    unknown = sorted(set(table) - known)
+    if unknown:
+        raise InputError(f"{where}: unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+
+
 @dataclass
 class ClusterSpec:
     context_length: int = 1024
@@ -121,6 +139,13 @@ class ClusterSpec:
                 raise InputError(f"--config {path}: {e.strerror}") from None
             except tomllib.TOMLDecodeError as e:
                 raise InputError(f"--config {path} is not TOML: {e}") from None
+            _known(f"--config {path}", raw, CLUSTER_KEYS)
+            for name in ("decode", "unified"):
+                if name in raw:
+                    _known(f"--config {path}: [{name}]", raw[name], NODE_KEYS[name])
+            if isinstance(raw.get("prefill"), list):
+                for i, node in enumerate(raw["prefill"]):
+                    _known(f"--config {path}: [[prefill]] #{i + 1}", node, NODE_KEYS["prefill"])
         spec = cls(context_length=_int(raw, "context_length", 1024, 16, MAX_CONTEXT),
                    page_size=_int(raw, "page_size", 16, 1, 4096), isolation_level=str(raw.get("isolation_level", "tenant")),
                    prefix_cache=bool(raw.get("prefix_cache", True)))
