@@ -239,7 +239,25 @@ def test_a_disconnect_storm_loses_no_page(unified):
         time.sleep(0.2)
     assert unified.metric("kvledger_queue_depth") == 0
     assert unified.metric("kvledger_pool_pages", node="unified0", state="used") == 0
-    assert unified.metric("kvledger_requests_total", outcome="InputError") >= 12     # aborted, by the abort path
+    assert unified.metric("kvledger_requests_total", outcome="aborted") >= 12     # by the abort path, named so
+
+
+def test_a_dropped_non_streamed_request_is_let_go_not_run_to_max_tokens(unified):
+    """A client that stops waiting for a non-streamed answer: its request is aborted while its tokens
+    are still coming (not only when they pause), so it never runs to its max_tokens."""
+    before = unified.metric("kvledger_requests_total", outcome="aborted")
+    for _ in range(4):
+        try:
+            httpx.post(unified.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
+                       json={"prompt": SECRET_TEXT[:200], "max_tokens": 700}, timeout=0.4)
+        except httpx.TimeoutException:
+            pass                                             # the client gives up and closes its connection
+    deadline = time.time() + 60
+    while time.time() < deadline and unified.metric("kvledger_queue_depth") > 0:
+        time.sleep(0.2)
+    assert unified.metric("kvledger_queue_depth") == 0
+    assert unified.metric("kvledger_pool_pages", node="unified0", state="used") == 0
+    assert unified.metric("kvledger_requests_total", outcome="aborted") - before == 4     # none ran to the end
 
 
 ONE_SMALL_PREFILL = "context_length = 1024\n[[prefill]]\nnode_id = \"prefill0\"\npool_tokens = 656\n"
@@ -408,14 +426,14 @@ def test_an_engine_failure_of_one_request_is_a_500_for_that_request_only(tmp_pat
     assert eng.allocator.num_free == eng.allocator.total
 
 
-def test_a_port_already_in_use_is_a_clear_error_and_the_store_is_sealed(tmp_path):
-    """uvicorn cannot bind: the server says so, exits 1 (it used to hang closing the store twice), and
-    the store it opened verifies and is sealed."""
+def test_a_port_already_in_use_is_a_clear_error_before_anything_starts(tmp_path):
+    """The port is tried before the store or the engine process exists: one error line, exit 2,
+    nothing created. (Lost in a race after that check, uvicorn's bind failure still exits 1 with the
+    store sealed: the path is the same as before the check.)"""
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         r = subprocess.run([sys.executable, "-m", "engine.commands", "serve", "--store", str(tmp_path / "s"),
                             "--port", str(busy.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 1 and "kvledger: error: the HTTP server could not start" in r.stderr, r.stderr
-    v = verify(tmp_path / "s")
-    assert v.ok and v.sealed
+    assert r.returncode == 2 and r.stderr.startswith("kvledger: error: --port ") and "cannot listen" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "s").exists(), r.stderr

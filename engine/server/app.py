@@ -166,11 +166,7 @@ def create_app(state: State) -> FastAPI:
     app = FastAPI(title="kvledger", lifespan=lifespan, docs_url=None, redoc_url=None)
     m = state.metrics
 
-    @app.middleware("http")
-    async def count(request: Request, call_next):
-        response = await call_next(request)
-        m.http.labels(request.url.path if request.url.path in ROUTES else "other", str(response.status_code)).inc()
-        return response
+    app.add_middleware(CountResponses, counter=m.http)
 
     def tenant_of(request: Request) -> Tenant | None:
         return state.keys.lookup(request.headers.get("authorization"))
@@ -283,24 +279,62 @@ def create_app(state: State) -> FastAPI:
     return app
 
 
+class CountResponses:
+    """HTTP responses by route and status, as plain ASGI: Starlette's ``BaseHTTPMiddleware`` would
+    hide the client's disconnect from the handlers (``request.is_disconnected()`` never turns true
+    behind it), and a dropped non-streamed request would then run to its ``max_tokens``."""
+
+    def __init__(self, app, counter):
+        self.app, self.counter = app, counter
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = []
+
+        async def send_counted(message):
+            if message["type"] == "http.response.start":
+                status.append(message["status"])
+            await send(message)
+        try:
+            await self.app(scope, receive, send_counted)
+        finally:
+            if status:
+                self.counter.labels(scope["path"] if scope["path"] in ROUTES else "other", str(status[0])).inc()
+
+
 ROUTES = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/health", "/metrics", "/server_info"}
 
 
-async def _next(state: State, request: Request, stream: Stream):
-    """The stream's next event; aborts the request when the client has gone away meanwhile."""
+DISCONNECT_CHECK_S = 0.25     # how often a non-streamed request looks for its client while tokens flow
+
+
+async def _next(state: State, request: Request, stream: Stream, checked: list[float]):
+    """The stream's next event; aborts the request when the client has gone away meanwhile - looked
+    for while tokens keep coming too (every DISCONNECT_CHECK_S), not only when they pause, so a
+    dropped client's request is let go within a step or two instead of running to max_tokens."""
+    import time
     while True:
         try:
-            return await asyncio.wait_for(stream.events.get(), timeout=0.5)
+            ev = await asyncio.wait_for(stream.events.get(), timeout=0.5)
         except asyncio.TimeoutError:
+            ev = None
+        now = time.monotonic()
+        if ev is None or now - checked[0] >= DISCONNECT_CHECK_S:
+            checked[0] = now
             if await request.is_disconnected():
                 state.loop.abort(stream)
                 return None
+        if ev is not None:
+            return ev
 
 
 async def _whole(state: State, request: Request, stream: Stream, chat: bool):
+    import time
     dec = Decoder(state.tokenizer)
+    checked = [time.monotonic()]
     while True:
-        ev = await _next(state, request, stream)
+        ev = await _next(state, request, stream, checked)
         if ev is None:
             return Response(status_code=499)
         tokens, finished = ev

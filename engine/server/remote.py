@@ -62,6 +62,15 @@ def _sampling(sp: SamplingParams) -> M.Sampling:
     return M.Sampling(sp.max_tokens, sp.temperature, sp.top_p, sp.seed, sp.ignore_eos)
 
 
+def outcome(req) -> str:
+    """A finished request's ``outcome`` label: ok, aborted (its client went away, or the drain cut
+    it), or the error's type."""
+    from engine.request import Status
+    if req.status is Status.FINISHED_ABORTED:
+        return "aborted"
+    return "ok" if req.error is None else type(req.error).__name__
+
+
 @dataclass(eq=False)
 class RemoteRequest:
     """The HTTP side's view of a request running in the engine process (the fields the app reads)."""
@@ -162,7 +171,7 @@ def engine_main(c: ServeConfig, open_recorder: RecorderFactory, cmd_addr: str, o
         return
     tel, metrics = built.recorder, built.metrics
     loop = _ChildLoop(built.backend, out, metrics, max_pending=c.max_pending,
-                      on_finish=lambda r: metrics.finished(r, "ok" if r.error is None else type(r.error).__name__))
+                      on_finish=lambda r: metrics.finished(r, outcome(r)))
     metrics.queue.set_function(lambda: loop.pending)
     loop.watch = lambda: os.getppid() != parent                  # the parent is gone: drain and stop
 
