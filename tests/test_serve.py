@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import signal
+import threading
 import socket
 import subprocess
 import sys
@@ -437,3 +438,30 @@ def test_a_port_already_in_use_is_a_clear_error_before_anything_starts(tmp_path)
                             "--port", str(busy.getsockname()[1])], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.startswith("kvledger: error: --port ") and "cannot listen" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "s").exists(), r.stderr
+
+
+def test_two_signals_under_load_end_in_one_clean_exit_with_a_sealed_store(tmp_path):
+    """A second SIGTERM 50 ms after the first forces uvicorn out without its lifespan shutdown; the
+    engine process is still stopped, so the server exits 0 and its store verifies and is sealed (it
+    used to close its port and never exit, the store unsealed)."""
+    s = Server(tmp_path, "--mode", "unified")
+    clients = []
+
+    def load() -> None:
+        try:
+            httpx.post(s.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
+                       json={"prompt": SECRET_TEXT[:200], "max_tokens": 700}, timeout=60)
+        except httpx.HTTPError as e:
+            clients.append(type(e).__name__)
+    threads = [threading.Thread(target=load) for _ in range(3)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.stop() == 0                                   # (already exiting: it waits and closes the log)
+    for t in threads:
+        t.join(60)
+    v = verify(s.store)
+    assert v.ok and v.sealed, v

@@ -445,6 +445,9 @@ def run_http(server, loop) -> int:
     if not server.started:
         loop.stop(0)                          # the lifespan that would have stopped it never ran
         return 1
+    # a second signal forces uvicorn out without its lifespan shutdown: the engine is still to be
+    # stopped (no drain: the operator asked twice), so the store is sealed and the process exits
+    loop.stop(0)                              # idempotent: a no-op after the lifespan's own stop
     return 0 if loop.error is None else 1
 
 

@@ -361,7 +361,10 @@ class RemoteLoop:
                 self._count(-1)
             batches.setdefault(s.loop, []).append((s, tokens, final))
         for loop, batch in batches.items():
-            loop.call_soon_threadsafe(_deliver_all, batch)
+            try:
+                loop.call_soon_threadsafe(_deliver_all, batch)
+            except RuntimeError:            # the HTTP side's event loop is closed (a forced exit): nobody waits
+                pass
 
     def _engine_gone(self, why: str) -> None:
         """The engine process died: every request still running ends with an error (500), new ones get 503."""
