@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 import signal
 import socket
@@ -714,3 +715,47 @@ def test_the_receivers_memory_stays_bounded_under_a_bomb_and_a_100_mb_body(tmp_p
     finally:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0, proc.stderr.read()
+
+
+def test_a_full_disk_is_never_acknowledged_and_health_says_why(tmp_path, monkeypatch):
+    """The store's disk fills (fsync raises ENOSPC): from then on OTLP posts over HTTP and gRPC get
+    503 / UNAVAILABLE naming it (senders retry; nothing more is acknowledged), /health answers 503
+    with the reason, and closing reports the failure as one StoreError - never a 500 or a traceback."""
+    import errno
+
+    import grpc
+    from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+    from telemetry.errors import StoreError
+    from telemetry.receivers.otlp_grpc import serve_grpc
+    w = SegmentWriter(tmp_path / "store")
+    rx = Receiver(w)
+    gsrv, gport, counts = serve_grpc(w, "127.0.0.1", 0)
+    body = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
+    post = lambda: httpx.post(rx.url + "/v1/traces", content=body, headers={"content-type": "application/json"})  # noqa: E731
+    try:
+        assert post().status_code == 200
+        w.flush()                                          # that one is durable
+
+        def full(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "fsync", full)
+        assert post().status_code == 200                   # queued before the writer knew
+        with pytest.raises(StoreError, match="No space left"):
+            w.flush()
+        r = post()
+        assert r.status_code == 503 and "cannot be written" in r.json()["message"] and r.headers["retry-after"]
+        h = httpx.get(rx.url + "/health")
+        assert h.status_code == 503 and h.json()["status"] == "failing" and "No space left" in h.json()["store_error"]
+        with grpc.insecure_channel(f"127.0.0.1:{gport}") as ch:
+            stub = trace_service_pb2_grpc.TraceServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Export(trace_service_pb2.ExportTraceServiceRequest(), timeout=10)
+            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "cannot be written" in e.value.details()
+        assert rx.app.state.received["store_failed"] == 1 and counts["store_failed"] == 1
+    finally:
+        gsrv.stop(0)
+        rx.stop()
+        monkeypatch.undo()
+        with pytest.raises(StoreError):
+            w.close()

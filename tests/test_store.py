@@ -417,3 +417,33 @@ def test_a_store_closed_empty_reopens_and_verifies(tmp_path):
         SegmentWriter(tmp_path / "store").close()
         v = verify(tmp_path / "store")
         assert v.ok and v.sealed and v.anchor_seq == -1, v
+
+
+def test_an_anchor_that_cannot_be_written_fails_the_close_and_a_newer_one_clears_it(tmp_path, monkeypatch):
+    """The anchor's disk is full: no row is lost (the store verifies, its tail reported unanchored),
+    but the writer's close fails with one StoreError naming the anchor - a run never exits 0 with
+    its head unanchored. An anchor written later covers the earlier heads, and the close is clean."""
+    import errno
+
+    import telemetry.store.writer as writer_mod
+    real = writer_mod.append_anchor
+
+    def full(path, entry):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    w = SegmentWriter(tmp_path / "a")
+    w.submit("releases", _releases(3))
+    monkeypatch.setattr(writer_mod, "append_anchor", full)
+    with pytest.raises(StoreError, match="could not be written .*No space left"):
+        w.close()
+    v = verify(tmp_path / "a")
+    assert v.rows == 3 and (v.anchor_seq is None or v.anchor_seq < v.seq), v
+    monkeypatch.setattr(writer_mod, "append_anchor", real)
+    w = SegmentWriter(tmp_path / "b")
+    monkeypatch.setattr(writer_mod, "append_anchor", full)
+    w.submit("releases", _releases(2))
+    w.flush()                                    # this head's anchor fails
+    monkeypatch.setattr(writer_mod, "append_anchor", real)
+    w.submit("releases", _releases(1))
+    w.close()                                    # the seal's anchor is written: it covers the earlier head
+    v = verify(tmp_path / "b")
+    assert v.ok and v.sealed and v.anchor_seq == v.seq, v

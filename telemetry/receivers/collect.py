@@ -64,7 +64,11 @@ def collect(c: CollectConfig) -> int:
             s.stop()
         for s in subs:
             s.stop()
-        writer.close()
+        store_error = None
+        try:
+            writer.close()
+        except KvledgerError as e:            # a full disk, a failed writer: said once, after the summaries
+            store_error = e
         if grpc_counts is not None:
             print(f"kvledger collect: OTLP/gRPC: {grpc_counts['spans']} spans, {grpc_counts['points']} metric points, "
                   f"{grpc_counts['throttled']} refused while the store was behind", file=sys.stderr)
@@ -72,3 +76,5 @@ def collect(c: CollectConfig) -> int:
             print(f"kvledger collect: {s.summary()}", file=sys.stderr)
         for s in scrapers:
             print(f"kvledger collect: {s.summary()}", file=sys.stderr)
+        if store_error is not None:
+            raise store_error

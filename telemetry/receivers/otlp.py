@@ -45,6 +45,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 )
 
 from engine.errors import KvledgerError
+from telemetry.errors import StoreError
 
 MAX_BODY = 16 << 20            # bytes, after decompression
 SPAN_COLS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
@@ -422,7 +423,7 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
         decoders.close()
 
     app = FastAPI(title="kvledger OTLP receiver", docs_url=None, redoc_url=None, lifespan=lifespan)
-    app.state.received = {"spans": 0, "points": 0, "refused_bodies": 0, "throttled": 0}
+    app.state.received = {"spans": 0, "points": 0, "refused_bodies": 0, "throttled": 0, "store_failed": 0}
     app.state.decoders = decoders
 
     def error(status: int, text: str) -> Response:
@@ -447,6 +448,9 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
         except TooLarge as e:
             app.state.received["refused_bodies"] += 1
             return error(413, str(e))
+        if writer.error is not None:          # never acknowledge what cannot be made durable
+            app.state.received["store_failed"] += 1
+            return error(503, f"the store cannot be written ({writer.error}); retry later")
         if writer.saturated or decoders.full(len(body)):
             app.state.received["throttled"] += 1
             return error(503, "the store writer is behind; retry later" if writer.saturated else
@@ -464,7 +468,11 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
             return error(503, "a decoder process died; retry")
         if kind == "traces":
             table = with_pseudonyms(table, writer.keys.pseudonym)
-        writer.submit("spans" if counter == "spans" else "metrics", table)
+        try:
+            writer.submit("spans" if counter == "spans" else "metrics", table)
+        except StoreError as e:
+            app.state.received["store_failed"] += 1
+            return error(503, f"the store cannot be written ({e}); retry later")
         app.state.received[counter] += table.num_rows
         out = response_cls()
         if ctype.startswith("application/json"):
@@ -480,8 +488,13 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
         return await receive(request, "metrics", ExportMetricsServiceResponse, "points")
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "received": app.state.received, "written": dict(writer.rows_written),
-                "decoded_in_workers": decoders.offloaded, "time": time.time()}
+    async def health() -> Response:
+        """200 while the store takes rows; 503 naming why once its writer has failed (a full disk...)."""
+        failed = writer.error is not None
+        body = {"status": "failing" if failed else "ok", "received": app.state.received,
+                "written": dict(writer.rows_written), "decoded_in_workers": decoders.offloaded, "time": time.time()}
+        if failed:
+            body["store_error"] = str(writer.error)
+        return Response(json.dumps(body), 503 if failed else 200, media_type="application/json")
 
     return app

@@ -16,6 +16,7 @@ import grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from telemetry.errors import StoreError
 from telemetry.receivers.otlp import MAX_BODY, metric_rows, span_rows
 
 
@@ -25,9 +26,19 @@ class _Receiver:
         self.tenant_header = tenant_header.lower() if tenant_header else None
 
     def _admit(self, context) -> None:
+        if self.writer.error is not None:
+            self.received["store_failed"] += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be written ({self.writer.error}); retry later")
         if self.writer.saturated:
             self.received["throttled"] += 1
             context.abort(grpc.StatusCode.UNAVAILABLE, "the store writer is behind; retry later")
+
+    def _submit(self, context, table_name: str, table) -> None:
+        try:
+            self.writer.submit(table_name, table)
+        except StoreError as e:
+            self.received["store_failed"] += 1
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be written ({e}); retry later")
 
     def _header_tenant(self, context) -> str | None:
         if self.tenant_header is None:
@@ -40,7 +51,7 @@ class _Traces(_Receiver, trace_service_pb2_grpc.TraceServiceServicer):
         self._admit(context)
         table = span_rows(request, self.writer.boot, self.writer.keys.pseudonym, self.tenant_attribute,
                           self._header_tenant(context))
-        self.writer.submit("spans", table)
+        self._submit(context, "spans", table)
         self.received["spans"] += table.num_rows
         return trace_service_pb2.ExportTraceServiceResponse()
 
@@ -49,7 +60,7 @@ class _Metrics(_Receiver, metrics_service_pb2_grpc.MetricsServiceServicer):
     def Export(self, request, context):  # noqa: N802
         self._admit(context)
         table = metric_rows(request, self.writer.boot)
-        self.writer.submit("metrics", table)
+        self._submit(context, "metrics", table)
         self.received["points"] += table.num_rows
         return metrics_service_pb2.ExportMetricsServiceResponse()
 
@@ -58,7 +69,7 @@ def serve_grpc(writer, host: str, port: int, tenant_attribute: str | None = "ten
                tenant_header: str | None = None, workers: int = 4) -> tuple[grpc.Server, int, dict]:
     """A started gRPC server on host:port (0: any free port): (server, the port bound, counters).
     Raises OSError when the port cannot be bound."""
-    received = {"spans": 0, "points": 0, "throttled": 0}
+    received = {"spans": 0, "points": 0, "throttled": 0, "store_failed": 0}
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvledger-otlp-grpc"),
                          options=[("grpc.max_receive_message_length", MAX_BODY), ("grpc.so_reuseport", 0)])
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(

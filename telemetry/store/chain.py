@@ -22,6 +22,7 @@ reported by ``verify`` and never read or linked.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -140,9 +141,16 @@ def append_anchor(path: Path, entry: dict) -> None:
     line = json.dumps(entry, sort_keys=True)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    data = (line + "\n").encode()
+    size = os.fstat(fd).st_size
     try:
-        os.write(fd, (line + "\n").encode())
-        os.fsync(fd)
+        try:
+            if os.write(fd, data) != len(data):
+                raise OSError(errno.ENOSPC, "short write (disk full?)")
+            os.fsync(fd)
+        except OSError:
+            os.ftruncate(fd, size)            # never a torn line: the anchor stays as it was
+            raise
     finally:
         os.close(fd)
     anchor_log.info(line)

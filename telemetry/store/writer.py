@@ -222,6 +222,10 @@ class SegmentWriter:
         try:
             self.flush()
             self._anchor(self._seq - 1, self._prev, seal=True)   # a clean close: the head it closed on, signed
+            if self.anchor_error is not None:
+                raise StoreError(f"the anchor {self.anchor} could not be written ({self.anchor_error}): every row "
+                                 "is in the store and it verifies, but its last head is not anchored outside it "
+                                 "(`kvledger verify` names the unanchored tail); free the anchor's disk")
         finally:
             self._closed = True
             self._q.put(None)
@@ -335,6 +339,7 @@ class SegmentWriter:
         entry = anchor_entry(self.wkeys, seq, head, seal)
         try:
             append_anchor(self.anchor, entry)
+            self.anchor_error = None           # a newer head anchored: it covers every earlier one
         except OSError as e:
             self.anchor_error = e
             log.warning("anchor %s not written: %s", self.anchor, e)
