@@ -126,7 +126,7 @@ time.sleep(600)
 """
 
 
-def test_kill_9_of_a_process_run_leaves_no_child_and_its_pool_file_is_reaped_next_start():
+def test_kill_9_of_a_process_run_leaves_no_child_and_no_pool_file():
     import signal
     import subprocess
     import sys
@@ -143,11 +143,6 @@ def test_kill_9_of_a_process_run_leaves_no_child_and_its_pool_file_is_reaped_nex
         time.sleep(0.1)
     alive = [c for c in children if Path(f"/proc/{c}").exists() and "Z" not in Path(f"/proc/{c}/stat").read_text().split()[2]]
     assert children and not alive, "prefill processes die with the router"
-    assert os.path.exists(path), "a killed run cannot unlink its own pool file"
-    model, tok = load_model("recall")
-    pre, dec = cfgs(model)
-    cl = ProcessCluster(model, tok, pre, dec, Guards.policy("hardened"))
-    try:
-        assert os.path.basename(path) in cl.reaped and not os.path.exists(path)
-    finally:
-        cl.close()
+    # the pool file was unlinked as soon as every child had mapped it: kill -9 leaves nothing behind
+    # (a file an older build left is still reaped by the next start: reap_stale_pools)
+    assert not os.path.exists(path), "the shared pool outlived a kill -9"

@@ -261,6 +261,9 @@ class ProcessCluster(DisaggCluster):
         except BaseException:
             self.close()
             raise
+        # every prefill child said "ready" after mapping decode's pool: the name is no longer needed,
+        # so it goes now - the mappings stay valid, and nothing is left behind even by kill -9
+        os.unlink(self.shared_path)
 
     def _make_prefill(self, model, tokenizer, cfg: EngineConfig) -> RemotePrefill:
         pool = self.decode.pool
