@@ -465,3 +465,39 @@ def test_two_signals_under_load_end_in_one_clean_exit_with_a_sealed_store(tmp_pa
         t.join(60)
     v = verify(s.store)
     assert v.ok and v.sealed, v
+
+
+def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_in_openais_shape(tmp_path):
+    """--drain-timeout 2 under load: the engine's drain clock starts with the signal (not after
+    uvicorn's own wait), so the server is gone in about the timeout; requests still running at the
+    deadline get 503 `server_shutting_down` as JSON, streams an error event then [DONE] - never
+    uvicorn's text/plain 500 or a stream cut mid-body."""
+    s = Server(tmp_path, "--mode", "unified", "--drain-timeout", "2")
+    out = []
+
+    def load(stream: bool) -> None:
+        body = {"prompt": SECRET_TEXT[:100], "max_tokens": 900, "stream": stream}
+        if stream:
+            with httpx.stream("POST", s.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
+                              json=body, timeout=60) as r:
+                out.append(("stream", r.status_code, [ln for ln in r.iter_lines() if ln.startswith("data:")][-2:]))
+        else:
+            r = httpx.post(s.url + "/v1/completions", headers={"Authorization": "Bearer key-b"}, json=body, timeout=60)
+            out.append(("whole", r.status_code, r.headers.get("content-type"), r.json()))
+    threads = [threading.Thread(target=load, args=(i % 2 == 0,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    t0 = time.monotonic()
+    assert s.stop() == 0
+    took = time.monotonic() - t0
+    for t in threads:
+        t.join(60)
+    assert len(out) == 4, out
+    for o in out:
+        if o[0] == "whole":
+            assert o[1:3] == (503, "application/json") and o[3]["error"]["code"] == "server_shutting_down", o
+        else:
+            assert o[1] == 200 and '"server_shutting_down"' in o[2][0] and o[2][1] == "data: [DONE]", o
+    assert took < 2 + 20, took                   # a liveness bound (it was the timeout twice over, plus)
+    assert verify(s.store).sealed

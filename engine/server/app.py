@@ -28,7 +28,7 @@ from engine.server.config import ServeConfig
 from engine.server.backend import ApiKeys, Tenant
 from engine.server.limits import Limits, RateLimiter, Refusal
 from engine.server.client import EngineClient
-from engine.server.loop import QueueFull, Stream
+from engine.server.loop import SHUTTING_DOWN, QueueFull, Stream
 from engine.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvledger.server")
@@ -107,6 +107,9 @@ def _failed(req) -> JSONResponse | None:
     e = req.error
     if e is None:
         return None
+    if str(e) == SHUTTING_DOWN:
+        return _err(503, f"{e}; retry (on another replica)", "server_error", code="server_shutting_down",
+                    headers={"Retry-After": "1"})
     if isinstance(e, ReadCheckViolation):
         return _err(500, f"this request was stopped by the KV read check and returned nothing: {e}", "internal_error",
                     code="read_check_violation")
@@ -362,7 +365,9 @@ async def _sse(state: State, request: Request, stream: Stream, chat: bool, inclu
             delta = dec.add(tokens, final=finished)
             if finished:
                 if req.error is not None:
-                    status, body = P.error(500, f"{type(req.error).__name__}: {req.error}", "internal_error")
+                    status, body = (P.error(503, str(req.error), "server_error", "server_shutting_down")
+                                    if str(req.error) == SHUTTING_DOWN else
+                                    P.error(500, f"{type(req.error).__name__}: {req.error}", "internal_error"))
                     yield f"data: {json.dumps(body)}\n\n"
                     break
                 yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, delta, P.finish_reason(req)))}\n\n"
@@ -407,16 +412,21 @@ def serve(c: ServeConfig, open_recorder: RecorderFactory) -> int:
     print(f"kvledger serve: {c.mode}, {c.policy}, model {c.model_name}, store {c.store} (run {loop.info['boot']}) "
           f"on http://{c.host}:{c.port}/v1 (engine process {loop.proc.pid}, {c.torch_threads} torch "
           "thread(s))", file=sys.stderr)
+    # uvicorn waits a little longer than the engine's drain: requests the drain cuts are answered
+    # (503, OpenAI's shape) before uvicorn would cancel their handlers
     config = uvicorn.Config(create_app(state), host=c.host, port=c.port, log_level="warning",
-                            timeout_graceful_shutdown=int(c.drain_timeout), access_log=False)
-    code = run_http(uvicorn.Server(config), loop)
-    if code:
+                            timeout_graceful_shutdown=int(c.drain_timeout) + 3, access_log=False)
+    server = uvicorn.Server(config)
+    code = run_http(server, loop, c.drain_timeout)
+    if code and not server.started:
         print(f"kvledger: error: the HTTP server could not start on {c.host}:{c.port} (see above)",
               file=sys.stderr)
+    elif code:
+        print(f"kvledger: error: the engine failed while serving: {loop.error}", file=sys.stderr)
     return code
 
 
-def run_http(server, loop) -> int:
+def run_http(server, loop, drain_s: float = 30.0) -> int:
     """uvicorn on a thread, this (main) thread waiting on it. SIGTERM/SIGINT tell uvicorn to stop
     accepting and finish in-flight requests; its shutdown then stops the engine process (it drains
     and seals the store); exit 0. (uvicorn's own handlers would re-raise the signal after its
@@ -426,6 +436,8 @@ def run_http(server, loop) -> int:
     import threading
 
     def on_signal(signum, frame) -> None:
+        if not server.should_exit:            # the first: the engine's drain clock starts with uvicorn's
+            threading.Thread(target=loop.begin_drain, args=(drain_s,), daemon=True).start()
         server.force_exit = server.should_exit
         server.should_exit = True
 

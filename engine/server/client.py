@@ -30,5 +30,9 @@ class EngineClient(Protocol):
     async def metrics_text(self) -> bytes:
         """Prometheus text of the engine-side metrics kept outside the app's registry (b"" if none)."""
 
+    def begin_drain(self, drain_s: float) -> None:
+        """Stop admitting now and start the ``drain_s`` clock, without waiting (the first signal:
+        requests cut at the deadline are answered while the HTTP server still waits for them)."""
+
     def stop(self, drain_s: float) -> None:
         """Stop admitting, let running requests finish for up to ``drain_s``, abort the rest."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
@@ -72,6 +73,9 @@ class Backend(Protocol):
     def close(self) -> None: ...
 
 
+SHUTTING_DOWN = "server shutting down: cut at the drain deadline (--drain-timeout)"
+
+
 class EngineLoop:
     """Runs ``backend`` (an ``LLMEngine`` or a ``DisaggCluster``) on a thread of its own."""
 
@@ -124,6 +128,10 @@ class EngineLoop:
         """The engine's metrics are the app's own registry in one process: nothing more to add."""
         return b""
 
+    def begin_drain(self, drain_s: float) -> None:
+        self.drain_s = drain_s
+        self._stop.set()
+
     def stop(self, drain_s: float) -> None:
         """Stop admitting, let running requests finish for up to ``drain_s``, abort the rest."""
         self._stop.set()
@@ -146,12 +154,13 @@ class EngineLoop:
             if not self._stop.is_set() and self.watch():
                 self._stop.set()
             if self._stop.is_set():
-                drain_deadline = drain_deadline or time.monotonic() + self.drain_s
+                # a later, shorter drain (a second signal) brings the deadline in; a longer one never pushes it out
+                drain_deadline = min(drain_deadline or math.inf, time.monotonic() + self.drain_s)
                 if not self._has_work():
                     return
                 if time.monotonic() > drain_deadline:
                     for s in list(self._live.values()):
-                        self._abort(s, "server shutting down")
+                        self._abort(s, SHUTTING_DOWN)
                 if time.monotonic() > drain_deadline + 5:     # aborted, and still not done: never hang the exit
                     log.warning("shutdown: work still in the engine %.0f s after the drain deadline (%d live "
                                 "stream(s)); stopping without it", 5, len(self._live))

@@ -220,6 +220,7 @@ class RemoteLoop:
         self.error: BaseException | None = None
         self.on_dead = lambda: None
         self._stopping = False
+        self._drain_sent: float | None = None      # the drain the engine was told (begin_drain or stop)
         self._bye = threading.Event()
         deadline = time.monotonic() + startup_timeout
         while True:
@@ -289,6 +290,13 @@ class RemoteLoop:
         self._send(M.MetricsQuery(self._rid))
         return await asyncio.wait_for(fut, timeout=10)
 
+    def begin_drain(self, drain_s: float) -> None:
+        """Tell the engine to stop admitting and start its drain clock now; returns at once."""
+        if self._drain_sent is not None or not self.proc.is_alive():
+            return
+        self._drain_sent = drain_s
+        self._send(M.Stop(drain_s))
+
     def stop(self, drain_s: float) -> None:
         """Stop admitting; the engine drains for up to ``drain_s``, closes the store, and exits.
         Idempotent (uvicorn's shutdown and a failed start may both call it)."""
@@ -297,7 +305,9 @@ class RemoteLoop:
                 return
             self._stopping = True
         if self.proc.is_alive():
-            self._send(M.Stop(drain_s))
+            if self._drain_sent is None or drain_s < self._drain_sent:     # none yet, or a shorter one now
+                self._drain_sent = drain_s
+                self._send(M.Stop(drain_s))
             self.proc.join(drain_s + 30)
         if self.proc.is_alive():
             log.warning("the engine process did not exit %.0f s after the drain deadline; killing it", 30)
