@@ -33,6 +33,7 @@ CASES = {
     "collect host 999.1.1.1": (["collect", "--otlp-host", "999.1.1.1"], "--otlp-host '999.1.1.1' is not an address"),
     "collect kv-events port abc": (["collect", "--kv-events", "tcp://127.0.0.1:abc"], "a ZMQ address is tcp://HOST:PORT"),
     "serve port in use": (["serve", "--port", "@busy"], "cannot listen on 127.0.0.1:"),
+    "serve metrics-key too short": (["serve", "--metrics-key", "abc"], "--metrics-key must be 16 to 512 characters"),
     "collect port in use": (["collect", "--otlp-port", "@busy"], "cannot listen on 127.0.0.1:"),
     "replay context 0": (["replay", "glm53", "--context-length", "0"], "--context-length must be in [256, 131072]"),
     "replay context -5": (["replay", "glm53", "--context-length", "-5"], "--context-length must be in [256, 131072]"),

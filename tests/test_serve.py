@@ -501,3 +501,17 @@ def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_in_openais_s
             assert o[1] == 200 and '"server_shutting_down"' in o[2][0] and o[2][1] == "data: [DONE]", o
     assert took < 2 + 20, took                   # a liveness bound (it was the timeout twice over, plus)
     assert verify(s.store).sealed
+
+
+def test_metrics_and_server_info_want_the_metrics_key_when_one_is_given(tmp_path):
+    key = "operator-" + "k" * 20
+    s = Server(tmp_path, "--mode", "unified", "--metrics-key", key)
+    try:
+        for path in ("/metrics", "/server_info"):
+            assert httpx.get(s.url + path).status_code == 401
+            assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-a"}).status_code == 401   # a tenant's key
+            r = httpx.get(s.url + path, headers={"Authorization": f"Bearer {key}"})
+            assert r.status_code == 200 and r.text
+        assert httpx.get(s.url + "/health").status_code == 200                     # liveness stays open
+    finally:
+        assert s.stop() == 0

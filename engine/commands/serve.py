@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from engine.commands.options import add_store, check_listen, check_port, check_range, check_writable_store
+from engine.errors import InputError
 from engine.server.config import ServeConfig
 
 
@@ -35,6 +36,9 @@ def add_arguments(sv) -> None:
     sv.add_argument("--tenant-max-parallel", type=int, default=0, metavar="N",
                     help="requests in flight at once per tenant, for tenants whose keys entry sets no "
                          "max_parallel_requests (default 0: no limit beyond --max-pending)")
+    sv.add_argument("--metrics-key", default=None, metavar="KEY",
+                    help="a bearer key /metrics and /server_info then want (Prometheus: authorization: "
+                         "credentials: KEY); default: none, both open (bind loopback, or set it)")
     sv.add_argument("--drain-timeout", type=float, default=30.0,
                     help="on SIGTERM/SIGINT, seconds to let running requests finish before aborting them (default 30)")
     sv.add_argument("--torch-threads", type=int, default=max(1, (os.cpu_count() or 1) - 1),
@@ -52,9 +56,13 @@ def make_config(a) -> ServeConfig:
     check_range("--torch-threads", a.torch_threads, 1, 1024)
     for flag in ("tenant_rpm", "tenant_tpm", "tenant_max_parallel"):
         check_range(f"--{flag.replace('_', '-')}", getattr(a, flag), 0, MAX_LIMIT, " (0: no limit)")
+    if a.metrics_key is not None and not 16 <= len(a.metrics_key) <= 512:
+        raise InputError(f"--metrics-key must be 16 to 512 characters (got {len(a.metrics_key)}): a key that "
+                         "short can be guessed")
     check_writable_store(a.store)
     return ServeConfig(a.model, a.policy, a.mode, a.config, a.keys, a.host, a.port, a.store, a.max_pending,
-                       a.tenant_rpm, a.tenant_tpm, a.tenant_max_parallel, a.drain_timeout, a.torch_threads)
+                       a.tenant_rpm, a.tenant_tpm, a.tenant_max_parallel, a.drain_timeout, a.torch_threads,
+                       a.metrics_key)
 
 
 def run(c: ServeConfig) -> int:

@@ -7,6 +7,7 @@ Tenants come from API keys (``Authorization: Bearer``); errors come in the OpenA
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import math
@@ -48,6 +49,7 @@ class State:
     drain_s: float = 30.0
     limiter: RateLimiter = field(default_factory=RateLimiter)
     on_shutdown: list = field(default_factory=list)
+    metrics_key: str | None = None    # /metrics and /server_info behind this bearer key (None: open, on loopback)
     start_engine: bool = True         # False: the caller runs the engine loop (serve: on the main thread)
 
 
@@ -269,14 +271,29 @@ def create_app(state: State) -> FastAPI:
         alive = state.loop.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
+    def operator_only(request: Request) -> JSONResponse | None:
+        """/metrics and /server_info show every tenant's pseudonym and the cluster's shape: with
+        --metrics-key they want that key (compared in constant time), else 401."""
+        if state.metrics_key is None:
+            return None
+        given = request.headers.get("authorization", "")
+        if hmac.compare_digest(given.encode(), f"Bearer {state.metrics_key}".encode()):
+            return None
+        return _err(401, "this endpoint wants the --metrics-key (Authorization: Bearer <key>)",
+                    "authentication_error", code="invalid_api_key")
+
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        if (refused := operator_only(request)) is not None:
+            return refused
         text = generate_latest(m.registry)
         text += await state.loop.metrics_text()       # the engine's own metrics, from its process
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/server_info")
-    async def server_info():
+    async def server_info(request: Request):
+        if (refused := operator_only(request)) is not None:
+            return refused
         return state.info
 
     return app
@@ -401,7 +418,7 @@ def serve(c: ServeConfig, open_recorder: RecorderFactory) -> int:
     limiter = RateLimiter(Limits(c.tenant_rpm, c.tenant_tpm, c.tenant_max_parallel), keys.limits,
                           on_refuse=metrics.refused)
     state = State(loop, tok, c.model_name, keys, metrics, loop.info, loop.context_length, _chat_template(c.model),
-                  c.drain_timeout, limiter)
+                  c.drain_timeout, limiter, metrics_key=c.metrics_key)
     if c.policy == "vulnerable":
         print("kvledger: WARNING: serving under the VULNERABLE policy: every guard is off; prompts longer than a "
               "prefill pool may read other tenants' KV (the GLM-5.3 incident). Use it to reproduce, never for real "

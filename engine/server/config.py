@@ -22,6 +22,7 @@ class ServeConfig:
     tenant_max_parallel: int = 0
     drain_timeout: float = 30.0
     torch_threads: int = 1
+    metrics_key: str | None = None     # when set, /metrics and /server_info want "Authorization: Bearer <it>"
 
     @property
     def model_name(self) -> str:
