@@ -467,12 +467,19 @@ def test_two_signals_under_load_end_in_one_clean_exit_with_a_sealed_store(tmp_pa
     assert v.ok and v.sealed, v
 
 
-def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_in_openais_shape(tmp_path):
+def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_and_the_metrics_key_holds(tmp_path):
     """--drain-timeout 2 under load: the engine's drain clock starts with the signal (not after
     uvicorn's own wait), so the server is gone in about the timeout; requests still running at the
     deadline get 503 `server_shutting_down` as JSON, streams an error event then [DONE] - never
     uvicorn's text/plain 500 or a stream cut mid-body."""
-    s = Server(tmp_path, "--mode", "unified", "--drain-timeout", "2")
+    key = "operator-" + "k" * 20           # (the same server also shows --metrics-key guarding /metrics)
+    s = Server(tmp_path, "--mode", "unified", "--drain-timeout", "2", "--metrics-key", key)
+    for path in ("/metrics", "/server_info"):
+        assert httpx.get(s.url + path).status_code == 401
+        assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-a"}).status_code == 401   # a tenant's key
+        r = httpx.get(s.url + path, headers={"Authorization": f"Bearer {key}"})
+        assert r.status_code == 200 and r.text
+    assert httpx.get(s.url + "/health").status_code == 200                         # liveness stays open
     out = []
 
     def load(stream: bool) -> None:
@@ -501,17 +508,3 @@ def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_in_openais_s
             assert o[1] == 200 and '"server_shutting_down"' in o[2][0] and o[2][1] == "data: [DONE]", o
     assert took < 2 + 20, took                   # a liveness bound (it was the timeout twice over, plus)
     assert verify(s.store).sealed
-
-
-def test_metrics_and_server_info_want_the_metrics_key_when_one_is_given(tmp_path):
-    key = "operator-" + "k" * 20
-    s = Server(tmp_path, "--mode", "unified", "--metrics-key", key)
-    try:
-        for path in ("/metrics", "/server_info"):
-            assert httpx.get(s.url + path).status_code == 401
-            assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-a"}).status_code == 401   # a tenant's key
-            r = httpx.get(s.url + path, headers={"Authorization": f"Bearer {key}"})
-            assert r.status_code == 200 and r.text
-        assert httpx.get(s.url + "/health").status_code == 200                     # liveness stays open
-    finally:
-        assert s.stop() == 0
