@@ -447,3 +447,33 @@ def test_an_anchor_that_cannot_be_written_fails_the_close_and_a_newer_one_clears
     w.close()                                    # the seal's anchor is written: it covers the earlier head
     v = verify(tmp_path / "b")
     assert v.ok and v.sealed and v.anchor_seq == v.seq, v
+
+
+def test_a_substituted_store_is_named_by_verify_and_refused_by_the_writer(tmp_path):
+    """A store's identity does not come from the store: the key holder records which store id and key
+    live at each path. Another genuine store moved into the path (its own anchor and all), or a store
+    rebuilt under a new key and a new id, both verify on their own - and are named `substituted` at
+    the path they took, exit 1, and refused by a writer. A store created anew where one was removed
+    is legitimate and takes the path over; a store read where it was never written has no record."""
+    import shutil
+    home, other = tmp_path / "home", tmp_path / "other"
+    for root, n in ((home, 3), (other, 2)):
+        w = SegmentWriter(root)
+        w.submit("releases", _releases(n))
+        w.close()
+    assert verify(home).ok and verify(other).ok
+    shutil.rmtree(home)
+    shutil.copytree(other, home)                               # another genuine store, moved in
+    v = verify(home)
+    assert not v.ok and v.broken.startswith("substituted: the key holder's record for"), v.broken
+    assert main(["verify", "--store", str(home)]) == 1
+    with pytest.raises(StoreError, match="substituted"):
+        SegmentWriter(home)
+    shutil.rmtree(home)                                        # removed, then created anew: legitimate
+    w = SegmentWriter(home)
+    w.submit("releases", _releases(1))
+    w.close()
+    assert verify(home).ok
+    elsewhere = tmp_path / "copy-for-the-investigator"
+    shutil.copytree(home, elsewhere)                          # a copy read elsewhere: no record, no claim
+    assert verify(elsewhere).ok

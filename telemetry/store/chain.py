@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
-from telemetry.store.keys import ENV_STATE, Identity, KeyError_, WriterKeys, read_identity, state_dir
+from telemetry.store.keys import ENV_STATE, Identity, KeyError_, WriterKeys, read_identity, state_dir, substituted
 
 GENESIS = "0" * 64
 ENV_ANCHOR = "KVLEDGER_ANCHOR"
@@ -262,17 +262,24 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
         return Verdict(False, n, rows, prev, f"{rel}: not written by this store's writer (no link or signed intent "
                        "names it): a file was dropped into the store", warnings, seq, **base)
     sealed = _sealed(root, ident, seq, prev)
+    # the key holder's record of which store lives at this path: a store rewritten under a new key
+    # and id, or another genuine store moved here, declares an identity that is not the recorded one
+    swapped = substituted(root, ident)
     # the anchor: names a truncation or a rewrite that the store alone cannot show
     apath = anchor_path(ident.store_id, anchor)
     if not apath.is_file():
         if anchor is not None:
             return Verdict(False, n, rows, prev, f"anchor {apath} does not exist", warnings, seq, **base)
+        if swapped:
+            return Verdict(False, n, rows, prev, swapped, warnings, seq, None, None, sealed, **base)
         warnings.append(f"no anchor at {apath} (set ${ENV_STATE} or --anchor): without it, deleting the newest "
                         "history cannot be detected")
         return Verdict(True, n, rows, prev, None, warnings, seq, None, None, sealed, unlinked=tuple(unlinked), **base)
     entries, problem = _anchor_entries(apath, ident, cache)
     if problem:
         return Verdict(False, n, rows, prev, problem, warnings, seq, str(apath), None, sealed, **base)
+    if swapped:
+        return Verdict(False, n, rows, prev, swapped, warnings, seq, str(apath), None, sealed, **base)
     if not entries:
         warnings.append(f"anchor {apath} holds nothing for store {ident.store_id}")
         return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), None, sealed, unlinked=tuple(unlinked), **base)

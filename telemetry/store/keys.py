@@ -51,6 +51,43 @@ def state_dir() -> Path:
     return Path(base) / "kvledger"
 
 
+def record_file(root: Path) -> Path:
+    """Where the key holder keeps which store lives at ``root`` (outside every store: a store's
+    identity must not come from the store itself)."""
+    real = str(Path(root).resolve())
+    return state_dir() / "stores" / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+
+
+def recorded_identity(root: Path) -> dict | None:
+    """The store id and fingerprint a writer recorded for this path, or None (never written here)."""
+    try:
+        body = json.loads(record_file(root).read_text())
+        return {"store_id": str(body["store_id"]), "fingerprint": str(body["fingerprint"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def record_identity(root: Path, ident: "Identity") -> None:
+    path = record_file(root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}-{os.getpid()}")
+    tmp.write_text(json.dumps({"path": str(Path(root).resolve()), "store_id": ident.store_id,
+                               "fingerprint": ident.fingerprint}))
+    os.replace(tmp, path)
+
+
+def substituted(root: Path, ident: "Identity") -> str | None:
+    """Why the store at ``root`` is not the one the key holder recorded there (None: it is, or no
+    record exists - a store read where it was never written)."""
+    rec = recorded_identity(root)
+    if rec is None or (rec["store_id"], rec["fingerprint"]) == (ident.store_id, ident.fingerprint):
+        return None
+    return (f"substituted: the key holder's record for {Path(root).resolve()} names store {rec['store_id']} "
+            f"(fingerprint {rec['fingerprint']}), but the store here declares {ident.store_id} (fingerprint "
+            f"{ident.fingerprint}): it was rewritten under another key or replaced by another store "
+            f"(record: {record_file(root)})")
+
+
 def key_dir(store_id: str) -> Path:
     root = Path(os.environ[ENV_KEYS]) if os.environ.get(ENV_KEYS) else state_dir() / "keys"
     return root / store_id

@@ -40,7 +40,8 @@ import pyarrow.parquet as pq
 from telemetry.errors import StoreError
 from telemetry.store.chain import Link, anchor_entry, anchor_path, append_anchor, chain_body, intent_body, verify
 from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options
-from telemetry.store.keys import KeyError_, WriterKeys
+from telemetry.store.keys import (STORE_FILE, KeyError_, WriterKeys, record_identity, recorded_identity,
+                                  substituted)
 from telemetry.store.schema import arrow_schemas, conform
 
 # Seconds between flushes: the durability window after kill -9 and how far behind a live reader
@@ -295,10 +296,15 @@ class SegmentWriter:
         after it, and link the segments a killed writer renamed into place but did not link - only
         those its signed intent names (complete: rename follows fsync), never a file someone dropped
         in. A store that does not verify is refused: appending would sign over the damage."""
+        new = not (self.root / STORE_FILE).exists()
         try:
             self.wkeys = WriterKeys.open_or_create(self.root)
         except KeyError_ as e:
             raise StoreError(str(e)) from None
+        if not new and (why := substituted(self.root, self.wkeys.identity)) is not None:
+            raise StoreError(f"{why}; refusing to append to it")
+        if new or recorded_identity(self.root) is None:
+            record_identity(self.root, self.wkeys.identity)      # which store lives here, kept outside it
         self.keys = self.wkeys.keys
         self.anchor = anchor_path(self.wkeys.identity.store_id, anchor)
         self.anchor_error: BaseException | None = None
@@ -308,6 +314,8 @@ class SegmentWriter:
             raise StoreError(f"store {self.root} does not verify ({v.broken}); refusing to append to it "
                              "(`kvledger verify` names the damage; start a new store)")
         self._seq, self._prev = v.seq + 1, v.head
+        for tmp in (self.root / "segments").glob("*/.tmp-*"):   # a killed writer's half-written files: this
+            tmp.unlink(missing_ok=True)                            # writer holds the lock, nobody else writes them
         (self.root / "seal.json").unlink(missing_ok=True)      # open again: no longer closed on that head
         self._unlinked: list[tuple[int, str, str, int, str]] = sorted(v.unlinked)   # in place, not yet chained
         self.adopted = [u[2] for u in self._unlinked]
