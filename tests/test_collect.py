@@ -679,19 +679,10 @@ def test_the_receivers_memory_stays_bounded_under_a_bomb_and_a_100_mb_body(tmp_p
     """`kvledger collect` as run: a 160 MiB gzip bomb (160 KB on the wire), a 100 MB body declared
     up front and one streamed without a length: 413 each, and the receiver's peak RSS grows by less
     than 64 MiB over its idle peak; it then still takes a good body."""
-    port = _port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.commands", "collect", "--store", str(tmp_path / "store"),
-                             "--otlp-port", str(port), "--otlp-grpc-port", "0", "--decode-workers", "0"],
-                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}/v1/traces"
+    from tests.interop.peers import Collect       # kvledger collect as run (no peer needed)
+    collect = Collect(tmp_path / "store", [], tmp_path / "collect.log")
+    proc, url = collect.proc, f"http://127.0.0.1:{collect.http_port}/v1/traces"
     try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         good = json.dumps(_otlp_json("0123456789abcdef0123456789abcdef")).encode()
         assert httpx.post(url, content=good, headers={"content-type": "application/json"}).status_code == 200
         idle = _hwm_mib(proc.pid)
@@ -713,8 +704,8 @@ def test_the_receivers_memory_stays_bounded_under_a_bomb_and_a_100_mb_body(tmp_p
         assert grown < 64, f"peak RSS grew by {grown:.0f} MiB"
         assert httpx.post(url, content=good, headers={"content-type": "application/json"}).status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0, proc.stderr.read()
+        log = collect.stop()
+    assert proc.returncode == 0, log
 
 
 def test_a_full_disk_is_never_acknowledged_and_health_says_why(tmp_path, monkeypatch):
@@ -759,3 +750,34 @@ def test_a_full_disk_is_never_acknowledged_and_health_says_why(tmp_path, monkeyp
         monkeypatch.undo()
         with pytest.raises(StoreError):
             w.close()
+
+
+def test_spans_from_the_real_sdk_grpc_exporter_land_with_the_tenant_from_metadata(tmp_path):
+    """OTLP over gRPC, as vLLM exports by default: the OpenTelemetry SDK's own gRPC exporter into the
+    receiver on a loopback port; the tenant from a metadata key (--tenant-header), pseudonymised."""
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+    from telemetry.receivers.otlp_grpc import serve_grpc
+    w = SegmentWriter(tmp_path / "store")
+    server, port, counts = serve_grpc(w, "127.0.0.1", 0, tenant_attribute=None, tenant_header="x-tenant")
+    try:
+        provider = TracerProvider(resource=Resource.create({"service.name": "vllm", "service.instance.id": "gpu-9"}))
+        provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter(
+            endpoint=f"http://127.0.0.1:{port}", insecure=True, headers={"x-tenant": "acme"})))
+        tracer = provider.get_tracer("vllm")
+        for i in range(3):
+            with tracer.start_as_current_span("llm_request") as sp:
+                sp.set_attributes({"gen_ai.usage.prompt_tokens": 100 + i, "gen_ai.request.id": f"cmpl-g{i}",
+                                   "gen_ai.latency.time_to_first_token": 0.01})
+        provider.shutdown()
+    finally:
+        server.stop(0)
+        w.close()
+    assert counts["spans"] == 3
+    df = Forensics(tmp_path / "store").con.sql("SELECT request_id, input_tokens, node, tenant_h FROM spans "
+                                               "ORDER BY request_id").pl()
+    assert df["request_id"].to_list() == ["cmpl-g0", "cmpl-g1", "cmpl-g2"] and df["input_tokens"].to_list() == [100, 101, 102]
+    assert set(df["node"]) == {"gpu-9"} and df["tenant_h"].n_unique() == 1 and "acme" not in df["tenant_h"].to_list()
