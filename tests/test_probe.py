@@ -135,15 +135,16 @@ TWO_POOLS = ('context_length = 1024\n[[prefill]]\nnode_id = "prefill0"\npool_tok
 def test_on_a_cluster_of_unequal_pools_a_200_between_them_is_a_warning_not_a_finding(tmp_path, capsys):
     """A hardened server whose prefill nodes hold 656 and 1,200 tokens: a prompt of 657-1,024 tokens
     answered 200 may have been served by the bigger node, rightly. The probe says so and passes,
-    whichever node round robin picks; only usage/TTFT or canary evidence would make it a finding."""
+    whichever node round robin picks; only usage/TTFT or canary evidence would make it a finding
+    (the usage check takes those 200s as its candidates; the limits check alone is run here)."""
     s = Server(tmp_path, "--mode", "disaggregated", "--policy", "hardened", config=TWO_POOLS)
     try:
         code = main(["probe", "--base-url", s.url + "/v1", "--key-a", "key-a", "--key-b", "key-b", "--format", "json",
-                     "--checks", "limits,usage", "--samples", "4"])
+                     "--checks", "limits"])
     finally:
         assert s.stop() == 0
     rows = {r["check"]: r for r in json.loads(capsys.readouterr().out)}
-    assert code == 0 and {r["verdict"] for r in rows.values()} == {"pass"}, rows
+    assert code == 0 and rows["limits"]["verdict"] == "pass", rows
     assert rows["limits"]["detail"].startswith("pools 656, 1200, context 1024"), rows["limits"]
     assert "1025 -> 400" in rows["limits"]["detail"]                         # over the context: refused
     if "1024 -> 200" in rows["limits"]["detail"]:

@@ -453,10 +453,10 @@ def test_two_signals_under_load_end_in_one_clean_exit_with_a_sealed_store(tmp_pa
                        json={"prompt": SECRET_TEXT[:200], "max_tokens": 700}, timeout=60)
         except httpx.HTTPError as e:
             clients.append(type(e).__name__)
-    threads = [threading.Thread(target=load) for _ in range(3)]
+    threads = [threading.Thread(target=load) for _ in range(2)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    time.sleep(0.5)
     s.proc.send_signal(signal.SIGTERM)
     time.sleep(0.05)
     s.proc.send_signal(signal.SIGTERM)
