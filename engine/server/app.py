@@ -12,6 +12,7 @@ import json
 import logging
 import math
 import sys
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -333,7 +334,6 @@ async def _next(state: State, request: Request, stream: Stream, checked: list[fl
     """The stream's next event; aborts the request when the client has gone away meanwhile - looked
     for while tokens keep coming too (every DISCONNECT_CHECK_S), not only when they pause, so a
     dropped client's request is let go within a step or two instead of running to max_tokens."""
-    import time
     while True:
         try:
             ev = await asyncio.wait_for(stream.events.get(), timeout=0.5)
@@ -350,7 +350,6 @@ async def _next(state: State, request: Request, stream: Stream, checked: list[fl
 
 
 async def _whole(state: State, request: Request, stream: Stream, chat: bool):
-    import time
     dec = Decoder(state.tokenizer)
     checked = [time.monotonic()]
     while True:
