@@ -7,7 +7,7 @@ Where things are:
 - ``telemetry/ledger.py``    page writes/reads, transfers, releases from the engine's step tensors
 - ``telemetry/store/``       schema, keys, chain, columns, writer, reader (``open_store``, ``verify``)
 - ``telemetry/receivers/``   OTLP, KV events, logs from vLLM/SGLang fleets (``kvledger collect``)
-- ``telemetry/clickhouse.py`` DDL from the schema, targets, the idempotent export
+- ``telemetry/clickhouse/`` DDL from the schema (``ddl``), targets (``targets``), the idempotent export
 - ``telemetry/commands/``    ``collect``, ``ingest-logs``, ``verify``, ``export``
 """
 from telemetry.store import open_store, verify  # noqa: F401

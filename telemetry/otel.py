@@ -35,6 +35,7 @@ from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 
 from engine.semconv import DURATION_BUCKETS, TPOT_BUCKETS, TTFT_BUCKETS  # noqa: F401 (tests read them here)
 from telemetry.store import SegmentWriter
+from telemetry.store.schema import arrow_schemas, collector_span_columns
 
 SPAN_EXPORT_DELAY_MS = 500
 SEMCONV_VERSION = "0.66b2"          # opentelemetry-semantic-conventions the attribute names come from
@@ -64,11 +65,7 @@ class StoreSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self.writer.accepting:   # closed (an SDK thread restarted in a forked child) or failed: not exported
             return SpanExportResult.FAILURE
-        cols: dict[str, list] = {k: [] for k in ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState",
-                                                 "SpanName", "SpanKind", "ServiceName", "ResourceAttributes",
-                                                 "ScopeName", "ScopeVersion", "SpanAttributes", "Duration",
-                                                 "StatusCode", "StatusMessage", "Events.Timestamp", "Events.Name",
-                                                 "Links.TraceId", "Links.SpanId", *_PROMOTED.values())}
+        cols: dict[str, list] = {k: [] for k in (*collector_span_columns(), *_PROMOTED.values())}
         for sp in spans:
             a, res = dict(sp.attributes or {}), dict(sp.resource.attributes)
             cols["Timestamp"].append(sp.start_time)
@@ -93,10 +90,8 @@ class StoreSpanExporter(SpanExporter):
             for key, col in _PROMOTED.items():
                 v = a.get(key)
                 cols[col].append(_s(v) if isinstance(v, (list, tuple)) else v)
-        types = {"Timestamp": pa.timestamp("ns"), "Events.Timestamp": pa.list_(pa.timestamp("ns")),
-                 "ResourceAttributes": pa.map_(pa.string(), pa.string()),
-                 "SpanAttributes": pa.map_(pa.string(), pa.string()), "ttft_s": pa.float64()}
-        self.writer.submit("spans", pa.table({k: pa.array(v, types.get(k)) for k, v in cols.items()}))
+        schema = arrow_schemas()["spans"]
+        self.writer.submit("spans", pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()}))
         self.exported += len(spans)
         return SpanExportResult.SUCCESS
 

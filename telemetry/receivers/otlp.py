@@ -46,13 +46,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 
 from engine.errors import KvledgerError
 from telemetry.errors import StoreError
+from telemetry.store.schema import empty, span_columns
 
 MAX_BODY = 16 << 20            # bytes, after decompression
-SPAN_COLS = ("Timestamp", "TraceId", "SpanId", "ParentSpanId", "TraceState", "SpanName", "SpanKind", "ServiceName",
-             "ResourceAttributes", "ScopeName", "ScopeVersion", "SpanAttributes", "Duration", "StatusCode",
-             "StatusMessage", "Events.Timestamp", "Events.Name", "Links.TraceId", "Links.SpanId", "incarnation", "node",
-             "boot", "operation", "tenant_h", "scope_h", "input_tokens", "prefilled_tokens", "cached_tokens",
-             "output_tokens", "ttft_s", "finish_reason", "error_type", "rejected_at", "request_id")
 _TYPED = {   # column: attribute names, first present wins
     "input_tokens": ("gen_ai.usage.input_tokens", "gen_ai.usage.prompt_tokens"),
     "output_tokens": ("gen_ai.usage.output_tokens", "gen_ai.usage.completion_tokens"),
@@ -311,20 +307,14 @@ def _span_rows(req: ExportTraceServiceRequest, boot: str, tenant_attribute: str 
             c["boot"] = pa.array([run] * n, pa.string())
             c["incarnation"] = pa.nulls(n, pa.int64())
             c["scope_h"] = c["rejected_at"] = pa.nulls(n, pa.string())
-            parts.append(pa.table({k: c[k] for k in SPAN_COLS}))
+            parts.append(pa.table({k: c[k] for k in span_columns()}))
     if not parts:
         return _empty_spans()
     return pa.concat_tables(parts) if len(parts) > 1 else parts[0]
 
 
 def _empty_spans() -> pa.Table:
-    m = pa.map_(pa.string(), pa.string())
-    types = {"Timestamp": pa.timestamp("ns"), "Events.Timestamp": pa.list_(pa.timestamp("ns")),
-             "ResourceAttributes": m, "SpanAttributes": m, "ttft_s": pa.float64(), "Duration": pa.int64(),
-             "incarnation": pa.int64(), "input_tokens": pa.int64(), "output_tokens": pa.int64(),
-             "cached_tokens": pa.int64(), "prefilled_tokens": pa.int64(), "Links.TraceId": pa.list_(pa.string()),
-             "Links.SpanId": pa.list_(pa.string()), "Events.Name": pa.list_(pa.string())}
-    return pa.table({k: pa.array([], types.get(k, pa.string())) for k in SPAN_COLS})
+    return empty("spans")
 
 
 def metric_rows(req: ExportMetricsServiceRequest, boot: str) -> pa.Table:

@@ -44,3 +44,15 @@ def conform(table: str, data: pa.Table, fill: dict | None = None) -> pa.Table:
     if missing:
         raise ValueError(f"{table}: missing columns {missing}")
     return data.select(schema.names).cast(schema)
+
+
+def collector_span_columns() -> tuple[str, ...]:
+    """The ``spans`` columns of the Collector's ``otel_traces`` (``Timestamp`` .. ``Links.SpanId``), in order;
+    the typed columns promoted from the attributes follow them in the schema."""
+    names = arrow_schemas()["spans"].names
+    return tuple(names[:names.index("Links.SpanId") + 1])
+
+
+def span_columns() -> tuple[str, ...]:
+    """Every ``spans`` column, in the schema's order."""
+    return tuple(arrow_schemas()["spans"].names)

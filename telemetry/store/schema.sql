@@ -10,7 +10,7 @@
 -- holding many runs answers the union of each run's answer. Incarnation ids are unique across boots.
 -- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
 -- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
--- ClickHouse (telemetry/clickhouse.py generates its DDL from this file): the `-- clickhouse:` line
+-- ClickHouse (telemetry/clickhouse/ddl.py generates its DDL from this file): the `-- clickhouse:` line
 -- above each table gives its MergeTree sorting key, its partition (by day where the table has a
 -- time) and, on a cluster, its sharding key - `everywhere`: a small table every shard holds whole.
 -- A page's reads and writes share a shard (the exposure as-of join never crosses shards).
