@@ -66,9 +66,10 @@ class LLMEngine:
         self.observers: list[StepObserver] = []
         # disaggregated prefill nodes hand a request's KV off here instead of decoding it
         self.on_prefill_done: Callable[[Request], None] | None = None
-        # pages held by requests outside the scheduler (disaggregated: KV still being sent); while
-        # any are, an empty schedule means "wait", not "this request can never fit"
-        self.pages_held_outside: Callable[[], bool] = lambda: False
+        # a disaggregated prefill node's transfers: transfer key -> the request whose pages are being
+        # sent, and the node's transfer sequence numbers (the cluster fills and drains ``sending``)
+        self.sending: dict = {}
+        self.transfer_seq = itertools.count(1)
         self.requests: dict[int, Request] = {}      # unfinished requests only (see _track)
         self.steps = 0
         self._clock = itertools.count(1)   # logical clock: every step and every landed transfer batch ticks it
@@ -78,6 +79,11 @@ class LLMEngine:
         self.blocks.on_hold = lambda req, pages, why: self.rec.pages_held(self, req, pages, why)
         self.blocks.on_move = lambda req, path, pages, pos: self.rec.pages_moved(self, req, path, pages, pos)
         self.rec.node_started(self)
+
+    def pages_held_outside(self) -> bool:
+        """Pages held by requests outside the scheduler (KV still being sent): while any are, an empty
+        schedule means "wait", not "this request can never fit"."""
+        return bool(self.sending)
 
     # ---- admission: every check runs before any page is taken ------------------------------
     def scope_for(self, tenant: str, user: str = "", salt: str = "") -> str:

@@ -29,7 +29,6 @@ code takes the named deviation that the guard exists to prevent:
 """
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import replace
@@ -109,9 +108,6 @@ class DisaggCluster:
         for cfg in prefill_cfgs:
             node = self._make_prefill(model, tokenizer, replace(cfg, **switches, role="prefill"))
             node.on_prefill_done = self._handoff
-            node.transfer_seq = itertools.count(1)
-            node.sending = {}                    # transfer key -> prefill request whose pages are being sent
-            node.pages_held_outside = lambda n=node: bool(n.sending)
             self.prefills.append(node)
         self.landing_observers: list = []        # (decode engine, job, slice) after each landed call
         self.link = self._make_link()

@@ -3,7 +3,8 @@ in this process) and ``procs.RemotePrefill`` (a node in an OS process of its own
 decode's pool through shared memory). The cluster never asks which it has."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -14,6 +15,7 @@ class PrefillNode(Protocol):
     cfg: "EngineConfig"
     on_prefill_done: "Callable[[Request], None] | None"    # the cluster's handoff, called when prefill ends
     sending: dict                                          # transfer key -> the request whose pages are sent
+    transfer_seq: Iterator[int]                            # this node's transfer sequence numbers
 
     def new_request(self, prompt, sampling: "SamplingParams | None" = None, tenant: str = "default", rid: str = "",
                     incarnation: int | None = None, user: str = "", cache_salt: str = "") -> "Request":

@@ -133,6 +133,8 @@ class RemotePrefill:
     def __init__(self, cluster: "ProcessCluster", model_spec: str, cfg: EngineConfig, geometry: dict,
                  decode_path: str, start_timeout: float = 300.0):
         self.cluster, self.cfg = cluster, cfg
+        self.sending: dict = {}                 # transfer key -> the request whose pages are being sent
+        self.transfer_seq = itertools.count(1)
         self.allocator = SimpleNamespace(num_free=None, total=None, checked_frees=0)   # known once stopped
         ours, theirs = socket.socketpair()
         self.proc = subprocess.Popen([sys.executable, "-m", "engine.disagg.procs", str(theirs.fileno())],
