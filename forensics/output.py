@@ -70,9 +70,40 @@ def _cell(v) -> str:
     return "" if v is None else str(v)
 
 
+def _id_columns(df: pl.DataFrame) -> list[str]:
+    """The 63-bit id columns: integers (or lists of them) named as ids. JSON numbers are doubles to
+    most readers (jq, JavaScript): 2^53 and up collapse, so ids travel as decimal strings."""
+    ints = (pl.Int64, pl.UInt64, pl.Int32)
+    return [c for c, t in df.schema.items() if (c in IDS or c.endswith("_incarnation"))
+            and (t in ints or isinstance(t, pl.List) and t.inner in ints)]
+
+
+def utc_iso(v: dt.datetime) -> str:
+    """A store time (UTC; naive in the store) as ISO 8601 with its zone: ...Z."""
+    if v.tzinfo is not None:
+        v = v.astimezone(dt.timezone.utc).replace(tzinfo=None)
+    return v.isoformat() + "Z"
+
+
+def _json_default(o):
+    if isinstance(o, dt.datetime):
+        return utc_iso(o)
+    return o.isoformat() if hasattr(o, "isoformat") else str(o)
+
+
+def json_ready(df: pl.DataFrame) -> pl.DataFrame:
+    """Ids as strings (see ``_id_columns``); everything else as it is."""
+    cols = _id_columns(df)
+    return df.with_columns([pl.col(c).cast(pl.List(pl.String) if isinstance(df.schema[c], pl.List) else pl.String)
+                            for c in cols]) if cols else df
+
+
 def json_rows(df: pl.DataFrame) -> str:
-    """One JSON array of objects, one per row (times as ISO 8601)."""
-    return json.dumps(df.to_dicts(), default=lambda o: o.isoformat() if hasattr(o, "isoformat") else str(o))
+    """One JSON array of objects, one per row: ids as decimal strings, times as ISO 8601 UTC (Z)."""
+    return json.dumps(json_ready(df).to_dicts(), default=_json_default)
+
+
+CSV_TIME = "%Y-%m-%dT%H:%M:%S%.fZ"     # store times are UTC: say so in every cell
 
 
 def emit(df: pl.DataFrame, fmt: str, title: str = "", out=None, width: int | None = None) -> int:
@@ -85,7 +116,7 @@ def emit(df: pl.DataFrame, fmt: str, title: str = "", out=None, width: int | Non
                                 for c, t in df.schema.items() if isinstance(t, pl.List)])
         flat = flat.with_columns([pl.col(c).map_elements(_flat, return_dtype=pl.String) for c, t in flat.schema.items()
                                   if isinstance(t, pl.Struct) or str(t).startswith("Map")])
-        out.write(flat.write_csv())
+        out.write(flat.write_csv(datetime_format=CSV_TIME))
     elif fmt == "parquet":
         buf = io.BytesIO()
         df.write_parquet(buf)

@@ -19,7 +19,7 @@ import polars as pl
 from markdown_it import MarkdownIt
 
 from engine.errors import KvledgerError
-from forensics.output import json_rows
+from forensics.output import CSV_TIME, json_rows
 from forensics.queries.clickhouse import open_forensics
 from forensics.queries.duckdb import SQL_DIR, query_hashes
 
@@ -447,6 +447,6 @@ def write(report: dict, out: str | Path) -> list[Path]:
         df = pl.DataFrame(rows) if rows else pl.DataFrame({"empty": []})
         df = df.with_columns([pl.col(c).cast(pl.List(pl.String)).list.join(";") for c, t in df.schema.items()
                               if isinstance(t, pl.List)])
-        df.write_csv(out / name)
+        df.write_csv(out / name, datetime_format=CSV_TIME)
         paths.append(out / name)
     return paths

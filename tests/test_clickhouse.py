@@ -79,6 +79,18 @@ def test_clickhouse_answers_every_query_as_duckdb_does_on_the_incident(which, re
     assert rows["ttft"] > 0 and rows["preflight"] > 0
     if which == "glm53_vulnerable":
         assert rows["exposures"] > 0 and rows["impact"] > 0, "the comparison covers real findings"
+        # the window rule (a read run overlapping the window) is the same in both dialects
+        slots = Forensics(store).exposure_slots()
+        run = slots.sort(pl.col("ts_last") - pl.col("ts_first"), descending=True).row(0, named=True)
+        t0 = run["ts_first"] + (run["ts_last"] - run["ts_first"]) / 3
+        c = ClickHouseForensics(store)
+        try:
+            for name in ("exposures", "scores", "tenants"):
+                a, b = Forensics(store).query(name, t0, t0), c.query(name, t0, t0)
+                same(a, b, f"{name} in a window inside one read run")
+                assert a.height > 0
+        finally:
+            c.close()
 
 
 @pytest.mark.xdist_group("runs")

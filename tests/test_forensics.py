@@ -58,7 +58,10 @@ def test_cli_counts_equal_the_oracle(glm53_vulnerable, capsys):
     res, store = glm53_vulnerable
     assert main(["forensics", "exposures", "--store", str(store), "--format", "json"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {(r["response"], r["donor"]) for r in rows} == {t[:2] for t in oracle_set(res)}
+    # 63-bit ids travel as decimal strings (a JSON number is a double to jq and JavaScript: ids collapse)
+    assert all(isinstance(r["response"], str) and isinstance(r["donor"], str) for r in rows)
+    assert all(r["first_read"].endswith("Z") for r in rows)              # times carry their zone
+    assert {(int(r["response"]), int(r["donor"])) for r in rows} == {t[:2] for t in oracle_set(res)}
     assert sum(r["foreign_tokens"] for r in rows) == len({(t[0], t[1], t[2], t[4]) for t in oracle_set(res)})
 
 
@@ -129,8 +132,8 @@ def test_disclosure_report_counts_equal_the_oracle_and_leak_nothing(glm53_vulner
     assert rep["clock_72h"]["deadline"] == (aware + dt.timedelta(hours=72)).isoformat() + "Z"
     assert rep["generated_at"].endswith("Z") and all(e["time"].endswith("Z") for e in rep["timeline"])
     assert [r["policy"] for r in rep["runs"]] == ["vulnerable"] and "## Runs covered" in (out / "report.md").read_text()
-    assert {r["incarnation"] for r in rep["what_happened"]["over_pool_requests"]} == {r.incarnation for r in res.over_pool}
-    surfaced = {r["response"] for r in rep["responses"] if r["surfaced"]}
+    assert {int(r["incarnation"]) for r in rep["what_happened"]["over_pool_requests"]} == {r.incarnation for r in res.over_pool}
+    surfaced = {int(r["response"]) for r in rep["responses"] if r["surfaced"]}
     assert {inc for inc, _, _ in res.surfaced} <= surfaced      # every canary that surfaced is flagged
     text = "".join(p.read_text() for p in out.iterdir())
     for secret in list(res.canaries) + ["acme", "globex", "initech", "umbrella"]:
@@ -260,3 +263,29 @@ def test_the_html_report_renders_as_a_document_in_a_browser(glm53_vulnerable, tm
     assert heads[:3] == ["KV cache cross-request exposure - disclosure report", "Summary", "Measures taken"]
     assert "data protection officer" in first_table and wide <= 1200 and empty_headers == 0
     assert (tmp_path / "report.png").stat().st_size > 50_000
+
+
+def test_a_window_strictly_inside_one_exposure_finds_it(glm53_vulnerable, tmp_path):
+    """A response is in a window when any of its foreign reads is: a read run that began before the
+    window and ended after it counts (the old rule kept only reads that *began* inside it)."""
+    import polars as pl
+    _, store = glm53_vulnerable
+    fx = Forensics(store)
+    slots = fx.exposure_slots()
+    run = slots.sort(pl.col("ts_last") - pl.col("ts_first"), descending=True).row(0, named=True)
+    span = run["ts_last"] - run["ts_first"]
+    assert span > dt.timedelta(0), "some read run must last more than one step"
+    t0, t1 = run["ts_first"] + span / 3, run["ts_first"] + 2 * span / 3       # strictly inside that run
+    inside = fx.query("exposures", t0, t1)
+    assert run["response"] in set(inside["response"])
+    overlapping = slots.filter((pl.col("ts_first") <= t1) & (pl.col("ts_last") >= t0))
+    assert set(inside["response"]) == set(overlapping["response"])
+    assert set(fx.query("scores", t0, t1)["response"]) <= set(inside["response"])
+    after = slots["ts_last"].max() + dt.timedelta(seconds=1)
+    assert fx.query("exposures", after, after + dt.timedelta(hours=1)).height == 0
+    out = tmp_path / "r"
+    assert main(["report", "--store", str(store), "--out", str(out), "--from", t0.isoformat(),
+                 "--to", t1.isoformat()]) == 0
+    rep = json.loads((out / "report.json").read_text())
+    exposed = inside.filter(pl.col("severity") != "blocked")
+    assert rep["counts"]["affected_responses"] == exposed["response"].n_unique() > 0

@@ -11,10 +11,11 @@
 -- attention_mass: the softmax mass the response put on the donor's pages, summed over its read
 -- steps (each step's mass averaged over layers): 1.0 = one step attending to nothing else, so 46.5
 -- is about 46 steps' worth of attention on the donor's KV (NULL where a read was not measured).
--- Window: failing reads whose first time is in [t0, t1].
+-- Window: a response is in [t0, t1] when any of its failing reads is: a read run overlapping the
+-- window (first read at or before t1, last at or after t0) counts, whenever the response began.
 CREATE OR REPLACE MACRO exposures_in(t0, t1) AS TABLE
 WITH e AS (
-    SELECT * FROM exposure_slots WHERE ts_first BETWEEN t0 AND t1
+    SELECT * FROM exposure_slots WHERE ts_first <= t1 AND ts_last >= t0
 ),
 runs AS (   -- mass is per read run and page, not per slot: count each run once
     SELECT DISTINCT response, donor, node, boot, page, block_index, lclock_first, attention_mass FROM e

@@ -1,7 +1,7 @@
--- One row per (response incarnation, donor incarnation) with failing reads first in [from, to]
+-- One row per (response incarnation, donor incarnation) with failing reads overlapping [from, to]
 -- (see ../exposures_in.sql: the columns and the evidence levels). Included by @exposures_in@.
 WITH e AS (
-    SELECT * FROM exposure_slots WHERE ts_first BETWEEN {from:DateTime64(9, 'UTC')} AND {to:DateTime64(9, 'UTC')}
+    SELECT * FROM exposure_slots WHERE ts_first <= {to:DateTime64(9, 'UTC')} AND ts_last >= {from:DateTime64(9, 'UTC')}
 ),
 runs AS (   -- mass is per read run and page, not per slot: count each run once
     SELECT DISTINCT response, donor, node, boot, page, block_index, lclock_first, attention_mass FROM e
