@@ -20,7 +20,7 @@ COMPACT = {
                "errored"],
     "preflight": ["node", "role", "pool_tokens", "advertised_context", "pool_fits_context", "policy",
                   "preflight_action"],
-    "runs": ["boot", "policy", "requests", "exposed_responses", "started_at"],
+    "runs": ["boot", "policy", "requests", "exposed_responses", "page_ledger", "started_at"],
     "fleet_ttft": ["instance", "request_id", "prompt_tokens_billed", "ttft_s", "ttft_expected_s", "below_floor"],
     "fleet_impact": ["instance", "request_id", "prompt_tokens_billed", "pool_tokens", "ttft_s"],
     "fleet_tenants": ["tenant_h", "instances", "requests", "below_floor", "over_pool"],

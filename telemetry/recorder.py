@@ -127,7 +127,8 @@ class Telemetry(Recorder):
             "policy": [self.policy or "unspecified"],
             "guards": pa.array([list(guards.items())], pa.map_(pa.string(), pa.bool_())),
             "isolation_level": [cfg.isolation_level if cfg.prefix_cache else self.isolation_level], "model": [self._model(engine)],
-            "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version]}))
+            "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version],
+            "page_ledger": [self.ledger is not None]}))
 
     def request_arrived(self, engine, req) -> None:
         if self.ledger is not None:

@@ -99,13 +99,30 @@ def test_transfers_show_reserved_versus_landed_sets(glm53_vulnerable):
     assert (bad["landed"] == 1).all() and (bad["outcome"] == "admitted").all()   # vulnerable decode trusted it
 
 
-def test_without_the_ledger_writer_forensics_finds_nothing(tmp_path):
-    """The ledger is the only source: switch its writer off and the reconstruction fails."""
+def test_without_the_ledger_writer_forensics_says_it_cannot_answer(tmp_path, capsys):
+    """The ledger is the only source: switch its writer off and the reconstruction fails - and every
+    reader says so instead of answering "0" (absence of evidence is not evidence of absence)."""
     store = tmp_path / "no-ledger"
     res = glm53("vulnerable", "disaggregated", recorder=recording(str(store), record_ledger=False),
                 **{**GLM53_SMALL, "victims": 1, "background": 4})
     assert oracle_set(res), "the oracle still sees the leak"
     assert forensic_set(store) == set()
+    runs = Forensics(store).query("runs")
+    assert runs["page_ledger"].to_list() == [False] and runs["exposed_responses"].to_list() == [None]
+    boot = runs["boot"][0]
+    for query in ("exposures", "scores", "tenants", "tenant_scores"):
+        assert main(["forensics", query, "--store", str(store), "--format", "json"]) == 3, query
+        err = capsys.readouterr().err
+        assert f"page-level exposure cannot be answered for run {boot}: no page ledger was recorded" in err
+    assert main(["forensics", "runs", "--store", str(store)]) == 0
+    assert "cannot be answered" in capsys.readouterr().err
+    assert main(["forensics", "impact", "--store", str(store), "--format", "json"]) == 0      # the spans still answer
+    assert len(json.loads(capsys.readouterr().out)) == len(res.over_pool)
+    from forensics.report import build, markdown
+    rep = build(store)
+    assert rep["coverage"]["runs_without_ledger"] == [boot] and rep["counts"]["runs_without_ledger"] == 1
+    assert "cannot be established" in rep["what_happened"]["summary"] and rep["clock_72h"]["deadline"] is None
+    assert "no page ledger was recorded" in markdown(rep) and "No response read" not in markdown(rep)
 
 
 def test_a_store_copy_is_enough(glm53_vulnerable, tmp_path):
@@ -225,15 +242,38 @@ def test_the_report_reads_as_a_breach_notification(glm53_vulnerable, glm53_harde
     assert "fill in" in rep["notification"]["controller"] and "fill in" in rep["notification"]["dpo_contact"]
     paths = {p.name: p for p in write(rep, tmp_path / "r")}
     md, html = paths["report.md"].read_text(), paths["report.html"].read_text()
-    assert md.index("## Summary") < md.index("## Measures taken") < md.index("## Runs covered") < md.index("## Counts")
+    # GDPR art. 33(3) (a)-(d) in order after the summary, then the evidence
+    heads = ["## Summary", "## (a) Nature of the breach", "## (b) Contact point", "## (c) Likely consequences",
+             "## (d) Measures taken and proposed", "## Runs covered", "## Counts", "## Whom to notify"]
+    assert [md.index(h) for h in heads] == sorted(md.index(h) for h in heads)
     assert md.index("data protection officer") < md.index("## Summary")
+    assert "data subjects" not in md.replace("estimates the data subjects", "")   # accounts are not people
+    assert "each may hold data about many people" in md and "## Words used in this report" in md
+    assert "running under policy" not in md          # measures are what changed, not the state a node ran in
+    summary = rep["what_happened"]["summary"]
+    assert "another customer's" in summary and "only their own tenant's" in summary
+    heads_row = "| responses that read KV of other requests | "
+    assert heads_row + f"{rep['counts']['cross_tenant_responses']} | {rep['counts']['same_tenant_only_responses']} |" in md
+    for n in rep["notifications"]:                   # the worst case first, no comfort where there is none
+        if set(n["roles"]) & {"donor", "donor-surfaced", "recipient"}:
+            assert "no other customer's data was involved" not in n["statement"]
+        assert n["first_read"].endswith("Z") and n["what_to_do"]
+    order = ["donor-surfaced", "donor", "recipient", "same-tenant"]
+    assert [order.index(n["role"]) for n in rep["notifications"]] == sorted(order.index(n["role"])
+                                                                            for n in rep["notifications"])
     assert "| measure | count |" in md and "<th></th><th></th>" not in html.replace("\n", "")
     assert "## Evidence excerpts" in md and "Redacted by construction" in md and "keyed n-grams" in html
     excerpts = paths["excerpts.csv"].read_text().splitlines()
     assert excerpts[0] == "response,donor,severity,shared_ngrams" and len(excerpts) == len(rep["excerpts"]["pairs"]) + 1
     assert "narrower" in md          # report "surfaced" vs the replay's "canaries surfaced", explained
-    hardened = build(glm53_hardened[1])["status_now"]
-    assert hardened["contained"] is True and "read_check" in hardened["protections"]
+    hardened = build(glm53_hardened[1])
+    assert hardened["status_now"]["contained"] is True and "read_check" in hardened["status_now"]["protections"]
+    # nothing exposed: no incident story, no 72-hour clock, but what the guards prevented
+    assert hardened["counts"]["affected_responses"] == 0 and hardened["clock_72h"]["deadline"] is None
+    assert "No response read KV cache" in hardened["what_happened"]["summary"]
+    assert "reject path" not in hardened["what_happened"]["summary"] and hardened["what_happened"]["cwe"] == []
+    assert any("refused" in p for p in hardened["prevented"]) and "The guards prevented" in hardened["what_happened"]["summary"]
+    assert "no 72-hour" in hardened["clock_72h"]["note"] and hardened["data_categories"] == []
     plain = write(build(store), tmp_path / "plain")
     assert "excerpts.csv" not in {p.name for p in plain} and "Evidence excerpts" not in (tmp_path / "plain" / "report.md").read_text()
 
@@ -260,7 +300,7 @@ def test_the_html_report_renders_as_a_document_in_a_browser(glm53_vulnerable, tm
                                       "tr => [...tr.cells].every(c => !c.innerText.trim())).length")
         first_table = page.locator("table").first.inner_text()
         browser.close()
-    assert heads[:3] == ["KV cache cross-request exposure - disclosure report", "Summary", "Measures taken"]
+    assert heads[:3] == ["KV cache cross-request exposure - disclosure report", "Summary", "(a) Nature of the breach"]
     assert "data protection officer" in first_table and wide <= 1200 and empty_headers == 0
     assert (tmp_path / "report.png").stat().st_size > 50_000
 

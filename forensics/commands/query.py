@@ -1,5 +1,7 @@
 """``kvledger forensics QUERY``: one named query of the catalogue (``forensics/queries/catalog.py``)
-over the store, as a table (80 columns by default), CSV, JSON or Parquet."""
+over the store, as a table (80 columns by default), CSV, JSON or Parquet. Exit 0, or 3 when a
+page-level question is asked of runs that recorded no page ledger (the answer is unknown: each
+such run is named on stderr)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -70,6 +72,7 @@ def make_config(a) -> QueryConfig:
 def run(c: QueryConfig) -> int:
     from forensics.output import emit, pick_columns
     from forensics.queries import open_forensics
+    from forensics.queries.coverage import PAGE_LEVEL, coverage
     from forensics.queries.fleet import folded
 
     fx = open_forensics(c.store, c.run, allow_unverified=c.allow_unverified, anchor=c.anchor,
@@ -80,10 +83,15 @@ def run(c: QueryConfig) -> int:
         print(f"kvledger: warning: {note}", file=sys.stderr)
     if fold_note:
         print(f"kvledger: note: {fold_note}", file=sys.stderr)
+    cover = coverage(df if answered == "runs" else fx.query("runs")) if answered in PAGE_LEVEL else None
+    for sentence in cover.sentences() if cover else []:
+        print(f"kvledger: warning: {sentence}", file=sys.stderr)
     title = f"kvledger forensics {answered} ({c.store})"
     width = None
     if c.format == "table":
         df = pick_columns(df, answered, c.wide, c.columns)
         if c.wide:                          # every column, as wide as it needs (a pager with -S reads it)
             width = 0
-    return emit(df, c.format, title=f"{note} - {title}" if note else title, width=width)
+    rc = emit(df, c.format, title=f"{note} - {title}" if note else title, width=width)
+    # no run in scope recorded a page ledger: the (empty) answer is unknown, not "none" (exit 3)
+    return 3 if cover is not None and cover.none and answered != "runs" else rc

@@ -1,4 +1,4 @@
-"""``kvledger report``: the disclosure report (Markdown, HTML, JSON validated by its schema, CSV)."""
+"""``kvledger report``: the disclosure report (Markdown, HTML, PDF, JSON validated by its schema, CSV)."""
 from __future__ import annotations
 
 import datetime as dt
@@ -23,6 +23,7 @@ class ReportConfig:
     anchor: str | None = None
     allow_early_awareness: bool = False
     include_excerpts: bool = False
+    format: str = "all"
     engine: EngineChoice = EngineChoice()
 
 
@@ -41,6 +42,9 @@ def add_arguments(rp) -> None:
     rp.add_argument("--allow-early-awareness", action="store_true",
                     help="accept an awareness event earlier than the first foreign read (refused by default: "
                          "usually a wrong time or zone)")
+    rp.add_argument("--format", choices=["all", "md", "html", "json", "pdf"], default="all",
+                    help="all (default: report.md, report.html, report.json and the CSV tables), one of md, html, "
+                         "json (with the CSVs), or pdf (everything plus report.pdf, printed by Chromium)")
     rp.add_argument("--include-excerpts", action="store_true",
                     help="add the keyed n-gram evidence per exposure (the store holds no plaintext)")
     add_engine_options(rp)
@@ -56,7 +60,7 @@ def make_config(a) -> ReportConfig:
     except ValueError as e:
         raise InputError(str(e)) from None
     return ReportConfig(a.store, a.out, a.start, a.end, a.run, events, a.allow_unverified, a.anchor,
-                        a.allow_early_awareness, a.include_excerpts, engine)
+                        a.allow_early_awareness, a.include_excerpts, a.format, engine)
 
 
 def run(c: ReportConfig) -> int:
@@ -67,10 +71,16 @@ def run(c: ReportConfig) -> int:
                        anchor=c.anchor, engine=c.engine.kwargs())
     except ValueError as e:
         raise InputError(str(e)) from None
-    for p in write(report, c.out):
+    if c.format == "pdf":
+        from forensics.report.render import chromium
+        chromium()                          # no Chromium: say so before anything is written
+    for p in write(report, c.out, c.format):
         print(p)
     n = report["counts"]
-    print(f"{n['affected_responses']} affected response(s), {n['recipient_tenants']} recipient and "
+    print(f"{n['affected_responses']} affected response(s) ({n['cross_tenant_responses']} another customer's KV, "
+          f"{n['same_tenant_only_responses']} their own tenant's only), {n['recipient_tenants']} recipient and "
           f"{n['donor_tenants']} donor tenant(s); chain {'intact' if report['provenance']['chain_ok'] else 'BROKEN'}",
           file=sys.stderr)
+    for s in report["coverage"]["statements"]:
+        print(f"kvledger: warning: {s}", file=sys.stderr)
     return 0 if report["provenance"]["chain_ok"] else 1

@@ -1,13 +1,19 @@
 -- The runs a store holds: one row per boot (a start of a deployment), oldest first: its nodes
 -- and their roles, the policy and isolation level they ran under, the requests it served, how
 -- many responses read foreign KV (blocked reads aside), and its first and last recorded times.
+-- page_ledger: the run recorded page reads and writes. Without them which pages a response read
+-- cannot be established: exposed_responses is then NULL (unknown), never 0. Stores written before
+-- the flag existed: a run with any page write recorded one.
 -- `--run BOOT` on any query (or a unique prefix of it) answers for that run alone.
 WITH cfg AS (
     SELECT boot, list(DISTINCT node || ' (' || role || ')' ORDER BY node || ' (' || role || ')') AS nodes,
            string_agg(DISTINCT policy, ',' ORDER BY policy) AS policy,
            string_agg(DISTINCT isolation_level, ',' ORDER BY isolation_level) AS isolation_level,
-           any_value(model ORDER BY ts) AS model, min(ts) AS started_at
+           any_value(model ORDER BY ts) AS model, min(ts) AS started_at, bool_and(page_ledger) AS declared
     FROM config_snapshots GROUP BY boot
+),
+wrote AS (
+    SELECT DISTINCT boot FROM page_writes WHERE boot IN (SELECT boot FROM cfg WHERE declared IS NULL)
 ),
 req AS (
     SELECT boot, count(*) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
@@ -20,7 +26,10 @@ exposed AS (
     GROUP BY boot
 )
 SELECT cfg.boot, cfg.policy, cfg.nodes, cfg.isolation_level, cfg.model,
-       coalesce(req.requests, 0) AS requests, coalesce(exposed.responses_reading_foreign_kv, 0) AS exposed_responses,
-       cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen
-FROM cfg LEFT JOIN req USING (boot) LEFT JOIN exposed USING (boot)
+       coalesce(req.requests, 0) AS requests,
+       CASE WHEN coalesce(cfg.declared, wrote.boot IS NOT NULL) THEN coalesce(exposed.responses_reading_foreign_kv, 0)
+       END AS exposed_responses,
+       cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen,
+       coalesce(cfg.declared, wrote.boot IS NOT NULL) AS page_ledger
+FROM cfg LEFT JOIN req USING (boot) LEFT JOIN exposed USING (boot) LEFT JOIN wrote USING (boot)
 ORDER BY cfg.started_at, cfg.boot

@@ -135,7 +135,8 @@ CREATE TABLE config_snapshots (
     isolation_level VARCHAR NOT NULL,
     model           VARCHAR NOT NULL,
     kv_format_version VARCHAR NOT NULL,
-    kvledger_version VARCHAR NOT NULL
+    kvledger_version VARCHAR NOT NULL,
+    page_ledger     BOOLEAN               -- the run records page reads and writes (NULL: written before this column)
 );
 
 -- Spans, modelled on the OpenTelemetry Collector's ClickHouse `otel_traces` table; attributes as

@@ -1,7 +1,12 @@
 -- Responses whose billed prompt tokens exceed the KV pool of the node that prefilled them (see ../impact.sql).
-WITH prefill_node AS (
-    SELECT r.incarnation AS incarnation, r.boot AS boot, coalesce(t.src_node, r.node) AS prefill_node
+WITH prefill_span AS (
+    SELECT incarnation, any(node) AS node FROM spans
+    WHERE operation = 'prefill' AND incarnation IS NOT NULL GROUP BY incarnation
+),
+prefill_node AS (
+    SELECT r.incarnation AS incarnation, r.boot AS boot, coalesce(t.src_node, p.node, r.node) AS prefill_node
     FROM requests AS r LEFT JOIN transfers AS t ON t.incarnation = r.incarnation
+         LEFT JOIN prefill_span AS p ON p.incarnation = r.incarnation
 ),
 pool AS (
     SELECT node, boot, argMax(pool_tokens, ts) AS pool_tokens FROM config_snapshots GROUP BY node, boot

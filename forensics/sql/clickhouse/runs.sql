@@ -3,8 +3,11 @@ WITH cfg AS (
     SELECT boot, arraySort(groupUniqArray(concat(node, ' (', role, ')'))) AS nodes,
            arrayStringConcat(arraySort(groupUniqArray(policy)), ',') AS policy,
            arrayStringConcat(arraySort(groupUniqArray(isolation_level)), ',') AS isolation_level,
-           argMin(model, ts) AS model, min(ts) AS started_at
+           argMin(model, ts) AS model, min(ts) AS started_at, min(page_ledger) AS declared
     FROM config_snapshots GROUP BY boot
+),
+wrote AS (
+    SELECT DISTINCT boot, true AS any_write FROM page_writes WHERE boot IN (SELECT boot FROM cfg WHERE declared IS NULL)
 ),
 req AS (
     SELECT boot, toInt64(count()) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
@@ -18,7 +21,10 @@ exposed AS (
 )
 SELECT cfg.boot AS boot, cfg.policy AS policy, cfg.nodes AS nodes, cfg.isolation_level AS isolation_level,
        cfg.model AS model, coalesce(req.requests, 0) AS requests,
-       coalesce(exposed.responses_reading_foreign_kv, 0) AS exposed_responses,
-       cfg.started_at AS started_at, greatest(cfg.started_at, req.last_request) AS last_seen
+       if(coalesce(cfg.declared, wrote.any_write, false), coalesce(exposed.responses_reading_foreign_kv, 0),
+          CAST(NULL AS Nullable(Int64))) AS exposed_responses,
+       cfg.started_at AS started_at, greatest(cfg.started_at, req.last_request) AS last_seen,
+       coalesce(cfg.declared, wrote.any_write, false) AS page_ledger
 FROM cfg LEFT JOIN req ON req.boot = cfg.boot LEFT JOIN exposed ON exposed.boot = cfg.boot
+     LEFT JOIN wrote ON wrote.boot = cfg.boot
 ORDER BY started_at, boot
