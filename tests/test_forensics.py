@@ -329,3 +329,28 @@ def test_a_window_strictly_inside_one_exposure_finds_it(glm53_vulnerable, tmp_pa
     rep = json.loads((out / "report.json").read_text())
     exposed = inside.filter(pl.col("severity") != "blocked")
     assert rep["counts"]["affected_responses"] == exposed["response"].n_unique() > 0
+
+
+def test_the_pdf_report_prints_every_id_and_header_word_whole(glm53_vulnerable, tmp_path, capsys):
+    """`report --format pdf`: the HTML printed by Chromium with the print CSS; its pages rendered
+    (pdftoppm) and read back (pdftotext): every response id and every table header word is on one
+    line, never broken."""
+    import re
+    import subprocess
+    _, store = glm53_vulnerable
+    out = tmp_path / "r"
+    assert main(["report", "--store", str(store), "--out", str(out), "--format", "pdf", "--include-excerpts"]) == 0
+    pdf = out / "report.pdf"
+    assert pdf.read_bytes()[:5] == b"%PDF-"
+    subprocess.run(["pdftoppm", "-r", "40", "-png", str(pdf), str(tmp_path / "page")], check=True)
+    pages = sorted(tmp_path.glob("page-*.png"))
+    assert len(pages) >= 2 and all(p.stat().st_size > 2_000 for p in pages)
+    text = subprocess.run(["pdftotext", "-layout", str(pdf), "-"], check=True, capture_output=True, text=True).stdout
+    rep = json.loads((out / "report.json").read_text())
+    ids = {r["response"] for r in rep["responses"]} | {p["donor"] for p in rep["excerpts"]["pairs"] if p["donor"] != "-1"}
+    ids |= {n["tenant"] for n in rep["notifications"]} | {n["role"] for n in rep["notifications"]}
+    broken = [i for i in ids if not re.search(rf"(?<![\w-]){re.escape(i)}(?![\w-])", text)]
+    assert ids and not broken, f"broken across lines: {broken}"
+    for word in ("prompt_tokens_billed", "advertised_context", "preflight_action", "what_to_do", "shared_ngrams"):
+        assert word in text, f"header word {word} broken"
+    assert "(a) Nature of the breach" in text and "(d) Measures taken and proposed" in text

@@ -14,7 +14,7 @@ import polars as pl
 from markdown_it import MarkdownIt
 
 from engine.errors import KvledgerError
-from forensics.output import CSV_TIME
+from forensics.output import CSV_TIME, HEX_IDS, IDS
 
 FORMATS = ("all", "md", "html", "json", "pdf")
 CSS = ("body{font-family:Georgia,'DejaVu Serif',serif;max-width:60em;margin:2em auto;padding:0 1em;line-height:1.45;"
@@ -56,11 +56,20 @@ def _md_cell(v) -> str:
     return "" if v is None else str(v)
 
 
+WHOLE = IDS | HEX_IDS | {"role", "node", "prefill_node", "instance", "request_id", "guard"}   # never broken
+
+
 def md_table(rows: list[dict], cols: list[str]) -> str:
+    """A Markdown table; ids, pseudonyms and one-word values as code spans (``white-space: nowrap``
+    in the CSS: a printed page never breaks them)."""
     if not rows:
         return "_none_\n"
+
+    def cell(c, v) -> str:
+        text = _md_cell(v).replace("|", "\\|")
+        return f"`{text}`" if c in WHOLE and text and "`" not in text else text
     out = ["| " + " | ".join(cols) + " |", "|" + " --- |" * len(cols)]
-    out += ["| " + " | ".join(_md_cell(r.get(c, "")).replace("|", "\\|") for c in cols) + " |" for r in rows]
+    out += ["| " + " | ".join(cell(c, r.get(c, "")) for c in cols) + " |" for r in rows]
     return "\n".join(out) + "\n"
 
 
