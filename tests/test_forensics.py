@@ -354,3 +354,43 @@ def test_the_pdf_report_prints_every_id_and_header_word_whole(glm53_vulnerable, 
     for word in ("prompt_tokens_billed", "advertised_context", "preflight_action", "what_to_do", "shared_ngrams"):
         assert word in text, f"header word {word} broken"
     assert "(a) Nature of the breach" in text and "(d) Measures taken and proposed" in text
+
+
+def test_tenants_resolve_maps_pseudonyms_back_for_the_key_holder_only(glm53_vulnerable, tmp_path, capsys,
+                                                                      monkeypatch):
+    """From pseudonym back to customer: candidate names (a list, or serve's keys file) tried under
+    the store's pseudonym key. Every pseudonym in the store resolves; without the key, refused;
+    nothing in the store changes."""
+    res, store = glm53_vulnerable
+    before = {p: p.stat().st_mtime_ns for p in store.rglob("*")}
+    names = tmp_path / "names.txt"
+    names.write_text("# candidates\nacme\nglobex\ninitech\numbrella\nnobody-at-all\n")
+    assert main(["tenants", "resolve", "--store", str(store), "--names", str(names), "--format", "json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    pseudonyms = set(Forensics(store).requests()["tenant_h"].drop_nulls())
+    assert {r["tenant"] for r in rows} == pseudonyms
+    assert {r["name"] for r in rows} == {"acme", "globex", "initech", "umbrella"}    # every tenant found
+    keys = tmp_path / "keys.json"
+    keys.write_text(json.dumps({"sk-a": "acme", "sk-b": {"tenant": "globex", "user": "u1"}}))
+    assert main(["tenants", "resolve", "--store", str(store), "--names", str(keys), "--format", "json"]) == 0
+    out = capsys.readouterr()
+    assert {r["name"] for r in json.loads(out.out)} == {"acme", "globex", None}
+    assert "2 of 4 pseudonym(s) matched no candidate name" in out.err
+    monkeypatch.setenv("KVLEDGER_KEY_DIR", str(tmp_path / "not-the-keys"))
+    assert main(["tenants", "resolve", "--store", str(store), "--names", str(names)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: refused: no pseudonym key of store") and "Traceback" not in err
+    assert {p: p.stat().st_mtime_ns for p in store.rglob("*")} == before                  # wrote nothing
+
+
+@pytest.mark.parametrize("content,error", [
+    (None, "no such file"), ("", "no names in it"), ("{not json", "is not JSON"),
+    ('{"sk": 3}', "maps each API key to a tenant name"), ("x" * 2000, "longer than 1024 characters"),
+])
+def test_tenants_resolve_refuses_a_names_file_it_cannot_read(content, error, tmp_path, capsys, glm53_vulnerable):
+    path = tmp_path / "names"
+    if content is not None:
+        path.write_text(content)
+    assert main(["tenants", "resolve", "--store", str(glm53_vulnerable[1]), "--names", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvledger: error: --names") and error in err and "Traceback" not in err

@@ -38,6 +38,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                                             "idempotent per segment; --follow keeps copying a live store"),
     "forensics": ("forensics.commands.query", "forensic queries over the store"),
     "report": ("forensics.commands.report", "disclosure report: Markdown, HTML, JSON (schema-validated), CSV"),
+    "tenants": ("forensics.commands.tenants",
+                "tenants resolve: map the store's tenant pseudonyms back to names (key holder only; writes nothing)"),
     "probe": ("forensics.commands.probe",
               "isolation probe against any OpenAI-compatible endpoint: exit 0 pass, 1 finding, 3 inconclusive"),
     "dashboard": ("dashboard.commands.dashboard", "the live Streamlit exposure dashboard (loopback by default)"),

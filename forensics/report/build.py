@@ -12,10 +12,10 @@ from typing import NamedTuple
 import jsonschema
 import polars as pl
 
+import forensics.report.sentences as say
 from engine.errors import KvledgerError
 from forensics.queries.clickhouse import open_forensics
 from forensics.queries.duckdb import SQL_DIR, query_hashes
-from forensics.report import sentences as say
 from forensics.report.evidence import Evidence, gather, rows
 
 SCHEMA = Path(__file__).with_name("report.schema.json")

@@ -219,6 +219,20 @@ class WriterKeys:
         return self._signing.sign(message).hex()
 
 
+def reader_keys(root: Path) -> Keys:
+    """The pseudonymisation keys of the store at ``root``, for the key holder (``kvledger tenants
+    resolve``): read, never created. Without them, refused."""
+    ident = read_identity(Path(root))
+    kd = key_dir(ident.store_id)
+    env = WriterKeys._env_secrets()
+    if env is not None:
+        return Keys(*env)
+    if not (kd / "pseudonym.key").is_file():
+        raise KeyError_(f"refused: no pseudonym key of store {ident.store_id} at {kd}: only the key holder can map "
+                        f"its pseudonyms back to names (set ${ENV_KEYS} or ${ENV_STATE} to where the keys are)")
+    return Keys(*WriterKeys._secrets(kd, ident.store_id))
+
+
 class Keys:
     """Keyed pseudonyms: tenant ids and scopes (HMAC-SHA256), content tags and n-grams (a keyed
     64-bit permutation each, vectorised over whole columns), under two separate secrets."""
