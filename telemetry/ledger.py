@@ -322,7 +322,8 @@ class PageLedger:
         self._caught_up = threading.Event()     # set by the writer after each fold
         self.waited_s = 0.0                     # engine time spent waiting for a writer that fell behind
         self._batch: tuple = (None, None, None)  # engine thread only: the last step's incarnations, ids, prompt lengths
-        self._finished: deque = deque()         # (incarnation, prompt ids, output ids) of finished requests, not yet hashed
+        self._finished: deque = deque()         # (incarnation, prompt ids, output ids, tokenizer) of finished requests, not yet hashed
+        self._masks: dict[int, np.ndarray] = {}  # id(tokenizer) -> its content mask
         self._releases: deque = deque()         # releases not yet written (one tuple each)
         writer.add_drain(self._drain)
 
@@ -487,26 +488,38 @@ class PageLedger:
     def on_arrived(self, req) -> None:
         self.scopes.add(req.incarnation, self.keys.pseudonym(req.scope))
 
-    def on_finished(self, req) -> None:
+    def on_finished(self, req, tokenizer=None) -> None:
         """Engine thread: copies of the request's token lists; their n-grams are hashed on the
-        writer thread with every other request finished since the last fold, in one pass."""
-        self._finished.append((req.incarnation, list(req.prompt_ids), list(req.output_ids)))
+        writer thread with every other request finished since the last fold, in one pass.
+        ``tokenizer``: the engine's, for which tokens carry content (``content_mask``)."""
+        self._finished.append((req.incarnation, list(req.prompt_ids), list(req.output_ids), tokenizer))
+
+    def _content(self, tokenizer) -> np.ndarray | None:
+        """The tokenizer's content mask, computed once per tokenizer on the writer thread."""
+        if tokenizer is None or not hasattr(tokenizer, "content_mask"):
+            return None
+        key = id(tokenizer)
+        if key not in self._masks:
+            self._masks[key] = np.asarray(tokenizer.content_mask(), dtype=bool)
+        return self._masks[key]
 
     def _ngrams(self) -> list[tuple[str, Columns]]:
         """Writer thread: the n-gram rows of every request finished and not yet hashed."""
-        parts, incs = [], []
+        by_tok: dict[int, tuple[object, list, list]] = {}
         while self._finished:                   # only this thread pops; the engine only appends
-            inc, prompt, output = self._finished.popleft()
+            inc, prompt, output, tok = self._finished.popleft()
+            _, parts, incs = by_tok.setdefault(id(tok), (tok, [], []))
             parts += [prompt, output]
             incs.append(inc)
-        if not parts:
-            return []
-        group, h = ngram_hashes(self.keys, parts)
-        if not len(h):
-            return []
-        return [("ngrams", {"incarnation": np.asarray(incs, dtype=np.int64)[group // 2],
-                            "role": _dict(["prompt", "output"], group % 2), "n": np.full(len(h), NGRAM, dtype=np.int16),
-                            "hash": h})]
+        out = []
+        for tok, parts, incs in by_tok.values():
+            group, h, pos = ngram_hashes(self.keys, parts, content=self._content(tok))
+            if len(h):
+                out.append(("ngrams", {"incarnation": np.asarray(incs, dtype=np.int64)[group // 2],
+                                       "role": _dict(["prompt", "output"], group % 2),
+                                       "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h,
+                                       "pos": pos.astype(np.int32)}))
+        return out
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:
         """Any thread (a deferred release may end on a timer): one tuple; the rows are built on the
@@ -534,28 +547,46 @@ class PageLedger:
 
 
 NGRAM = 12          # tokens per n-gram for "surfaced" (long enough that shared prose is rare)
+NGRAM_MIN_CONTENT = 4   # distinct content tokens an n-gram needs to be evidence (not 12 spaces, "----", "a a a")
 
 
-def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM) -> tuple[np.ndarray, np.ndarray]:
-    """The distinct keyed hashes of every n-token window of each token list (polynomial hash, then
-    the keyed mix), all lists in one pass: (list index, hash) pairs, ordered by list then hash."""
+def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM,
+                 content: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The keyed hashes of every n-token window of each token list that can be evidence, all lists
+    in one pass: (list index, hash, start position) ordered by list then hash, each (list, hash,
+    position) once. A window is evidence only with at least ``NGRAM_MIN_CONTENT`` distinct content
+    tokens (``content``: the tokenizer's mask of tokens holding a letter or digit; None: every token
+    counts): whitespace, punctuation and one repeated token are nobody's data."""
+    empty = np.zeros(0, dtype=np.int64)
     lens = np.array([len(t) for t in token_lists], dtype=np.int64)
     if not (lens >= n).any():
-        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+        return empty, empty, empty
     toks = np.concatenate([np.asarray(t, dtype=np.uint64) for t in token_lists])
     ends = np.cumsum(lens)
     group = np.repeat(np.arange(len(lens)), lens)[: len(toks) - n + 1]
     start = np.flatnonzero(np.arange(len(group)) + n <= ends[group])      # windows inside one list
     win = np.lib.stride_tricks.sliding_window_view(toks, n)[start]
+    informative = _distinct_content(win, content) >= NGRAM_MIN_CONTENT
+    start, win = start[informative], win[informative]
     powers = np.uint64(0x100000001B3) ** np.arange(n, dtype=np.uint64)
     with np.errstate(over="ignore"):
         h = keys.ngram_pseudonyms((win * powers).sum(axis=1, dtype=np.uint64).view(np.int64))
     g = group[start]
-    order = np.lexsort((h, g))
-    g, h = g[order], h[order]
-    keep = np.ones(len(h), dtype=bool)
-    keep[1:] = (g[1:] != g[:-1]) | (h[1:] != h[:-1])
-    return g[keep], h[keep]
+    pos = start - (ends - lens)[g]                       # the window's first token, in its own list
+    order = np.lexsort((pos, h, g))
+    return g[order], h[order], pos[order]
+
+
+def _distinct_content(win: np.ndarray, content: np.ndarray | None) -> np.ndarray:
+    """Per window (row): how many distinct tokens of it carry content."""
+    none = np.uint64(np.iinfo(np.uint64).max)
+    if content is not None:
+        idx = np.minimum(win, np.uint64(len(content) - 1)).astype(np.int64)
+        ok = content[idx] & (win < np.uint64(len(content)))
+        win = np.where(ok, win, none)
+    s = np.sort(win, axis=1)
+    new = (s[:, 1:] != s[:, :-1]) & (s[:, 1:] != none)
+    return new.sum(axis=1) + (s[:, 0] != none)
 
 
 _PERF_EPOCH_NS = time.time_ns() - time.perf_counter_ns()

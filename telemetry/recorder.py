@@ -203,7 +203,7 @@ class Telemetry(Recorder):
         if root is None:
             return
         if self.ledger is not None:
-            self.ledger.on_finished(req)
+            self.ledger.on_finished(req, getattr(engine, "tokenizer", None))
         node = self._node(engine)
         end = req.finished_at
         a: dict = {GA.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens_billed, GA.GEN_AI_USAGE_OUTPUT_TOKENS: len(req.output_ids),

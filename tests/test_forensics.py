@@ -394,3 +394,56 @@ def test_tenants_resolve_refuses_a_names_file_it_cannot_read(content, error, tmp
     assert main(["tenants", "resolve", "--store", str(glm53_vulnerable[1]), "--names", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvledger: error: --names") and error in err and "Traceback" not in err
+
+
+def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
+    """exposure_ngrams over the real store, its ``ngrams`` replaced by the view ``shadow`` (SQL over
+    the stored rows) and ``extra_requests`` (SQL rows) added to its requests: the rule's own SQL."""
+    from forensics.queries.duckdb import sql
+    fx = Forensics(store)
+    fx._ensure("requests")
+    fx._ensure("exposure_slots")
+    fx.con.execute("CREATE TEMP TABLE stored_ngrams AS SELECT * FROM ngrams")
+    fx.con.execute(f"CREATE OR REPLACE TEMP VIEW ngrams AS {shadow}")
+    if extra_requests:
+        fx.con.execute(f"INSERT INTO requests BY NAME {extra_requests}")
+    return fx.con.sql(sql("exposure_ngrams")).pl(), fx
+
+
+def _surfaced_pair(store):
+    ng, fx = _ngram_rule(store, "SELECT * FROM stored_ngrams")
+    assert ng.height, "the incident surfaces donor text"
+    return ng.sort("shared_ngrams", descending=True).row(0, named=True), fx
+
+
+def test_text_the_recipients_own_tenant_had_earlier_is_not_surfaced(glm53_vulnerable):
+    """The recipient's output repeats the donor's text - but an earlier request of the recipient's
+    own tenant held that text too: it may have come through the tenant's own traffic, not through
+    the slots it read from the donor. Not evidence; the same request arriving later cancels nothing."""
+    _, store = glm53_vulnerable
+    pair, fx = _surfaced_pair(store)
+    r, d = pair["response"], pair["donor"]
+    me = fx.con.sql(f"SELECT tenant_h, arrived_at FROM requests WHERE incarnation = {r}").fetchall()[0]
+    shadow = (f"SELECT * FROM stored_ngrams UNION ALL SELECT 99 AS incarnation, 'output' AS role, n, hash, 0 AS pos "
+              f"FROM stored_ngrams WHERE incarnation = {r} AND role = 'output'")
+    for offset, cancelled in (("- INTERVAL 1 SECOND", True), ("+ INTERVAL 1 SECOND", False)):
+        extra = (f"SELECT 99::BIGINT AS incarnation, '{me[0]}' AS tenant_h, "
+                 f"TIMESTAMP '{me[1]}' {offset} AS arrived_at")
+        ng, _ = _ngram_rule(store, shadow, extra)
+        still = ng.filter((ng["response"] == r) & (ng["donor"] == d)).height
+        assert still == (0 if cancelled else 1), offset
+
+
+def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulnerable):
+    """An n-gram of the donor's prompt counts only where the recipient read the donor's KV at its
+    positions: moved past every position read, the same text is no evidence; without positions (a
+    store written before them) it counts as before."""
+    _, store = glm53_vulnerable
+    pair, _ = _surfaced_pair(store)
+    r, d = pair["response"], pair["donor"]
+    far = ("SELECT incarnation, role, n, hash, CASE WHEN incarnation = {d} AND role = 'prompt' THEN {pos} "
+           "ELSE pos END AS pos FROM stored_ngrams")
+    ng, _ = _ngram_rule(store, far.format(d=d, pos="pos + 1000000"))
+    assert ng.filter((ng["response"] == r) & (ng["donor"] == d)).height == 0
+    ng, _ = _ngram_rule(store, far.format(d=d, pos="NULL"))
+    assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]

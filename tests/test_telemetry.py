@@ -75,6 +75,21 @@ def test_ledger_rows_carry_writer_reader_and_found_scopes(glm53_vulnerable):
     assert dict(cross)[True] == 0 and dict(cross)[False] > 0     # scopes never share; the incident crosses them
 
 
+def test_an_ngram_of_whitespace_punctuation_or_one_token_is_never_evidence():
+    """Only windows with at least 4 distinct content tokens are hashed: 12 spaces in two texts, a
+    rule of dashes or one repeated word prove nothing about whose data a response read."""
+    from engine.models.tokenizer import ByteTokenizer
+    from telemetry.ledger import ngram_hashes
+    from telemetry.store.keys import Keys
+    tok, keys = ByteTokenizer(), Keys(b"p" * 32, b"n" * 32)
+    noise = ["            ", "------------", ". . . . . . ", "aaaaaaaaaaaa", "abababababab", "!? !? !? !? ", "a.b.c,a.b.c,"]
+    for text in noise:
+        g, h, pos = ngram_hashes(keys, [tok.encode(text)], content=tok.content_mask())
+        assert len(h) == 0, text
+    g, h, pos = ngram_hashes(keys, [tok.encode("the secret is CANARY-x9Fq2")], content=tok.content_mask())
+    assert len(h) == len("the secret is CANARY-x9Fq2") - 11 and sorted(pos.tolist()) == list(range(len(h)))
+
+
 def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     """Finished requests' n-grams are hashed together on the writer thread: per request and role
     they must be exactly the keyed hashes of that request's own 12-token windows (a reference
@@ -84,11 +99,17 @@ def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     con = open_store(store)
     keys = WriterKeys.open_or_create(Path(store)).keys      # the writer's keys, held outside the store
 
-    def reference(tokens: list[int]) -> set[int]:
+    def content(t: int) -> bool:          # the recall model's bytes: a letter, a digit or part of a UTF-8 character
+        return chr(t).isalnum() or t >= 0x80
+
+    def reference(tokens: list[int]) -> set[tuple[int, int]]:
+        starts = [k for k in range(len(tokens) - NGRAM + 1)
+                  if len({t for t in tokens[k:k + NGRAM] if content(t)}) >= 4]      # evidence at all
         h = [sum(t * pow(0x100000001B3, i, 1 << 64) for i, t in enumerate(tokens[k:k + NGRAM])) % (1 << 64)
-             for k in range(len(tokens) - NGRAM + 1)]
-        return set(keys.ngram_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist())
-    stored = {(i, role): set(h) for i, role, h in con.sql("SELECT incarnation, role, list(hash) FROM ngrams GROUP BY ALL").fetchall()}
+             for k in starts]
+        return set(zip(keys.ngram_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist(), starts))
+    stored = {(i, role): set(zip(h, p)) for i, role, h, p in
+              con.sql("SELECT incarnation, role, list(hash), list(pos) FROM ngrams GROUP BY ALL").fetchall()}
     for req in res.requests:
         for role, toks in (("prompt", req.prompt_ids), ("output", req.output_ids)):
             assert stored.get((req.incarnation, role), set()) == reference(list(toks)), (req.incarnation, role)

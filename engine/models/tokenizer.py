@@ -33,6 +33,14 @@ class HFTokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
+    def content_mask(self):
+        """Per token id: does its text hold a letter or a digit? (Whitespace, punctuation and
+        special tokens are no one's data: an n-gram of them is never evidence.)"""
+        import numpy as np
+        n = self._tok.get_vocab_size()
+        texts = self._tok.decode_batch([[i] for i in range(n)], skip_special_tokens=True)
+        return np.fromiter((any(ch.isalnum() for ch in t) for t in texts), dtype=bool, count=n)
+
 
 class ByteTokenizer:
     """The recall model's: one token per UTF-8 byte."""
@@ -43,3 +51,8 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(ids).decode("utf-8", errors="replace")
+
+    def content_mask(self):
+        """Letters and digits (ASCII) and every byte of a multi-byte UTF-8 character (as HFTokenizer's)."""
+        import numpy as np
+        return np.fromiter((chr(b).isalnum() or b >= 0x80 for b in range(256)), dtype=bool, count=256)

@@ -11,6 +11,8 @@
 -- mass add up. Only pages some failing read touched have their write runs expanded to slots, and
 -- found_writers (a list per row) is never read: at 100 M rows, reading it would be most of the cost.
 -- A slot the reader itself wrote (e.g. a placeholder) discloses nothing to it and is left out.
+-- position: the slot's place in the reader's sequence; donor_position: the place in the donor's own
+-- sequence whose KV the slot held (NULL: unwritten) - what exposure_ngrams matches text against.
 --   kind: stale     written in an earlier generation than the one the reader was granted (the page
 --                   was reallocated and the bytes were left behind)
 --         co-holder written in the reader's generation or a later one by a request that held the
@@ -34,8 +36,8 @@ touched AS (   -- only pages some failing read touched: the write side stays sma
     SELECT DISTINCT node, boot, page FROM g
 ),
 wr AS (
-    SELECT node, boot, page, slot_first, n_slots, lclock, writer, generation AS write_generation, path AS write_path,
-           ts AS written_at
+    SELECT node, boot, page, slot_first, n_slots, position_first, lclock, writer, generation AS write_generation,
+           path AS write_path, ts AS written_at
     FROM page_writes SEMI JOIN touched USING (node, boot, page)
     WHERE path <> 'offload'
 ),
@@ -66,14 +68,14 @@ runs AS (
 bad AS (
     SELECT * FROM (SELECT *, unnest(range(slots_read::BIGINT)) AS slot FROM runs) WHERE (bad_mask >> slot) & 1 = 1
 ),
-writes AS (
-    SELECT node, boot, page, slot_first + unnest(range(n_slots::BIGINT)) AS slot, lclock, writer, write_generation,
-           write_path, written_at
-    FROM wr
+writes AS (    -- each written slot, and the position in its writer's sequence whose KV it holds
+    SELECT node, boot, page, slot_first + i AS slot, position_first + i AS donor_position, lclock, writer,
+           write_generation, write_path, written_at
+    FROM (SELECT *, unnest(range(n_slots::BIGINT)) AS i FROM wr)
 ),
 x AS MATERIALIZED (   -- each failing slot and its donor, the last write before the read
     SELECT b.node, b.boot, b.reader AS response, coalesce(w.writer, -1) AS donor, b.page, b.generation,
-           b.block_index, b.slot, b.block_index * c.page_size + b.slot AS position,
+           b.block_index, b.slot, b.block_index * c.page_size + b.slot AS position, w.donor_position,
            w.write_generation, w.write_path, w.written_at, b.attention_mass, b.n_reads, b.step_first, b.step_last,
            b.lclock_first, b.ts_first, b.ts_last, b.trace_id, b.span_id
     FROM bad b
@@ -91,7 +93,7 @@ holders AS (   -- of those, the ones the donor was granted: its own reads of tha
     SELECT DISTINCT node, boot, page, generation, reader AS holder
     FROM page_reads SEMI JOIN need USING (node, boot, page, generation, reader)
 )
-SELECT x.node, x.boot, x.response, x.donor, x.page, x.generation, x.block_index, x.slot, x.position,
+SELECT x.node, x.boot, x.response, x.donor, x.page, x.generation, x.block_index, x.slot, x.position, x.donor_position,
        CASE WHEN x.donor = -1 THEN 'unwritten'
             WHEN x.write_generation < x.generation THEN 'stale'
             WHEN h.holder IS NOT NULL THEN 'co-holder'

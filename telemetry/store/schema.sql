@@ -195,14 +195,17 @@ CREATE TABLE metrics (
     boundaries      DOUBLE[]
 );
 
--- Keyed hashes (store secret) of every n-gram of n tokens of each request's prompt and output,
--- computed when the request finishes: forensics tells "surfaced" from "read" with no plaintext.
+-- Keyed hashes (store secret) of every n-gram of n tokens of each request's prompt and output that
+-- can be evidence (at least 4 distinct tokens holding a letter or digit: never a run of spaces or
+-- punctuation), computed when the request finishes: forensics tells "surfaced" from "read" with no
+-- plaintext, and ``pos`` tells whether the recipient read the slots that n-gram's KV sits in.
 -- clickhouse: ORDER BY (incarnation, role, hash) SHARD BY cityHash64(incarnation)
 CREATE TABLE ngrams (
     incarnation BIGINT NOT NULL,
     role        VARCHAR NOT NULL,     -- prompt | output
     n           SMALLINT NOT NULL,
-    hash        BIGINT NOT NULL
+    hash        BIGINT NOT NULL,
+    pos         INTEGER               -- the window's first token in that prompt / output (NULL: written before it)
 );
 
 -- External probes (`kvledger probe --store`): one row per check of a probe run against an endpoint.

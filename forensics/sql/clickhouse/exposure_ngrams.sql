@@ -4,26 +4,44 @@
 WITH pairs AS (
     SELECT DISTINCT response, donor FROM exposure_slots WHERE donor != -1
 ),
+read_pos AS (
+    SELECT DISTINCT response, donor, donor_position FROM exposure_slots WHERE donor != -1 AND donor_position IS NOT NULL
+),
 ng AS (
-    SELECT incarnation, role, hash FROM ngrams
+    SELECT incarnation, role, hash, n, pos FROM ngrams
     WHERE incarnation IN (SELECT response FROM pairs UNION ALL SELECT donor FROM pairs)
 ),
-candidates AS (
-    SELECT DISTINCT m.response AS response, m.donor AS donor, o.hash AS hash
+matched AS (
+    SELECT DISTINCT m.response AS response, m.donor AS donor, o.hash AS hash, p.pos AS pos, toInt64(p.n) AS n
     FROM pairs AS m
     JOIN ng AS o ON o.incarnation = m.response
     JOIN ng AS p ON p.incarnation = m.donor AND p.hash = o.hash
     WHERE o.role = 'output' AND p.role = 'prompt'
       AND (m.response, o.hash) NOT IN (SELECT incarnation, hash FROM ng WHERE role = 'prompt')
 ),
-common AS (
-    SELECT n.hash AS hash
+candidates AS (
+    SELECT DISTINCT c.response AS response, c.donor AS donor, c.hash AS hash
+    FROM matched AS c
+    LEFT JOIN read_pos AS r ON r.response = c.response AND r.donor = c.donor
+    WHERE c.pos IS NULL OR (r.donor_position >= c.pos AND r.donor_position <= c.pos + c.n - 1)
+),
+hits AS (
+    SELECT n.incarnation AS incarnation, n.role AS role, n.hash AS hash, r.tenant_h AS tenant_h, r.arrived_at AS arrived_at
     FROM ngrams AS n JOIN requests AS r ON r.incarnation = n.incarnation
-    WHERE n.role = 'prompt' AND n.hash IN (SELECT hash FROM candidates)
-    GROUP BY n.hash
-    HAVING uniqExact(r.tenant_h) >= 2
+    WHERE n.hash IN (SELECT hash FROM candidates)
+),
+common AS (
+    SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING uniqExact(tenant_h) >= 2
+),
+tenant_own AS (
+    SELECT DISTINCT c.response AS response, c.donor AS donor, c.hash AS hash
+    FROM candidates AS c
+    JOIN requests AS rr ON rr.incarnation = c.response
+    JOIN hits AS h ON h.hash = c.hash AND h.tenant_h = rr.tenant_h
+    WHERE h.arrived_at < rr.arrived_at AND h.incarnation != c.response AND h.incarnation != c.donor
 )
 SELECT response, donor, count() AS shared_ngrams
 FROM candidates
 WHERE hash NOT IN (SELECT hash FROM common)
+  AND (response, donor, hash) NOT IN (SELECT response, donor, hash FROM tenant_own)
 GROUP BY response, donor

@@ -13,6 +13,7 @@ holders AS (
 )
 SELECT x.node AS node, x.boot AS boot, x.response AS response, x.donor AS donor, x.page AS page,
        x.generation AS generation, x.block_index AS block_index, x.slot AS slot, x.position AS position,
+       x.donor_position AS donor_position,
        CASE WHEN x.donor = -1 THEN 'unwritten'
             WHEN x.write_generation < x.generation THEN 'stale'
             WHEN h.holder IS NOT NULL THEN 'co-holder'

@@ -16,8 +16,8 @@ g AS (
     FROM f GROUP BY node, boot, reader, page, generation, block_index, found_generation, bad_mask
 ),
 wr AS (
-    SELECT node, boot, page, slot_first, n_slots, lclock, writer, generation AS write_generation, path AS write_path,
-           ts AS written_at
+    SELECT node, boot, page, slot_first, n_slots, position_first, lclock, writer, generation AS write_generation,
+           path AS write_path, ts AS written_at
     FROM page_writes
     WHERE path != 'offload' AND (node, boot, page) IN (SELECT node, boot, page FROM g)
 ),
@@ -54,13 +54,13 @@ bad AS (
     WHERE bitTest(bad_mask, slot)
 ),
 writes AS (
-    SELECT node, boot, page, toInt64(slot_first) + toInt64(arrayJoin(range(toUInt64(n_slots)))) AS slot, lclock, writer,
-           write_generation, write_path, written_at
-    FROM wr
+    SELECT node, boot, page, toInt64(slot_first) + i AS slot, toInt64(position_first) + i AS donor_position, lclock,
+           writer, write_generation, write_path, written_at
+    FROM wr ARRAY JOIN arrayMap(x -> toInt64(x), range(toUInt64(n_slots))) AS i
 )
 SELECT b.node AS node, b.boot AS boot, b.reader AS response, coalesce(w.writer, -1) AS donor, b.page AS page,
        b.generation AS generation, b.block_index AS block_index, b.slot AS slot,
-       b.block_index * c.page_size + b.slot AS position,
+       b.block_index * c.page_size + b.slot AS position, w.donor_position AS donor_position,
        w.write_generation AS write_generation, w.write_path AS write_path, w.written_at AS written_at,
        b.attention_mass AS attention_mass, b.n_reads AS n_reads, b.step_first AS step_first, b.step_last AS step_last,
        b.lclock_first AS lclock_first, b.ts_first AS ts_first, b.ts_last AS ts_last, b.trace_id AS trace_id,
