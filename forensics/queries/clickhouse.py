@@ -216,7 +216,10 @@ class ClickHouseForensics:
 
     @property
     def unverified_note(self) -> str | None:
-        return unverified_note(self.verdict)
+        note = unverified_note(self.verdict)
+        # the export copies the verified prefix only: say where it stops
+        return note and note.replace("; these answers", f"; only segments 0..{self.verdict.seq} (the verified "
+                                     "prefix) were exported; these answers")
 
     def exposure_slots(self) -> pl.DataFrame:
         self.materialise()

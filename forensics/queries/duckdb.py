@@ -18,6 +18,7 @@ import duckdb
 import polars as pl
 
 from telemetry.store import StoreError, open_store, verify
+from telemetry.store.chain import damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
 # tables the queries build on, materialised once per connection (a snapshot of the store) on first
@@ -46,11 +47,16 @@ def query_hashes(directory: Path = SQL_DIR) -> dict[str, str]:
     return {p.stem: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(directory.glob("*.sql"))}
 
 
-def unverified_note(verdict) -> str | None:
-    """What every output must say when it was computed on a store that did not verify."""
+def unverified_note(verdict, left_out: "list[str] | tuple[str, ...]" = ()) -> str | None:
+    """What every output must say when it was computed on a store that did not verify (and which
+    damaged segments it left out)."""
     if verdict.ok:
         return None
-    return f"UNVERIFIED STORE - {verdict.broken}; these answers may be wrong or incomplete"
+    skipped = ""
+    if left_out:
+        named = ", ".join(left_out[:3]) + (f" and {len(left_out) - 3} more" if len(left_out) > 3 else "")
+        skipped = f"; {len(left_out)} damaged segment(s) left out ({named})"
+    return f"UNVERIFIED STORE - {verdict.broken}{skipped}; these answers may be wrong or incomplete"
 
 
 class Forensics:
@@ -68,7 +74,9 @@ class Forensics:
         if not self.verdict.ok and not allow_unverified:
             raise StoreError(f"store {self.store} does not verify: {self.verdict.broken}; refusing to answer "
                              "(--allow-unverified answers anyway, and says so in every output)")
-        self.con = open_store(self.store, run)
+        # a damaged segment is never opened: it can crash the Parquet reader or read as garbage
+        self.left_out = damaged_segments(self.store, cache) if not self.verdict.ok else []
+        self.con = open_store(self.store, run, skip=set(self.left_out))
         self._made: set[str] = set()
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None) -> None:
@@ -116,7 +124,7 @@ class Forensics:
 
     @property
     def unverified_note(self) -> str | None:
-        return unverified_note(self.verdict)
+        return unverified_note(self.verdict, self.left_out)
 
     def exposure_slots(self) -> pl.DataFrame:
         self.materialise()

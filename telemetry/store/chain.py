@@ -300,6 +300,23 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
                    unlinked=tuple(unlinked), **base)
 
 
+def damaged_segments(root: str | Path, cache: dict | None = None) -> list[str]:
+    """The chained segment files a reader must not open: missing, or whose bytes no longer match the
+    hash their link signed (a flipped byte can make a Parquet reader fail or, worse, read garbage).
+    What ``--allow-unverified`` leaves out - and says it left out."""
+    root = Path(root)
+    out = []
+    try:
+        links = read_chain(root)
+    except ValueError:          # an unreadable chain: the reader refuses it with its own words
+        return out
+    for link in links:
+        path = root / link.file
+        if not path.is_file() or _sha(path, cache) != link.sha256:
+            out.append(link.file)
+    return out
+
+
 def _checked(cache: dict | None, key: tuple, check) -> bool:
     """A signature check, remembered (only when it passed) under a key naming exactly what was signed."""
     if cache is not None and cache.get(key):

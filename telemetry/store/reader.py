@@ -11,10 +11,13 @@ from telemetry.store.chain import read_chain
 from telemetry.store.schema import arrow_schemas, empty
 
 
-def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConnection:
+def open_store(root: str | Path, run: str | None = None, skip: "set[str] | frozenset[str]" = frozenset()
+               ) -> duckdb.DuckDBPyConnection:
     """An in-memory DuckDB with one view per table over the chained segments (read-only use).
     ``run``: a boot id, or a unique prefix of one: every table with a ``boot`` column shows that
-    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole)."""
+    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole).
+    ``skip``: segment files (as the chain names them) left out - the damaged ones, for a reader
+    that answers on a store that does not verify."""
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
@@ -27,7 +30,7 @@ def open_store(root: str | Path, run: str | None = None) -> duckdb.DuckDBPyConne
     except ValueError as e:
         raise StoreError(str(e)) from None
     for link in chain:
-        if link.table in by_table and (root / link.file).exists():
+        if link.table in by_table and link.file not in skip and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
     schemas = arrow_schemas()
     rels = {}
