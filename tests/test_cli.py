@@ -99,3 +99,63 @@ def test_the_readme_examples_run_and_say_what_their_comments_claim(glm53_vulnera
     assert main(["forensics", "ttft", "--store", str(store), "--format", "json"]) == 0
     rows = [r for r in json.loads(capsys.readouterr().out) if r["usage_dishonest"]]
     assert rows and all(r["prompt_tokens_prefilled"] == 1 and r["prompt_tokens_billed"] > 1 for r in rows)
+
+
+# ---- fits the ecosystem (issue 34): --version, $KVLEDGER_STORE, completion, "did you mean" -------
+def test_version_prints_the_installed_version(capsys):
+    from importlib.metadata import version
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"kvledger {version('kvledger')}"
+
+
+@pytest.mark.parametrize("argv,error,hint", [
+    (["forensic", "exposures"], "invalid choice 'forensic'", "did you mean 'forensics'?"),
+    (["forensics", "exposres"], "invalid choice 'exposres'", "did you mean 'exposures'?"),
+    (["forensics", "exposures", "--alow-unverified"], "unrecognized arguments: --alow-unverified",
+     "did you mean --allow-unverified?"),
+    (["replay", "glm53", "--polcy", "hardened"], "unrecognized arguments: --polcy", "did you mean --policy?"),
+    (["replay", "glm53", "--policy", "hardend"], "invalid choice 'hardend'", "did you mean 'hardened'?"),
+    (["completion", "fish"], "invalid choice 'fish'", "(one of: bash, zsh, tcsh)"),
+    (["zzzzzz"], "invalid choice 'zzzzzz'", "(one of: generate, replay,"),
+])
+def test_a_mistake_is_one_line_with_a_suggestion_never_the_usage_block(argv, error, hint, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("kvledger: error: "), err
+    assert error in err and hint in err and "usage:" not in err
+
+
+def test_the_store_defaults_to_the_environment_variable(glm53_vulnerable, monkeypatch, capsys, tmp_path):
+    _, store = glm53_vulnerable
+    monkeypatch.chdir(tmp_path)                             # no ./kvledger-store here
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    assert main(["forensics", "runs", "--format", "json"]) == 0
+    assert '"boot"' in capsys.readouterr().out
+    monkeypatch.delenv("KVLEDGER_STORE")
+    assert main(["forensics", "runs"]) == 2
+    assert "no kvledger store at kvledger-store" in capsys.readouterr().err
+
+
+def test_bash_completion_from_the_parser_completes_commands_queries_and_flags(tmp_path):
+    import shutil
+    import subprocess
+    script = tmp_path / "kvledger.bash"
+    import contextlib
+    import io
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["completion", "bash"]) == 0
+    script.write_text(buf.getvalue())
+
+    def complete(*words: str) -> list[str]:
+        line = " ".join(("kvledger",) + words)
+        cmd = (f'source {script}; COMP_WORDS=(kvledger {" ".join(words)}); COMP_CWORD={len(words)}; '
+               f'COMP_LINE="{line}"; COMP_POINT=${{#COMP_LINE}}; _shtab_kvledger kvledger {words[-1]} '
+               f'{words[-2] if len(words) > 1 else "kvledger"}; printf "%s\\n" "${{COMPREPLY[@]}}"')
+        return subprocess.run([shutil.which("bash"), "-c", cmd], capture_output=True, text=True).stdout.split()
+    assert complete("forensics", "expo") == ["exposures"]
+    assert "forensics" in complete("fo")
+    assert "--allow-unverified" in complete("forensics", "--allow")

@@ -314,7 +314,7 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     log = tmp_path / "gpu-7.log"
     log.write_text("INFO 09-01 10:03:02 [kv_cache_utils.py:634] GPU KV cache size: 1,200 tokens\n"
                    "INFO 09-01 10:03:02 [kv_cache_utils.py:637] Maximum concurrency for 2,048 tokens per request: 0.59x\n")
-    assert main(["ingest-logs", str(log), "--engine", "vllm", "--store", str(store)]) == 0
+    assert main(["ingest-logs", str(log), "--format", "vllm", "--store", str(store)]) == 0
     assert main(["ingest-logs", str(ROOT / "tests" / "fixtures" / "sglang_detectors.log"), "--engine", "sglang",
                  "--store", str(store), "--instance", "sglang-0"]) == 0
     w = SegmentWriter(store)

@@ -43,6 +43,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "probe": ("forensics.commands.probe",
               "isolation probe against any OpenAI-compatible endpoint: exit 0 pass, 1 finding, 3 inconclusive"),
     "dashboard": ("dashboard.commands.dashboard", "the live Streamlit exposure dashboard (loopback by default)"),
+    "completion": ("engine.commands.completion", "print a shell completion script (bash, zsh or tcsh) for kvledger"),
 }
 EXIT_BAD_INPUT = 2          # argparse's own code for a usage error; every refused input exits with it
 
@@ -53,13 +54,58 @@ def die(msg: str) -> int:
     return EXIT_BAD_INPUT
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse with the house's error form: one line, ``kvledger: error: ...``, a "did you mean"
+    for a misspelt command, choice or flag, and where the help is - never the usage block."""
+
+    def error(self, message: str):
+        import difflib
+        import re
+        hint = ""
+        m = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if m:
+            choices = re.findall(r"'([^']*)'", m.group(2)) or [c.strip() for c in m.group(2).split(",")]
+            close = difflib.get_close_matches(m.group(1), choices, n=1, cutoff=0.6)
+            message = f"{message.split(':')[0]}: invalid choice {m.group(1)!r}"
+            hint = f"; did you mean {close[0]!r}?" if close else f" (one of: {', '.join(choices)})"
+        m = re.match(r"unrecognized arguments: (\S+)", message)
+        if m and m.group(1).startswith("-"):
+            flags = [o for p in self._walk() for a in p._actions for o in a.option_strings]
+            close = difflib.get_close_matches(m.group(1).split("=")[0], flags, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+        print(f"kvledger: error: {message}{hint} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+    def _walk(self):
+        """This parser and the subparsers of the command line's words (argparse reports a stray
+        flag of a subcommand from the top parser)."""
+        yield self
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for word in getattr(self, "words", ()):
+                    if word in a.choices:
+                        a.choices[word].words = self.words
+                        yield from a.choices[word]._walk()
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as v
+    try:
+        return v("kvledger")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def command(name: str):
     """The module of command ``name`` (imported on first use)."""
     return importlib.import_module(COMMANDS[name][0])
 
 
 def _parser(only: str | None) -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
-    p = argparse.ArgumentParser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics.")
+    p = Parser(prog="kvledger", description="Paged-attention engine and KV-exposure forensics. The store "
+               "defaults to $KVLEDGER_STORE, else ./kvledger-store.")
+    p.add_argument("--version", action="version", version=f"kvledger {version()}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     subs = {name: sub.add_parser(name, help=summary, description=summary)
             for name, (_, summary) in COMMANDS.items()}
@@ -78,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser, _ = _parser(chosen if chosen in COMMANDS else "")
+    parser.words = [a for a in argv if not a.startswith("-")]      # where a "did you mean" looks for flags
     args = parser.parse_args(argv)
     mod = command(args.command)
     try:

@@ -9,10 +9,14 @@ from pathlib import Path
 from engine.errors import InputError
 
 DEFAULT_STORE = "./kvledger-store"
+STORE_ENV = "KVLEDGER_STORE"        # the default store of every command, as kubectl's KUBECONFIG
 
 
-def add_store(p: argparse.ArgumentParser, what: str, default: str = DEFAULT_STORE) -> None:
-    p.add_argument("--store", default=default, help=f"{what} (default {default})")
+def add_store(p: argparse.ArgumentParser, what: str, default: str | None = None) -> None:
+    """``--store``: ``default``, else $KVLEDGER_STORE, else ./kvledger-store."""
+    default = default or os.environ.get(STORE_ENV) or DEFAULT_STORE
+    p.add_argument("--store", default=default, help=f"{what} (default ${STORE_ENV}, else {DEFAULT_STORE}; "
+                   f"now {default})")
 
 
 def check_range(flag: str, value, lo, hi, unit: str = "") -> None:

@@ -112,7 +112,7 @@ def run(c: ReplayConfig) -> int:
     if c.scenario in FAULTS:
         from engine.replay import run_fault
         res = view.with_progress(f"replaying {c.scenario} ({c.policy}, {c.mode})", lambda progress: run_fault(
-            c.scenario, c.policy, seed=c.seed, trigger=c.trigger, recorder=recorder, progress=progress))
+            c.scenario, c.policy, seed=c.seed, trigger=c.trigger, recorder=recorder, progress=progress), unit="steps")
         view.print_fault(res, c.store)
         return 0
     from engine.replay import glm53

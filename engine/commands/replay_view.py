@@ -6,11 +6,21 @@ from rich.progress import Progress
 from rich.table import Table
 
 
-def with_progress(title: str, work):
-    """Run ``work(progress)`` under a progress bar on stderr (``progress(n)``: n more steps done)."""
-    with Progress(console=Console(stderr=True), transient=True) as bar:
+def with_progress(title: str, work, unit: str = "requests"):
+    """Run ``work(progress)`` under a progress bar on stderr: ``progress(n)`` n more ``unit`` done,
+    ``progress(0, total=N)`` says how many there are (a count and a percentage, not a pulse)."""
+    from rich.progress import (BarColumn, MofNCompleteColumn, SpinnerColumn, TaskProgressColumn, TextColumn,
+                               TimeElapsedColumn)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TextColumn(unit), TaskProgressColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task(title, total=None)
-        return work(lambda n: bar.advance(task, n))
+
+        def progress(n: int, total: int | None = None) -> None:
+            if total is not None:
+                bar.update(task, total=total)
+            bar.advance(task, n)
+        return work(progress)
 
 
 def _store_line(res, store: str | None, detail: bool) -> str | None:

@@ -138,6 +138,8 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
                        guards=asdict(guards) if mode == "disaggregated" else {"read_check": guards.read_check})
     reqs: list[Request] = []
     over: list[Request] = []
+    if progress:
+        progress(0, total=sum(len(w) for w in waves))      # finished requests of how many
     if mode == "unified":
         eng = LLMEngine(model, tok, cfg(small, "unified0"), recorder=tel)
         eng.observers.append(oracle.observe_step)
@@ -176,6 +178,7 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
             n.observers.append(oracle.observe_step)
         cluster.landing_observers.append(oracle.observe_landing)
         pools = {n.cfg.node_id: n.pool.capacity_tokens for n in cluster.nodes}
+        reported = 0                    # finished requests the progress bar has been told of
         for wave in waves:
             for i, (tenant, text) in enumerate(wave):
                 sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
@@ -185,6 +188,10 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
                 over += [r] if len(r.prompt_ids) > cluster.prefills[node].pool.capacity_tokens else []
             while cluster.has_work():
                 cluster.step()
+                if progress:
+                    finished = sum(r.is_finished for r in reqs)
+                    progress(finished - reported)
+                    reported = finished
         cluster.close()
         nodes = cluster.nodes
     free = {n.cfg.node_id: (n.allocator.num_free, n.allocator.total) for n in nodes}

@@ -35,7 +35,7 @@ class QueryConfig:
 
 
 def add_arguments(f) -> None:
-    f.add_argument("query", choices=QUERIES, help="; ".join(f"{k}: {v}" for k, v in QUERIES.items()))
+    f.add_argument("query", choices=list(QUERIES), help="; ".join(f"{k}: {v}" for k, v in QUERIES.items()))
     add_store(f, "the store to query")
     f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
                    help="table (default), csv, json (one array of objects on stdout) or parquet (binary on stdout: "

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import os
 
-from engine.commands.options import check_listen, check_writable_store
+from engine.commands.options import add_store, check_listen, check_writable_store
 from telemetry.receivers.config import CollectConfig, parse_kv_source, parse_scrape
 
 
 def add_arguments(co) -> None:
-    co.add_argument("--store", default="kvledger-store", help="the store to write (default: kvledger-store)")
+    add_store(co, "the store to write")
     co.add_argument("--otlp-host", default="127.0.0.1",
                     help="address the OTLP receivers (HTTP and gRPC) bind (default 127.0.0.1)")
     co.add_argument("--otlp-port", type=int, default=4318, help="OTLP/HTTP port (default 4318, the OTLP standard)")

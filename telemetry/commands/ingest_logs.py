@@ -1,11 +1,11 @@
-"""``kvledger ingest-logs FILE --engine vllm|sglang``: a foreign engine's capacity, KV canary and
+"""``kvledger ingest-logs FILE --format vllm|sglang``: a foreign engine's capacity, KV canary and
 KV checksum lines into a store."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.commands.options import check_writable_store
+from engine.commands.options import add_store, check_writable_store
 from engine.errors import InputError
 
 
@@ -19,8 +19,9 @@ class IngestConfig:
 
 def add_arguments(il) -> None:
     il.add_argument("file", help="the engine's log file")
-    il.add_argument("--engine", required=True, choices=["vllm", "sglang"], help="which engine wrote it")
-    il.add_argument("--store", default="kvledger-store", help="the store to write (default: kvledger-store)")
+    il.add_argument("--format", "--engine", dest="engine", required=True, choices=["vllm", "sglang"],
+                    help="which engine's log format: vllm or sglang (--engine: the old name, kept; required)")
+    add_store(il, "the store to write")
     il.add_argument("--instance", default=None,
                     help="the instance's name, as its spans' service.instance.id (default: the file's name "
                          "without extension)")
