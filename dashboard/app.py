@@ -1,8 +1,10 @@
 """kvledger live exposure dashboard. Run: ``kvledger dashboard [--store PATH] [--port N]``.
 
 Reads the store while the engine writes it (immutable segments, no lock), refreshing itself every
-few seconds. Every panel's numbers come from dashboard/data.py, i.e. from the same named queries
-``kvledger forensics`` runs.
+few seconds inside a fragment (no full-page rerun, nothing fades). Every panel's numbers come from
+dashboard/data.py, i.e. from the same named queries ``kvledger forensics`` runs. The view - time
+range, run, tenant, node, policy and section - lives in the URL's query parameters, so a link
+shows the same view to the next person.
 """
 from __future__ import annotations
 
@@ -19,24 +21,40 @@ import polars as pl
 import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dashboard.data import TIERS, Filters, Panels  # noqa: E402
+from dashboard.data import TIERS, Filters, Panels, Protection  # noqa: E402
+from forensics.window import ago, parse_when, utcnow  # noqa: E402
 
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
 REFRESH = float(os.environ.get("KVLEDGER_REFRESH_S", "2"))
-ENGINE = {"engine": os.environ.get("KVLEDGER_ENGINE", "duckdb"), "dsn": os.environ.get("KVLEDGER_DSN") or None}
+ENGINE = {"engine": os.environ.get("KVLEDGER_ENGINE", "duckdb"), "dsn": os.environ.get("KVLEDGER_DSN") or None,
+          "chdb_path": os.environ.get("KVLEDGER_CHDB_PATH") or None}
+RUN = os.environ.get("KVLEDGER_RUN") or None
+ANCHOR = os.environ.get("KVLEDGER_ANCHOR") or None
+ALLOW_UNVERIFIED = os.environ.get("KVLEDGER_ALLOW_UNVERIFIED") == "1"
 RED, GREEN, AMBER = "#d62728", "#2ca02c", "#ff9f0e"
+VIEWS = {"all": "everything", "exposure": "who read whose KV", "latency": "TTFT and billing",
+         "integrity": "transfers, releases, guards, preflight", "fleet": "vLLM / SGLang fleet and probes"}
+ROWS = 300      # a table shows the rows that matter first (red ones), at most this many
+CHART_POINTS = 3000     # healthy requests drawn in the TTFT chart at most (anomalies: all)
+SCORE_HELP = ("exposure score = KV tokens of other requests the response read, x10 if any of it surfaced in its "
+              "output (README: Exposure score)")
 
 st.set_page_config(page_title="kvledger - KV exposure", layout="wide")
-st.title("kvledger: who read whose KV")
-# refresh adapts: never faster than the page renders (a slower page gets a longer interval)
-EVERY = st.session_state.setdefault("refresh_every", REFRESH)
-st.caption(f"store `{STORE}` - refreshes every {EVERY:g} s (at least {REFRESH:g} s, never faster than the page "
-           "renders) - tenants are store-keyed pseudonyms")
+# A refresh re-renders inside the fragment; Streamlit would fade every element until its new value
+# arrives and spin its running widget: on a live view that reads as "broken" every few seconds.
+# The previous value stays at full strength until the new one replaces it.
 st.markdown(f"""<style>
+[data-stale="true"], [data-stale="true"] * {{opacity: 1 !important; transition: none !important}}
+[data-testid="stStatusWidget"] {{visibility: hidden}}
 [class*="st-key-kpi-red"] {{border-left: 6px solid {RED}; background: {RED}14; padding-left: .6em; border-radius: 4px}}
 [class*="st-key-kpi-amber"] {{border-left: 6px solid {AMBER}; background: {AMBER}14; padding-left: .6em; border-radius: 4px}}
 [class*="st-key-kpi-ok"] {{border-left: 6px solid {GREEN}; padding-left: .6em; border-radius: 4px}}
 </style>""", unsafe_allow_html=True)
+st.title("kvledger: who read whose KV")
+# refresh adapts: never faster than the page renders (a slower page gets a longer interval)
+EVERY = st.session_state.setdefault("refresh_every", REFRESH)
+st.caption(f"store `{STORE}`{f' - run `{RUN}`' if RUN else ''} - refreshes every {EVERY:g} s (at least "
+           f"{REFRESH:g} s, never faster than the page renders) - tenants are store-keyed pseudonyms")
 
 if not (Path(STORE) / "chain").is_dir():
     @st.fragment(run_every=REFRESH)
@@ -50,23 +68,63 @@ if not (Path(STORE) / "chain").is_dir():
     wait_for_store()
     st.stop()
 
-SCORE_HELP = ("exposure score = KV tokens of other requests the response read, x10 if any of it surfaced in its "
-              "output (README: Exposure score)")
-WINDOWS = {"last 5 minutes": dt.timedelta(minutes=5), "last hour": dt.timedelta(hours=1), "last day": dt.timedelta(days=1)}
+
+# ---- the view, in the URL ---------------------------------------------------------------------
+QP = st.query_params
 
 
-def window_start(window: str) -> dt.datetime | None:
-    return dt.datetime.now(dt.timezone.utc).replace(tzinfo=None) - WINDOWS[window] if window in WINDOWS else None
+def url_state(key: str, value: str, default: str) -> None:
+    """Keep the URL's query parameters equal to the view (a default leaves the parameter out)."""
+    if value == default:
+        QP.pop(key, None)
+    elif QP.get(key) != value:
+        QP[key] = value
+
+
+def when(text: str, label: str) -> dt.datetime | None:
+    if not text.strip():
+        return None
+    try:
+        return parse_when(text)
+    except ValueError as e:
+        st.sidebar.error(f"{label}: {e}")
+        return None
+
+
+def open_panels(f: Filters, snap: "Panels | None" = None) -> Panels:
+    """The store's panels, or the red banner with the reader's own words and nothing else: a store
+    that cannot be read at all (an unreadable chain, a wrong --run, a missing anchor) is never a
+    traceback."""
+    from engine.errors import KvledgerError
+    from forensics.queries.clickhouse import ClickHouseError
+    try:
+        return Panels(STORE, f, same_snapshot_as=snap, engine=ENGINE, run=RUN, anchor=ANCHOR)
+    except (KvledgerError, ClickHouseError) as e:
+        st.error(f"UNVERIFIED STORE - cannot read {STORE}: {e} (`kvledger verify` names the damage)",
+                 icon=":material/error:")
+        st.stop()
 
 
 with st.sidebar:
-    st.header("Filters")
-    window = st.selectbox("Window", ["whole store", "last 5 minutes", "last hour", "last day"], key="window")
-    meta = Panels(STORE, Filters(start=window_start(window)), engine=ENGINE)
+    st.header("View")
+    view = st.segmented_control("Section", list(VIEWS), default=QP.get("view") if QP.get("view") in VIEWS else "all", key="view",
+                                format_func=lambda v: v, help="; ".join(f"{k}: {v}" for k, v in VIEWS.items())) or "all"
+    since = st.text_input("From", QP.get("from", ""), key="from", placeholder="store start",
+                          help="ISO 8601 UTC (2026-09-01T12:00:00Z) or relative: now-15m, 2h, 7d; empty: the start")
+    until = st.text_input("To", QP.get("to", ""), key="to", placeholder="now",
+                          help="ISO 8601 UTC or relative (now-5m); empty: now")
+    meta = open_panels(Filters(start=when(since, "From"), end=when(until, "To")))
     meta.prefetch()         # every query of the page at once, while the sidebar fills in
-    tenant = st.selectbox("Tenant", ["all"] + meta.tenants(), key="tenant")
-    node = st.selectbox("Node", ["all"] + meta.node_names(), key="node")
-    policy = st.selectbox("Policy", ["all", "vulnerable", "hardened", "custom"], key="policy")
+    tenants, nodes = ["all"] + meta.tenants(), ["all"] + meta.node_names()
+    pick = lambda k, opts: opts.index(QP.get(k)) if QP.get(k) in opts else 0  # noqa: E731
+    tenant = st.selectbox("Tenant", tenants, index=pick("tenant", tenants), key="tenant")
+    node = st.selectbox("Node", nodes, index=pick("node", nodes), key="node")
+    policies = ["all", "vulnerable", "hardened", "custom"]
+    policy = st.selectbox("Policy", policies, index=pick("policy", policies), key="policy")
+    for k, v, d in (("view", view, "all"), ("from", since.strip(), ""), ("to", until.strip(), ""),
+                    ("tenant", tenant, "all"), ("node", node, "all"), ("policy", policy, "all")):
+        url_state(k, v, d)
+    st.caption("This view is in the page's address: copy the link to share it.")
 
 # the panels of this script run read the sidebar's snapshot (the store is opened once per run);
 # the fragment's own reruns every REFRESH seconds open a fresh one
@@ -74,13 +132,10 @@ _THIS_RUN = {"snapshot": meta}
 
 
 def filters(start: dt.datetime | None = None) -> Filters:
-    """The sidebar's filters; the window starts now unless this run's snapshot fixed it (start)."""
-    return Filters(start=start or window_start(window), tenant=None if tenant == "all" else tenant,
+    """The sidebar's filters; a relative range is re-read from now on every refresh."""
+    return Filters(start=start or when(since, "From"), end=when(until, "To"),
+                   tenant=None if tenant == "all" else tenant,
                    node=None if node == "all" else node, policy=None if policy == "all" else policy)
-
-
-ROWS = 300      # a table shows the rows that matter first (red ones), at most this many
-CHART_POINTS = 3000     # healthy requests drawn in the TTFT chart at most (anomalies: all)
 
 
 def table(df: pl.DataFrame, red: str | None = None) -> None:
@@ -103,49 +158,66 @@ def _switches(v) -> str:
     return ", ".join(f"{k}={'on' if on else 'off'}" for k, on in items)
 
 
-def banner(p: Panels, t: dict) -> None:
-    """The page's one-line state, loudest first: exposure, then lost telemetry, else all clear."""
+# ---- the state line ---------------------------------------------------------------------------
+def clock(pr: Protection) -> str:
+    if pr.last_foreign_read is None:
+        return "no foreign read recorded"
+    return (f"{'ONGOING' if pr.ongoing else 'past'}: last foreign read {pr.last_foreign_read:%Y-%m-%d %H:%M:%S} "
+            f"UTC ({ago(pr.last_foreign_read)}); {pr.recent[5]} response(s) in the last 5 min, {pr.recent[60]} in "
+            "the last 60")
+
+
+def banner(p: Panels, t: dict, pr: Protection) -> None:
+    """The page's state, loudest first: a store that does not verify, exposure, an unprotected or
+    degraded server, lost telemetry; green only when protected and clean."""
     n, crit, high = t["affected_responses"], t["critical_responses"], t["high_responses"]
-    window = "in this window" if p.f.start else "in the store"
+    window = "in this window" if p.f.start or p.f.end else "in the store"
+    unprotected = [r for r in pr.reasons if r != "the store does not verify"]
     if crit or high:
         st.error(f"EXPOSURE {window}: {crit + high} response(s) read another customer's KV ({crit} critical: the "
                  f"donor's text surfaced in the output; {high} high). {t['donor_tenants']} donor and "
-                 f"{t['recipient_tenants']} recipient tenant(s). Notify them (`kvledger report`).", icon=":material/error:")
-    elif n:
-        st.warning(f"{n} response(s) read KV that was not their own chain {window}, none of it another "
-                   "customer's (same-tenant or unwritten slots).", icon=":material/warning:")
-    else:
-        st.success(f"No exposure {window}: no response read KV it did not write.", icon=":material/check_circle:")
-    gaps = p.gaps()
-    if gaps.height:
-        st.warning(f"Telemetry gaps: {int(gaps['items'].sum())} item(s) lost in {gaps.height} gap(s) not filled - "
-                   "missing data is not a clean bill (`kvledger forensics gaps`).", icon=":material/warning:")
+                 f"{t['recipient_tenants']} recipient tenant(s). Notify them (`kvledger report`). {clock(pr)}.",
+                 icon=":material/error:")
+    if pr.state == "red" and unprotected:
+        st.error("UNPROTECTED: the latest run can expose one request's KV to another - " + "; ".join(
+            r for r in unprotected[:4]) + ". `kvledger preflight` and `--policy hardened` turn the guards on.",
+            icon=":material/gpp_bad:")
+    elif pr.state == "amber":
+        st.warning("DEGRADED: " + "; ".join(pr.reasons) + " - missing data is not a clean bill.",
+                   icon=":material/warning:")
+    if not (crit or high):
+        if n:
+            st.warning(f"{n} response(s) read KV that was not their own chain {window}, none of it another "
+                       "customer's (same-tenant or unwritten slots).", icon=":material/warning:")
+        elif pr.state == "green":
+            st.success(f"Protected and clean {window}: every guard on, every pool fits its context, no response "
+                       f"read KV it did not write ({clock(pr)}).", icon=":material/check_circle:")
 
 
-@st.fragment(run_every=EVERY)
-def live() -> None:
-    global _T0
-    snap = _THIS_RUN.pop("snapshot", None)
-    if snap is None:                        # a fragment rerun: time it from here, on a fresh snapshot
-        _T0 = time.perf_counter()
-    p = Panels(STORE, filters(snap.f.start if snap else None), same_snapshot_as=snap, engine=ENGINE)
-    p.prefetch()
-    if p.fx.unverified_note:
-        st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon=":material/error:")
-    t = p.totals()
-    banner(p, t)
+def tiles(t: dict, pr: Protection) -> None:
     cross = t["critical_responses"] + t["high_responses"]
-    cols = st.columns(6)
-    for c, (label, key, alert) in zip(cols, [
-            ("Affected responses", "affected_responses", "red" if cross else "amber" if t["affected_responses"] else "ok"),
-            ("Surfaced", "surfaced_responses", "red" if t["critical_responses"] else "ok"),
-            ("Foreign KV tokens read", "foreign_tokens", "red" if cross else "amber" if t["foreign_tokens"] else "ok"),
-            ("Recipient tenants", "recipient_tenants", "red" if t["recipient_tenants"] else "ok"),
-            ("Donor tenants", "donor_tenants", "red" if t["donor_tenants"] else "ok"),
-            ("Exposure score", "exposure_score", "red" if cross else "ok")]):
-        with c.container(key=f"kpi-{alert}-{key}"):
-            st.metric(label, t[key], help=SCORE_HELP if key == "exposure_score" else None)
+    prot = {"red": "red", "amber": "amber", "green": "ok"}[pr.state]
+    last = ago(pr.last_foreign_read) if pr.last_foreign_read else "never"
+    cells = [("Protection", pr.state.upper() if pr.state != "green" else "OK", prot, None),
+             ("Last foreign read", last, "red" if pr.ongoing else "amber" if pr.last_foreign_read else "ok",
+              "the last read of another request's KV, whole store, any run"),
+             ("Exposed, last 5 min", pr.recent[5], "red" if pr.recent[5] else "ok", None),
+             ("Affected responses", t["affected_responses"], "red" if cross else "amber" if t["affected_responses"]
+              else "ok", None),
+             ("Surfaced", t["surfaced_responses"], "red" if t["critical_responses"] else "ok", None),
+             ("Foreign KV tokens read", t["foreign_tokens"], "red" if cross else "amber" if t["foreign_tokens"]
+              else "ok", None),
+             ("Recipient tenants", t["recipient_tenants"], "red" if t["recipient_tenants"] else "ok", None),
+             ("Donor tenants", t["donor_tenants"], "red" if t["donor_tenants"] else "ok", None),
+             ("Exposure score", t["exposure_score"], "red" if cross else "ok", SCORE_HELP)]
+    for row in (cells[:3], cells[3:6], cells[6:]):
+        for c, (label, value, alert, help_) in zip(st.columns(3), row):
+            with c.container(key=f"kpi-{alert}-{label.replace(' ', '_').replace(',', '')}"):
+                st.metric(label, value, help=help_)
 
+
+# ---- sections ---------------------------------------------------------------------------------
+def exposure_section(p: Panels) -> None:
     left, right = st.columns(2)
     with left:
         st.subheader("Exposure score over time")
@@ -158,11 +230,18 @@ def live() -> None:
                 y=alt.Y("cumulative_score:Q", title="cumulative exposure score")), width="stretch")
     with right:
         st.subheader("Donor -> recipient tenants")
-        tm, own = p.tenant_matrix(), p.same_tenant_reads()
+        tm, own, nobody = p.tenant_matrix(), p.same_tenant_reads(), p.not_a_tenant_reads()
         if own.height:
             st.caption(f"{int(own['responses'].sum())} response(s) read KV of their own tenant's other requests: not "
                        "another customer's data, left out of this map (the Affected responses table has them, tier "
                        "medium)")
+        if nobody.height:
+            kinds = nobody.group_by("donor_kind").agg(pl.col("responses").sum()).sort("donor_kind")
+            words = {"unwritten": "slots nobody wrote (no one's data)",
+                     "unrecorded": "KV of requests not yet recorded (still running, or cut off)"}
+            st.caption("Not a tenant, left out of this map: " + "; ".join(
+                f"{r['responses']} response(s) read {words.get(r['donor_kind'], r['donor_kind'])}"
+                for r in kinds.iter_rows(named=True)))
         if tm.is_empty():
             st.info("No tenant read another tenant's KV in this window.")
         else:
@@ -182,6 +261,8 @@ def live() -> None:
         st.caption("Pages it read, who wrote them, read vs surfaced")
         table(p.drill_down(pick))
 
+
+def latency_section(p: Panels) -> None:
     st.subheader("TTFT vs uncached prompt tokens")
     tt = p.ttft()
     if tt.is_empty():
@@ -208,6 +289,9 @@ def live() -> None:
     uh = p.usage_honesty()
     st.metric("Billed for more prompt than prefilled", uh.height)
     table(uh)
+
+
+def integrity_section(p: Panels) -> None:
     st.subheader("Transfer integrity")
     tr = p.transfers()
     st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
@@ -218,8 +302,7 @@ def live() -> None:
     rel = p.releases()
     table(rel.with_columns(timed_out=pl.col("ended_by") == "timeout"), "timed_out")
     st.subheader("Guard liveness")
-    g = p.guards()
-    table(g, "idle_but_on")
+    table(p.guards(), "idle_but_on")
 
     st.subheader("Preflight per node")
     pre = p.preflight()
@@ -227,6 +310,8 @@ def live() -> None:
         pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
     table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
 
+
+def fleet_section(p: Panels) -> None:
     st.subheader("Foreign fleet (vLLM / SGLang telemetry)")
     flagged, lines, ledger = p.fleet()
     if not ledger and (flagged.height or lines.height):
@@ -260,16 +345,47 @@ def live() -> None:
     else:
         table(pr.select("ts", "base_url", "check", "verdict", "findings", "detail")
               .with_columns(finding=pl.col("verdict") == "finding"), "finding")
-    took = time.perf_counter() - _T0
-    st.caption(f"data as of {dt.datetime.now(dt.timezone.utc):%H:%M:%S} UTC - rendered in {took:.2f} s - next "
-               f"refresh in {EVERY:g} s")
+
+
+SECTIONS = {"exposure": exposure_section, "latency": latency_section, "integrity": integrity_section,
+            "fleet": fleet_section}
+
+
+def adapt_refresh(took: float, timed: bool) -> None:
+    """Never refresh faster than the page renders; the fragment's interval is fixed when the whole
+    app runs, so a timed rerun that finds it changed reruns the app (never a run a person started:
+    that would drop what they clicked)."""
     need = max(REFRESH, round(1.5 * took + 0.5, 1))     # room to render, then to read it
     if need > EVERY or (EVERY > REFRESH and need < 0.5 * EVERY):
         st.session_state["refresh_every"] = need
-    # the fragment's interval is fixed when the whole app runs: a timed rerun that finds it changed
-    # reruns the app (never a run a person started: that would drop what they clicked)
-    if snap is None and st.session_state["refresh_every"] != EVERY:
+    if timed and st.session_state["refresh_every"] != EVERY:
         st.rerun()
+
+
+@st.fragment(run_every=EVERY)
+def live() -> None:
+    global _T0
+    snap = _THIS_RUN.pop("snapshot", None)
+    if snap is None:                        # a fragment rerun: time it from here, on a fresh snapshot
+        _T0 = time.perf_counter()
+    p = open_panels(filters(snap.f.start if snap else None), snap)
+    p.prefetch()
+    pr = p.protection()
+    if p.fx.unverified_note:
+        st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon=":material/error:")
+        if not ALLOW_UNVERIFIED:
+            st.error("Refusing to show numbers from a store that does not verify, as every reader does. Start the "
+                     "dashboard with `--allow-unverified` to see them under this banner.", icon=":material/block:")
+            return
+    t = p.totals()
+    banner(p, t, pr)
+    tiles(t, pr)
+    for name, section in SECTIONS.items():
+        if view in ("all", name):
+            section(p)
+    took = time.perf_counter() - _T0
+    st.caption(f"data as of {utcnow():%H:%M:%S} UTC - rendered in {took:.2f} s - next refresh in {EVERY:g} s")
+    adapt_refresh(took, snap is None)
 
 
 live()
@@ -279,8 +395,13 @@ if st.button("Build the disclosure report for this window", key="export"):
     import json
 
     from forensics.report import build, markdown
+    from telemetry.errors import StoreError
     f = filters()
-    rep = build(STORE, f.start, f.end, allow_unverified=True)                 # built in memory: nothing is written beside the store
-    st.download_button("report.md", markdown(rep), file_name="report.md", key="dl_md")
-    st.download_button("report.json", json.dumps(rep, indent=2), file_name="report.json", key="dl_json")
-    st.success(f"Report ready: {rep['counts']['affected_responses']} affected response(s).")
+    try:        # built in memory: nothing is written beside the store
+        rep = build(STORE, f.start, f.end, allow_unverified=ALLOW_UNVERIFIED, anchor=ANCHOR)
+    except StoreError as e:
+        st.error(f"No report: {e}", icon=":material/block:")
+    else:
+        st.download_button("report.md", markdown(rep), file_name="report.md", key="dl_md")
+        st.download_button("report.json", json.dumps(rep, indent=2), file_name="report.json", key="dl_json")
+        st.success(f"Report ready: {rep['counts']['affected_responses']} affected response(s).")

@@ -22,6 +22,28 @@ class Filters:
     policy: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Protection:
+    """The live protection state of the latest run, apart from what has been exposed so far: an
+    unprotected server is red before its first leak. ``state``: red (read check off, a pool below
+    the context it serves, a guard off, or an unverified store), amber (degraded: telemetry lost,
+    no page ledger, a guard on that never ran on traffic, no kvledger engine in the store), green
+    (protected and clean)."""
+    state: str
+    reasons: tuple[str, ...]
+    boot: str | None                         # the latest run
+    last_foreign_read: dt.datetime | None    # the last read of another request's KV, any run (UTC)
+    recent: dict[int, int]                   # minutes -> responses reading it in the last that many
+    ongoing: bool                            # the last foreign read is recent (ONGOING)
+
+
+ONGOING = dt.timedelta(minutes=5)
+
+
+def _listed(items: list[str], n: int = 3) -> str:
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")           # a foreign read newer than this: exposure "ongoing"
+
+
 # what this dashboard process has verified (segment hashes, signatures, anchor lines): verify's cache
 VERIFIED: dict = {}
 
@@ -43,7 +65,7 @@ class Panels:
     """One snapshot of the store (re-open it to see newer segments)."""
 
     def __init__(self, store: str | Path, f: Filters = Filters(), same_snapshot_as: "Panels | None" = None,
-                 engine: dict | None = None):
+                 engine: dict | None = None, run: str | None = None, anchor: str | None = None):
         """same_snapshot_as: share that Panels' snapshot and query results (one script run opens
         the store once; filters other than the window apply afterwards, in polars). engine:
         open_forensics's engine arguments (default DuckDB; the app takes them from KVLEDGER_ENGINE,
@@ -52,16 +74,19 @@ class Panels:
         if same_snapshot_as is None:
             # verified on every snapshot, incrementally (segments already hashed are not hashed again);
             # a store that does not verify is still shown, under the banner unverified_note names
-            self.fx, self._memo = open_forensics(store, allow_unverified=True, cache=VERIFIED, **(engine or {})), {}
+            self.fx, self._memo = open_forensics(store, run, allow_unverified=True, cache=VERIFIED, anchor=anchor,
+                                                 **(engine or {})), {}
         else:
             self.fx, self._memo = same_snapshot_as.fx, same_snapshot_as._memo
 
-    def _q(self, name: str) -> pl.DataFrame:
-        """A named query over this snapshot and window, run once (panels share results: scores
-        need the exposures, usage honesty the TTFT rows, node names the preflight)."""
-        key = (name, self.f.start, self.f.end)
+    def _q(self, name: str, whole: bool = False) -> pl.DataFrame:
+        """A named query over this snapshot and window (``whole``: the whole store), run once
+        (panels share results: scores need the exposures, usage honesty the TTFT rows, node names
+        the preflight)."""
+        start, end = (None, None) if whole else (self.f.start, self.f.end)
+        key = (name, start, end)
         if key not in self._memo:
-            self._memo[key] = self.fx.query(name, self.f.start, self.f.end)
+            self._memo[key] = self.fx.query(name, start, end)
         return self._memo[key]
 
     def prefetch(self, names: tuple[str, ...] = PAGE) -> None:
@@ -149,11 +174,17 @@ class Panels:
         """Donor -> recipient tenants, cross-tenant only: a tenant's own requests reading each other's
         KV is not another customer's data (same_tenant_reads() has those)."""
         tm = self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
-        return tm.filter(~pl.col("same_tenant")) if tm.height else tm
+        return tm.filter((pl.col("donor_kind") == "tenant") & ~pl.col("same_tenant")) if tm.height else tm
 
     def same_tenant_reads(self) -> pl.DataFrame:
         tm = self._tenant(self._q("tenants"), "donor_tenant", "recipient_tenant")
-        return tm.filter(pl.col("same_tenant")) if tm.height else tm
+        return tm.filter((pl.col("donor_kind") == "tenant") & pl.col("same_tenant")) if tm.height else tm
+
+    def not_a_tenant_reads(self) -> pl.DataFrame:
+        """Reads of slots that are no tenant's: unwritten (nobody's data), or written by a request
+        whose row is not in the store yet (unrecorded: still running, or cut off)."""
+        tm = self._tenant(self._q("tenants"), "recipient_tenant")
+        return tm.filter(pl.col("donor_kind") != "tenant") if tm.height else tm
 
     def ttft(self) -> pl.DataFrame:
         return self._node(self._tenant(self._q("ttft"), "tenant_h"), "node")
@@ -202,6 +233,58 @@ class Panels:
     def preflight(self) -> pl.DataFrame:
         df = self._node(self._q("preflight"), "node")
         return df if self.f.policy is None else df.filter(pl.col("policy") == self.f.policy)
+
+    def protection(self, now: dt.datetime | None = None) -> Protection:
+        """The latest run's protection state and the exposure clock (never windowed: a window that
+        shows nothing does not make an unprotected server safe)."""
+        from forensics.window import utcnow
+        now = now or utcnow()
+        red, amber = [], []
+        if self.fx.unverified_note:
+            red.append("the store does not verify")
+        pre = self._q("preflight")
+        boot = None
+        if pre.is_empty():
+            amber.append("no kvledger engine has written this store: its protection is unknown")
+        else:
+            boot = pre.sort("snapshot_at")["boot"][-1]
+            run = pre.filter(pl.col("boot") == boot)
+            no_check, small, off = [], [], {}
+            for r in run.iter_rows(named=True):
+                guards = dict(r["guards"].items() if isinstance(r["guards"], dict) else
+                              ((g["key"], g["value"]) for g in r["guards"]))
+                if not guards.get("read_check", False):
+                    no_check.append(r["node"])
+                if r["served_context"] > r["pool_tokens"]:
+                    small.append(f"{r['node']} ({r['pool_tokens']} < {r['served_context']} tokens)")
+                for g, on in guards.items():
+                    if not on and g != "read_check":
+                        off.setdefault(g, []).append(r["node"])
+            if no_check:
+                red.append(f"read check off on {_listed(no_check)}")
+            if small:
+                red.append(f"KV pool smaller than the context it serves on {_listed(small)}")
+            if off:
+                red.append(f"{len(off)} guard(s) off ({_listed(sorted(off), 4)})")
+            if not self.fx.rows("page_reads") and not self.fx.rows("page_writes"):
+                amber.append("no page ledger: who read whose KV cannot be established")
+            g = self._q("guards")
+            served = self._q("ttft").height if not pre.is_empty() else 0
+            idle = g.filter(pl.col("idle_but_on"))["guard"].to_list() if g.height and served else []
+            if idle:
+                amber.append(f"guard(s) on but never run on {served} request(s): {', '.join(idle[:3])}")
+        gaps = self._q("gaps", whole=True)
+        lost = gaps.filter(~pl.col("filled")) if gaps.height else gaps
+        if lost.height:
+            amber.append(f"telemetry lost: {int(lost['items'].sum())} item(s) in {lost.height} gap(s)")
+        ex = self._q("exposures", whole=True)
+        real = ex.filter((pl.col("donor") != -1) & (pl.col("severity") != "blocked")) if ex.height else ex
+        last = real["last_read"].max() if real.height else None
+        recent = {m: real.filter(pl.col("last_read") >= now - dt.timedelta(minutes=m))["response"].n_unique()
+                  if real.height else 0 for m in (5, 60)}
+        state = "red" if red else "amber" if amber else "green"
+        return Protection(state, tuple(red + amber), boot, last, recent,
+                          last is not None and now - last <= ONGOING)
 
     def tenants(self) -> list[str]:
         return sorted(self.fx.requests()["tenant_h"].drop_nulls().unique().to_list())

@@ -3,6 +3,7 @@ the forensic queries', filters narrow them, and a browser sees the exposure coun
 while a replay writes in another process."""
 from __future__ import annotations
 
+import datetime as dt
 import os
 import socket
 import subprocess
@@ -32,8 +33,8 @@ def _app(store, monkeypatch) -> AppTest:
     return at
 
 
-def _metrics(at) -> dict[str, int]:
-    return {m.label: int(m.value) for m in at.metric}
+def _metrics(at) -> dict[str, int | str]:
+    return {m.label: int(m.value) if str(m.value).isdigit() else m.value for m in at.metric}
 
 
 def test_every_panel_renders_and_its_numbers_equal_kvledger_forensics(glm53_vulnerable, monkeypatch):
@@ -113,6 +114,14 @@ def _alive(pid: str) -> bool:
 
 
 CHROMIUM = "/usr/bin/chromium"
+# 1 when any element is drawn faded (Streamlit's stale state) or its running widget shows
+FADED = """() => {
+  const faded = [...document.querySelectorAll('[data-testid="stElementContainer"]')]
+      .some(e => e.offsetParent !== null && parseFloat(getComputedStyle(e).opacity) < 0.99);
+  const w = document.querySelector('[data-testid="stStatusWidget"]');
+  const running = !!w && getComputedStyle(w).visibility !== 'hidden' && w.offsetParent !== null && w.innerText.trim() !== '';
+  return (faded || running) ? 1 : 0;
+}"""
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
 
@@ -153,6 +162,12 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
                 time.sleep(1)
             page.get_by_text("EXPOSURE in the store").first.wait_for(timeout=30_000)    # the red banner
             overflow = page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            # a store that no longer changes, refreshing: sampled every 0.25 s, as a person glancing at it
+            faded, stamps = 0, set()
+            for _ in range(48):
+                faded += page.evaluate(FADED)
+                stamps.add(page.locator("text=/data as of/").first.inner_text())
+                time.sleep(0.25)
             page.screenshot(path=str(tmp_path / "dashboard.png"), full_page=True)
             keep = os.environ.get("KVLEDGER_KEEP_SCREENSHOTS")       # to look at it, as a person would
             if keep:
@@ -160,6 +175,8 @@ def test_browser_sees_the_exposure_count_appear_and_grow_while_a_replay_writes(t
                 shutil.copy(tmp_path / "dashboard.png", Path(keep) / "dashboard.png")
             browser.close()
         assert overflow <= 0, f"the page is {overflow} px wider than a 1400 px window"
+        assert len(stamps) >= 2, stamps          # it did refresh while sampled...
+        assert faded <= 0.05 * 48, f"{faded} of 48 samples faded or showed the running widget"   # ...without fading
         assert replay.wait(timeout=60) == 0
         assert seen and seen[-1] > 0, seen                  # the exposure count appears...
         assert seen == sorted(seen) and len(set(seen)) >= 2, seen   # ...and grows, live, while the replay writes
@@ -189,3 +206,114 @@ def test_a_store_that_does_not_verify_is_shown_under_a_red_banner(glm53_vulnerab
     assert any("UNVERIFIED STORE" in e.value and "not written by this store's writer" in e.value for e in at.error)
     clean = _app(store, monkeypatch)
     assert not any("UNVERIFIED" in e.value for e in clean.error)
+
+
+# ---- the on-call view (issue 34) ----------------------------------------------------------------
+def test_an_unprotected_run_is_red_before_any_exposure_and_a_hardened_one_green(glm53_vulnerable, glm53_hardened,
+                                                                                  monkeypatch):
+    _, store = glm53_vulnerable
+    first = Forensics(store).query("exposures")["first_read"].min()
+    at = AppTest.from_file(APP, default_timeout=120)
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    at.query_params["to"] = (first - dt.timedelta(seconds=1)).isoformat()     # a window before the first leak
+    at.run()
+    assert not at.exception, [e.message for e in at.exception]
+    m = _metrics(at)
+    assert m["Affected responses"] == 0 and m["Protection"] == "RED"
+    unprotected = [e.value for e in at.error if e.value.startswith("UNPROTECTED")]
+    assert unprotected and "read check off" in unprotected[0] and "KV pool smaller than the context" in unprotected[0]
+    assert not any("Protected and clean" in s.value for s in at.success)
+    assert m["Last foreign read"].endswith("ago")         # the clock is the whole store's, not the window's
+    _, hard = glm53_hardened
+    at = _app(hard, monkeypatch)
+    assert _metrics(at)["Protection"] == "OK" and _metrics(at)["Last foreign read"] == "never"
+    assert any("Protected and clean" in s.value for s in at.success)
+    assert not any(e.value.startswith(("UNPROTECTED", "EXPOSURE")) for e in at.error)
+
+
+def test_the_view_lives_in_the_url(glm53_vulnerable, monkeypatch):
+    _, store = glm53_vulnerable
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    at = AppTest.from_file(APP, default_timeout=120)
+    at.query_params["view"] = "integrity"
+    at.query_params["from"] = "now-100d"
+    at.run()
+    assert not at.exception
+    assert [s.value for s in at.subheader] == ["Transfer integrity", "Deferred releases and held capacity",
+                                               "Guard liveness", "Preflight per node", "Export"]
+    assert at.text_input(key="from").value == "now-100d"
+    tenant = Forensics(store).query("exposures")["donor_tenant"].drop_nulls()[0]
+    at.selectbox(key="tenant").select(tenant).run()
+    assert at.query_params["tenant"] == [tenant] or at.query_params["tenant"] == tenant
+    at.text_input(key="from").input("yesterday").run()             # a bad time: one line in the sidebar
+    assert not at.exception and any("not a time: 'yesterday'" in e.value for e in at.sidebar.error)
+
+
+DAMAGE = {
+    "flipped header byte": lambda s: _flip(s, 4),
+    "flipped middle byte": lambda s: _flip(s, None),
+    "flipped footer byte": lambda s: _flip(s, -10),
+    "truncated segment": lambda s: _seg(s).write_bytes(_seg(s).read_bytes()[:100]),
+    "deleted segment": lambda s: _seg(s).unlink(),
+    "dropped-in file": lambda s: (s / "segments" / "spans" / "999999999.parquet").write_bytes(b"dropped in"),
+    "unreadable chain file": lambda s: sorted((s / "chain").iterdir())[0].write_text("{not json"),
+    "chain link edited": lambda s: _edit_chain(s),
+}
+
+
+def _seg(store: Path) -> Path:
+    return sorted((store / "segments" / "page_reads").glob("*.parquet"))[0]
+
+
+def _flip(store: Path, at: int | None) -> None:
+    b = bytearray(_seg(store).read_bytes())
+    b[len(b) // 2 if at is None else at] ^= 0xFF
+    _seg(store).write_bytes(bytes(b))
+
+
+def _edit_chain(store: Path) -> None:
+    import json
+    f = sorted((store / "chain").iterdir())[0]
+    body = json.loads(f.read_text())
+    body["links"][0]["rows"] += 1
+    f.write_text(json.dumps(body))
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_every_kind_of_damage_is_the_red_banner_never_a_traceback(damage, glm53_vulnerable, monkeypatch, tmp_path,
+                                                                    capsys):
+    import shutil
+
+    from engine.commands.main import main
+    _, store = glm53_vulnerable
+    copy = tmp_path / "damaged"
+    shutil.copytree(store, copy, ignore=shutil.ignore_patterns("writer.lock"))
+    DAMAGE[damage](copy)
+    at = _app(copy, monkeypatch)                    # _app asserts no exception
+    assert any(e.value.startswith("UNVERIFIED STORE") for e in at.error), [e.value for e in at.error]
+    assert "Affected responses" not in _metrics(at)          # no numbers without --allow-unverified
+    monkeypatch.setenv("KVLEDGER_ALLOW_UNVERIFIED", "1")
+    at = _app(copy, monkeypatch)
+    assert any(e.value.startswith("UNVERIFIED STORE") for e in at.error)
+    readable = damage != "unreadable chain file"
+    assert ("Affected responses" in _metrics(at)) == readable
+    capsys.readouterr()
+    for query in ("exposures", "runs", "tenants", "scores"):
+        rc = main(["forensics", query, "--store", str(copy), "--allow-unverified", "--format", "json"])
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "UNVERIFIED STORE" in err or not readable, err
+        assert rc == (0 if readable else 2), (query, rc, err)
+        assert not readable or err.startswith("kvledger: warning: UNVERIFIED STORE"), err
+    rc = main(["report", "--store", str(copy), "--allow-unverified", "--format", "json", "--out", str(tmp_path / "r")])
+    assert rc == (1 if readable else 2) and "Traceback" not in capsys.readouterr().err   # 1: chain BROKEN
+
+
+def test_unwritten_slots_are_never_a_tenant(glm53_vulnerable):
+    _, store = glm53_vulnerable
+    tm = Forensics(store).query("tenants")
+    assert "(unwritten)" not in tm["donor_tenant"].drop_nulls().to_list()
+    assert set(tm["donor_kind"]) <= {"tenant", "unwritten", "unrecorded"}
+    assert tm.filter(pl.col("donor_kind") == "tenant")["donor_tenant"].null_count() == 0
+    assert tm.filter(pl.col("donor_kind") != "tenant")["donor_tenant"].null_count() == \
+        tm.filter(pl.col("donor_kind") != "tenant").height
+    assert Panels(store).tenant_matrix()["donor_kind"].unique().to_list() in ([], ["tenant"])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from engine.commands.options import add_store, check_port
 from engine.errors import InputError
-from forensics.commands.options import ENGINES, EngineChoice, engine_choice
+from forensics.commands.options import EngineChoice, add_engine_options, add_verify_options, engine_choice
 
 
 @dataclass(frozen=True, slots=True)
@@ -20,6 +20,9 @@ class DashboardConfig:
     port: int = 8501
     refresh: float = 2.0
     engine: EngineChoice = EngineChoice()
+    run: str | None = None
+    allow_unverified: bool = False
+    anchor: str | None = None
 
 
 def add_arguments(d) -> None:
@@ -27,9 +30,11 @@ def add_arguments(d) -> None:
     d.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback only)")
     d.add_argument("--port", type=int, default=8501, help="port (default 8501, Streamlit's)")
     d.add_argument("--refresh", type=float, default=2.0, help="seconds between live refreshes (default 2)")
-    d.add_argument("--engine", choices=ENGINES, default="duckdb",
-                   help="SQL engine behind the panels: duckdb (default), chdb (embedded ClickHouse), clickhouse (--dsn)")
-    d.add_argument("--dsn", default=None, metavar="URL", help="--engine clickhouse: clickhouse://HOST:8123/DATABASE")
+    d.add_argument("--run", metavar="BOOT", default=None,
+                   help="show one run only: its boot id or a unique prefix (`kvledger forensics runs`; default all)")
+    add_verify_options(d, "show the panels of a store that does not verify, under the red UNVERIFIED banner "
+                          "(default: the banner and verify's words only, as every reader refuses)")
+    add_engine_options(d)
 
 
 def make_config(a) -> DashboardConfig:
@@ -37,7 +42,7 @@ def make_config(a) -> DashboardConfig:
     import math
     if not (math.isfinite(a.refresh) and 0.5 <= a.refresh <= 3600):
         raise InputError(f"--refresh must be in [0.5, 3600] seconds, got {a.refresh}")
-    return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a))
+    return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a), a.run, a.allow_unverified, a.anchor)
 
 
 def run(c: DashboardConfig) -> int:
@@ -47,7 +52,10 @@ def run(c: DashboardConfig) -> int:
               file=sys.stderr)
     app = importlib.util.find_spec("dashboard.app").origin      # the script Streamlit runs (not imported here)
     env = {**os.environ, "KVLEDGER_STORE": str(Path(c.store).resolve()), "KVLEDGER_REFRESH_S": str(c.refresh),
-           "KVLEDGER_ENGINE": c.engine.engine, "KVLEDGER_DSN": c.engine.dsn or ""}
+           "KVLEDGER_ENGINE": c.engine.engine, "KVLEDGER_DSN": c.engine.dsn or "",
+           "KVLEDGER_CHDB_PATH": c.engine.chdb_path or os.environ.get("KVLEDGER_CHDB_PATH", ""),
+           "KVLEDGER_RUN": c.run or "", "KVLEDGER_ANCHOR": c.anchor or "",
+           "KVLEDGER_ALLOW_UNVERIFIED": "1" if c.allow_unverified else ""}
     print(f"kvledger dashboard on http://{c.host}:{c.port} (store {c.store})", file=sys.stderr)
     return run_child([sys.executable, "-m", "dashboard.serve", app, "--server.address", c.host,
                       "--server.port", str(c.port), "--server.headless", "true",

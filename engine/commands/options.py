@@ -72,12 +72,13 @@ def check_writable_store(store: str) -> None:
 
 
 def timestamp(text: str) -> dt.datetime:
-    """An ISO 8601 time as naive UTC (a time without a zone is UTC)."""
+    """An ISO 8601 time as naive UTC (a time without a zone is UTC), or one relative to now
+    (``now-15m``, ``2h``: forensics.window)."""
+    from forensics.window import parse_when
     try:
-        t = dt.datetime.fromisoformat(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an ISO 8601 time: {text!r} (e.g. 2026-09-01T12:00:00)") from None
-    return t.astimezone(dt.timezone.utc).replace(tzinfo=None) if t.tzinfo else t
+        return parse_when(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def check_window(start: dt.datetime | None, end: dt.datetime | None) -> None:

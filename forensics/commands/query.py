@@ -40,8 +40,8 @@ def add_arguments(f) -> None:
     f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
                    help="table (default), csv, json (one array of objects on stdout) or parquet (binary on stdout: "
                         "redirect it)")
-    f.add_argument("--from", dest="start", type=timestamp, default=None, help="window start (ISO 8601, UTC)")
-    f.add_argument("--to", dest="end", type=timestamp, default=None, help="window end (ISO 8601, UTC)")
+    f.add_argument("--from", dest="start", type=timestamp, default=None, help="window start: ISO 8601 (UTC), or relative such as now-15m, 2h, 7d (default: the store's beginning)")
+    f.add_argument("--to", dest="end", type=timestamp, default=None, help="window end: ISO 8601 (UTC), or relative such as now-5m (default: now)")
     f.add_argument("--bucket", type=int, default=60, help="tenant_scores: window length in seconds (default 60)")
     f.add_argument("--wide", action="store_true",
                    help="table format: every column (default: the columns that fit 80 characters; csv/json/parquet "

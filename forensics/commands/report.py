@@ -29,8 +29,8 @@ class ReportConfig:
 
 def add_arguments(rp) -> None:
     add_store(rp, "the store to report on")
-    rp.add_argument("--from", dest="start", type=timestamp, default=None, help="window start (ISO 8601, UTC)")
-    rp.add_argument("--to", dest="end", type=timestamp, default=None, help="window end (ISO 8601, UTC)")
+    rp.add_argument("--from", dest="start", type=timestamp, default=None, help="window start: ISO 8601 (UTC), or relative such as now-15m, 2h, 7d (default: the store's beginning)")
+    rp.add_argument("--to", dest="end", type=timestamp, default=None, help="window end: ISO 8601 (UTC), or relative such as now-5m (default: now)")
     rp.add_argument("--out", required=True, help="output directory")
     rp.add_argument("--run", metavar="BOOT", default=None,
                     help="report on one run only (a boot id or a unique prefix; default: every run in the store)")
