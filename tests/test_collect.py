@@ -261,6 +261,18 @@ def test_kvledger_collect_runs_receives_and_seals_on_sigterm(tmp_path):
         for seq in range(20):          # until the SUB has joined
             pub.send(seq, _new([_stored_new([bytes([seq]) * 32])]))
             time.sleep(0.1)
+        pub.send(25, _new([_stored_new([bytes([25]) * 32])]))      # batches 20..24 never sent: lost
+        from prometheus_client.parser import text_string_to_metric_families
+        own: dict = {}
+        for _ in range(50):            # collect's own /metrics, as Prometheus scrapes it
+            own = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(
+                httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text) for s in f.samples}
+            if own.get(("kvledger_kv_event_batches_lost_total", (("source", "gpu-1"),))):
+                break
+            time.sleep(0.1)
+        assert own[("kvledger_kv_event_batches_lost_total", (("source", "gpu-1"),))] == 5
+        assert own[("kvledger_store_writer_up", ())] == 1
+        assert own[("kvledger_collect_received_total", (("protocol", "http"), ("signal", "spans")))] == 1
     finally:
         proc.send_signal(signal.SIGTERM)
         err = proc.communicate(timeout=60)[1]

@@ -230,6 +230,7 @@ def build_engine(c: ServeConfig, open_recorder: RecorderFactory) -> Built:
     nodes = backend.nodes
     for n in nodes:
         metrics.observe_node(n)
+    metrics.known_tenants(keys.tenants())
     info = server_info(c, spec, nodes, guards, tel.boot)
     return Built(backend, tel, metrics, info, max(n.preflight.advertised_context for n in nodes))
 

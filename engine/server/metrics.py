@@ -75,6 +75,18 @@ class ServerMetrics:
                 if n:
                     self.foreign.labels(eng.cfg.node_id, outcome).inc(n)
         engine.observers.append(observe)
+        # every series the alerts read exists from the start at 0: Prometheus' increase() sees no
+        # rise in a series whose first sample is already non-zero, so a first exposure would not fire
+        for o in ("served", "blocked"):
+            self.foreign.labels(engine.cfg.node_id, o)
+
+    def known_tenants(self, tenants) -> None:
+        """Start each tenant's usage and TTFT-floor series at 0 (the tenants of the API keys file),
+        so the first over-billed request of a tenant is an increase the alerts see."""
+        for tenant in tenants:
+            t = self.pseudonym(tenant)
+            for c in (self.billed, self.prefilled, self.cached, self.completion, self.below_floor):
+                c.labels(t)
 
     def refused(self, tenant: str, limit: str) -> None:
         self.rate_limited.labels(self.pseudonym(tenant), limit).inc()
@@ -136,3 +148,8 @@ class _Live:
                                     "a few in flight; growing without bound means spans are dropped")
         dropped.add_metric([], tel.spans_unexported if tel is not None else 0)
         yield dropped
+        up = GaugeMetricFamily("kvledger_store_writer_up", "1 while the store writer takes rows; 0 once it failed "
+                               "(a full disk, a read-only mount): spans and the page ledger are then not recorded")
+        writer = getattr(tel, "writer", None)
+        up.add_metric([], 0 if writer is not None and writer.error is not None else 1)
+        yield up

@@ -31,7 +31,10 @@ def collect(c: CollectConfig) -> int:
             except OSError as e:
                 raise KvledgerError(f"{e}; give --otlp-grpc-port another port, or 0 to turn it off") from None
         scrapers = [Scraper(writer, t.url, t.instance, c.scrape_interval).start() for t in c.scrapes]
-        app = build_app(writer, c.tenant_attribute, c.tenant_header, c.decode_workers)
+        from telemetry.receivers.health import CollectHealth, registry
+        health = CollectHealth(writer, {}, subs, scrapers, grpc_counts)
+        app = build_app(writer, c.tenant_attribute, c.tenant_header, c.decode_workers, own_metrics_registry=registry(health))
+        health.received = app.state.received
         server = uvicorn.Server(uvicorn.Config(app, host=c.otlp_host, port=c.otlp_port, log_level="warning",
                                                access_log=False))
 
@@ -40,7 +43,8 @@ def collect(c: CollectConfig) -> int:
             server.should_exit = True
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         kv = ", ".join(f"{s.endpoint} ({'bound' if s.bind else 'connected'})" for s in c.kv_sources) or "no publisher"
-        print(f"kvledger collect: OTLP/HTTP on http://{c.otlp_host}:{c.otlp_port} (/v1/traces, /v1/metrics)"
+        print(f"kvledger collect: OTLP/HTTP on http://{c.otlp_host}:{c.otlp_port} (/v1/traces, /v1/metrics; "
+              "its own health at /metrics)"
               + (f", OTLP/gRPC on {c.otlp_host}:{grpc_port}" if grpc_server is not None else "")
               + f"; KV events from {kv}; scraping {', '.join(t.url for t in c.scrapes) or 'nothing'}; "
               f"store {c.store} (run {writer.boot})", file=sys.stderr, flush=True)

@@ -399,9 +399,10 @@ class Decoders:
 
 
 def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header: str | None = None,
-              decode_workers: int = 0) -> FastAPI:
+              decode_workers: int = 0, own_metrics_registry=None) -> FastAPI:
     """The receiver as an ASGI app writing into ``writer`` (a telemetry.store.SegmentWriter);
-    ``decode_workers`` processes decode big bodies (0: all on the event loop)."""
+    ``decode_workers`` processes decode big bodies (0: all on the event loop). ``own_metrics_registry``: a
+    prometheus_client registry served at ``/metrics`` (collect's own health, receivers.health)."""
     from concurrent.futures.process import BrokenProcessPool
     from contextlib import asynccontextmanager
 
@@ -476,6 +477,13 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
     @app.post("/v1/metrics")
     async def metrics(request: Request) -> Response:
         return await receive(request, "metrics", ExportMetricsServiceResponse, "points")
+
+    if own_metrics_registry is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        @app.get("/metrics")
+        async def own_metrics() -> Response:
+            return Response(generate_latest(own_metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/health")
     async def health() -> Response:

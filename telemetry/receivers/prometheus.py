@@ -139,6 +139,7 @@ class Scraper:
         self.http = httpx.Client(timeout=min(10.0, max(1.0, interval)), follow_redirects=False)
         self.scrapes = self.failures = self.rows = 0
         self.last_error: str | None = None
+        self.last_ok = False             # the last scrape succeeded (collect's own /metrics says so)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"scrape {url}", daemon=True)
 
@@ -162,6 +163,7 @@ class Scraper:
             self.last_error = f"{type(e).__name__}: {e}"[:200]
             table, up = None, 0.0
         self.scrapes += 1
+        self.last_ok = up == 1.0
         upt = metric_table([Sample("up", "gauge", "up", {"instance": self.instance}, up)], now, self.instance)
         self.writer.submit("metrics", upt if table is None else pa.concat_tables([table, upt]))
         self.rows += upt.num_rows + (0 if table is None else table.num_rows)
