@@ -159,3 +159,17 @@ def test_bash_completion_from_the_parser_completes_commands_queries_and_flags(tm
     assert complete("forensics", "expo") == ["exposures"]
     assert "forensics" in complete("fo")
     assert "--allow-unverified" in complete("forensics", "--allow")
+
+
+def test_preflight_and_verify_print_json_that_says_what_the_table_says(capsys, tmp_path):
+    import json
+    from pathlib import Path
+    assert main(["preflight", "--format", "json", "--memory-budget", "1MiB", "--memory-budget", "64MiB"]) == 1
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["fits"] for r in rows] == [False, True] and rows[0]["pool_tokens"] < rows[0]["context_length"]
+    log = Path(__file__).parent / "fixtures" / "vllm_v1.log"
+    code = main(["preflight", "--vllm-log", str(log), "--format", "json"])
+    found = json.loads(capsys.readouterr().out)            # the array alone on stdout
+    assert found and all(f["pool_tokens"] for f in found)
+    assert code == (1 if any(f["fits"] is False or f["finding"] for f in found) else 3 if any(
+        f["fits"] is None for f in found) else 0)

@@ -477,3 +477,41 @@ def test_a_substituted_store_is_named_by_verify_and_refused_by_the_writer(tmp_pa
     elsewhere = tmp_path / "copy-for-the-investigator"
     shutil.copytree(home, elsewhere)                          # a copy read elsewhere: no record, no claim
     assert verify(elsewhere).ok
+
+
+def _other_store_anchor(tmp_path) -> Path:
+    w = SegmentWriter(tmp_path / "other")
+    w.submit("releases", _releases(3, "x"))
+    w.close()
+    return Path(verify(tmp_path / "other").anchor)
+
+
+@pytest.mark.parametrize("case,argv,code,said", [
+    ("anchored", [], 0, "anchored at seq 3"),
+    ("no anchor found", ["MOVE"], 3, "not anchored: nothing shows that no newer history was deleted"),
+    ("no anchor, and said so", ["MOVE", "--no-anchor"], 0, "NOT anchored"),
+    ("an empty anchor", ["--anchor", "EMPTY"], 3, "not anchored"),
+    ("another store's anchor", ["--anchor", "OTHER"], 3, "not anchored"),
+    ("a directory as anchor", ["--anchor", "DIR"], 1, "is not a file"),
+    ("a missing anchor named", ["--anchor", "MISSING"], 1, "does not exist"),
+])
+def test_verify_exits_non_zero_unless_the_store_is_intact_and_anchored(store, tmp_path, capsys, case, argv, code, said):
+    """Issue 32: "NOT anchored" and an anchor that holds nothing were exit 0: a substituted or
+    truncated store passed a script that only checks the exit code."""
+    if "MOVE" in argv:
+        a = Path(verify(store).anchor)
+        a.rename(tmp_path / "elsewhere.jsonl")
+        argv = [x for x in argv if x != "MOVE"]
+    subs = {"EMPTY": tmp_path / "empty.jsonl", "DIR": tmp_path / "adir", "MISSING": tmp_path / "nope.jsonl"}
+    subs["EMPTY"].write_text("")
+    subs["DIR"].mkdir()
+    if "OTHER" in argv:
+        subs["OTHER"] = _other_store_anchor(tmp_path)
+    argv = [str(subs.get(x, x)) for x in argv]
+    capsys.readouterr()
+    assert main(["verify", "--store", str(store), *argv]) == code, case
+    out = capsys.readouterr()
+    assert said in out.out + out.err, (case, out)
+    assert main(["verify", "--store", str(store), *argv, "--format", "json"]) == code
+    body = json.loads(capsys.readouterr().out)
+    assert body["exit"] == code and body["anchored"] == (code == 0 and "--no-anchor" not in argv)

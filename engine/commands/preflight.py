@@ -18,6 +18,7 @@ class PreflightConfig:
     memory_budgets: tuple[str, ...] = ("64MiB",)
     page_size: int = 16
     foreign: tuple[str, str] | None = None      # (flag, value): judge a running engine instead
+    format: str = "table"
 
 
 def add_arguments(pf) -> None:
@@ -35,6 +36,8 @@ def add_arguments(pf) -> None:
                     help="judge vLLM instances from a start-up log ('<device> KV cache size: N tokens' / '# <device> blocks: N')")
     pf.add_argument("--sglang-log", default=None, metavar="FILE",
                     help="judge SGLang instances from their start-up log (max_total_num_tokens=..., context_len=...)")
+    pf.add_argument("--format", choices=["table", "json"], default="table",
+                    help="table (default) or one JSON array, a row per node or instance (the exit code is the same)")
 
 
 def make_config(a) -> PreflightConfig:
@@ -42,17 +45,18 @@ def make_config(a) -> PreflightConfig:
     if len(foreign) > 1:
         raise InputError(f"give one of --endpoint, --vllm-log, --sglang-log (got {', '.join(f for f, _ in foreign)})")
     if foreign:
-        return PreflightConfig(foreign=foreign[0])
+        return PreflightConfig(foreign=foreign[0], format=a.format)
     if a.context_length <= 0:
         raise InputError(f"--context-length must be >= 1, got {a.context_length}")
     if a.page_size <= 0:
         raise InputError(f"--page-size must be >= 1, got {a.page_size}")
-    return PreflightConfig(a.model, a.context_length, tuple(a.memory_budget or ["64MiB"]), a.page_size)
+    return PreflightConfig(a.model, a.context_length, tuple(a.memory_budget or ["64MiB"]), a.page_size,
+                           format=a.format)
 
 
 def run(c: PreflightConfig) -> int:
     if c.foreign is not None:
-        return _foreign(*c.foreign)
+        return _foreign(*c.foreign, as_json=c.format == "json")
     from rich.console import Console
     from rich.table import Table
 
@@ -64,15 +68,21 @@ def run(c: PreflightConfig) -> int:
     t = Table(title=f"kvledger preflight: model {c.model}, context length {c.context_length}")
     for col in ("node", "KV memory budget", "pool (tokens)", "pool / context", "verdict"):
         t.add_column(col, justify="right" if col != "node" else "left")
-    short = []
+    short, rows = [], []
     for i, b in enumerate(c.memory_budgets):
         cfg = EngineConfig(kv_memory_budget=parse_bytes(b), page_size=c.page_size, context_length=c.context_length)
         pool = pool_tokens_for(model, cfg)
         ok = pool >= c.context_length
         short += [] if ok else [f"node{i}"]
+        rows.append({"node": f"node{i}", "kv_memory_budget": b, "pool_tokens": pool, "context_length": c.context_length,
+                     "pool_over_context": round(pool / c.context_length, 4), "fits": ok})
         t.add_row(f"node{i}", b, str(pool), f"{pool / c.context_length:.4f}",
                   "[green]fits" if ok else f"[red]pool < context: hardened refuses to start (or lower the context to {pool})")
-    Console().print(t)
+    if c.format == "json":
+        import json
+        print(json.dumps(rows))
+    else:
+        Console().print(t)
     return _verdict(short)
 
 
@@ -83,7 +93,7 @@ def _verdict(short: list[str]) -> int:
     return 0
 
 
-def _foreign(flag: str, value: str) -> int:
+def _foreign(flag: str, value: str, as_json: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -105,8 +115,14 @@ def _foreign(flag: str, value: str) -> int:
         engine = " ".join(x for x in (i.engine, i.version) if x) or "?"
         t.add_row(i.name, engine, f"{i.pool_tokens:,}" if i.pool_tokens else "?",
                   f"{i.context_length:,}" if i.context_length else "?", ratio, verdict, i.source)
-    console = Console()
-    console.print(t)
+    console = Console(stderr=as_json)          # json: the array alone on stdout, the words on stderr
+    if as_json:
+        import json
+        print(json.dumps([{"instance": i.name, "engine": i.engine, "version": i.version, "pool_tokens": i.pool_tokens,
+                           "context_length": i.context_length, "fits": i.fits, "finding": i.finding or None,
+                           "source": i.source} for i in found]))
+    else:
+        console.print(t)
     if any(i.fits is False for i in found):
         console.print("pool < context is the incident's precondition: a prompt longer than the pool is accepted "
                       "and cannot all be held.")

@@ -269,7 +269,8 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
     apath = anchor_path(ident.store_id, anchor)
     if not apath.is_file():
         if anchor is not None:
-            return Verdict(False, n, rows, prev, f"anchor {apath} does not exist", warnings, seq, **base)
+            what = "is not a file" if apath.exists() else "does not exist"
+            return Verdict(False, n, rows, prev, f"anchor {apath} {what}", warnings, seq, **base)
         if swapped:
             return Verdict(False, n, rows, prev, swapped, warnings, seq, None, None, sealed, **base)
         warnings.append(f"no anchor at {apath} (set ${ENV_STATE} or --anchor): without it, deleting the newest "
