@@ -59,6 +59,13 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
+def _coded(values: tuple) -> Coded:
+    """Dictionary-coded strings from a few distinct values (node names, pseudonyms)."""
+    names = list(dict.fromkeys(values))
+    index = {v: i for i, v in enumerate(names)}
+    return Coded(np.array([index[v] for v in values], dtype=np.int32), names)
+
+
 def forget_oldest_half(d: dict, cap: int) -> None:
     """Keep a per-incarnation map bounded in a long-running server: once it holds ``cap`` entries,
     the oldest half (insertion order) is forgotten."""
@@ -325,6 +332,7 @@ class PageLedger:
         self._finished: deque = deque()         # (incarnation, prompt ids, output ids, tokenizer) of finished requests, not yet hashed
         self._masks: dict[int, np.ndarray] = {}  # id(tokenizer) -> its content mask
         self._releases: deque = deque()         # releases not yet written (one tuple each)
+        self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -418,7 +426,9 @@ class PageLedger:
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
             cells += rec.block_tables.numel()
-        out = [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] + self._ngrams() + self._release_rows()
+        # arrivals first: a request's arrival is in the same flush as (or one before) its first read
+        out = self._arrival_rows() + [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] \
+            + self._ngrams() + self._release_rows()
         self._cells_out += cells                # (after the fold: what waits includes what is being folded)
         self._caught_up.set()
         return out
@@ -485,8 +495,22 @@ class PageLedger:
             "ts_submit": pa.array([to_ns(rec.submitted_at)], pa.timestamp("ns")),
             "ts_landed": pa.array([to_ns(rec.landed_at)], pa.timestamp("ns")), "trace_id": [trace], "span_id": [span]}))
 
-    def on_arrived(self, req) -> None:
-        self.scopes.add(req.incarnation, self.keys.pseudonym(req.scope))
+    def on_arrived(self, engine, req) -> None:
+        scope = self.keys.pseudonym(req.scope)
+        self.scopes.add(req.incarnation, scope)
+        self._arrivals.append((engine.cfg.node_id, req.incarnation, self.keys.pseudonym(req.tenant), scope,
+                               len(req.prompt_ids), perf_to_unix_ns(req.arrival) or time.time_ns()))
+
+    def _arrival_rows(self) -> list[tuple[str, Columns]]:
+        got = []
+        while self._arrivals:                   # only this thread pops
+            got.append(self._arrivals.popleft())
+        if not got:
+            return []
+        node, inc, tenant, scope, prompt, ts = zip(*got)
+        return [("arrivals", {"node": _coded(node), "incarnation": np.array(inc, dtype=np.int64),
+                              "tenant_h": _coded(tenant), "scope_h": _coded(scope),
+                              "prompt_tokens": np.array(prompt, dtype=np.int64), "ts": np.array(ts, dtype=np.int64)})]
 
     def on_finished(self, req, tokenizer=None) -> None:
         """Engine thread: copies of the request's token lists; their n-grams are hashed on the
@@ -536,9 +560,7 @@ class PageLedger:
         node, inc, pages, kind, ended_by, hold, lclock, ts = zip(*rel)
         sizes = np.array([len(p) for p in pages], dtype=np.int64)
 
-        def coded(values: tuple) -> Coded:
-            names = list(dict.fromkeys(values))
-            return Coded(np.array([names.index(v) for v in values], dtype=np.int32), names)
+        coded = _coded
         return [("releases", {"node": coded(node), "incarnation": np.array(inc, dtype=np.int64),
                               "pages": Ragged(np.concatenate([[0], np.cumsum(sizes)]),
                                               np.fromiter((p for ps in pages for p in ps), dtype=np.int32, count=int(sizes.sum()))),

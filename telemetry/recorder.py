@@ -132,7 +132,7 @@ class Telemetry(Recorder):
 
     def request_arrived(self, engine, req) -> None:
         if self.ledger is not None:
-            self.ledger.on_arrived(req)
+            self.ledger.on_arrived(engine, req)
         if req.incarnation in self._roots:          # the prefill half of a disaggregated request
             req.on_finish.append(lambda r: self._child(engine, r, "prefill", r.prefill_started_at, r.first_token_at,
                                                        **{"kvledger.prompt_tokens.prefilled": r.prefilled_tokens}))

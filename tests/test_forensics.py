@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 
+import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
@@ -202,6 +203,24 @@ def test_queries_side_by_side_equal_each_query_alone(glm53_vulnerable):
     assert together["exposures"].height > 0 and together["scores"].height > 0
 
 
+def _relink(store) -> None:
+    """Recompute every link of the chain over the files as they are now (no key: signatures stale)."""
+    import hashlib
+
+    from telemetry.store.chain import GENESIS, Link
+    prev = GENESIS
+    for f in sorted((store / "chain").glob("*.json")):
+        body = json.loads(f.read_text())
+        links = []
+        for e in body["links"]:
+            ln = Link(**{**e, "prev": prev, "sha256": hashlib.sha256((store / e["file"]).read_bytes()).hexdigest()})
+            ln = ln._replace(link=ln.computed())
+            links.append(ln._asdict())
+            prev = ln.link
+        body["links"] = links
+        f.write_text(json.dumps(body))
+
+
 def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulnerable, tmp_path):
     """Columns added to schema.sql later (here preflight_action and advertised_context, and the
     transfers' set summaries) read as NULL in segments written before them; every query still runs,
@@ -216,8 +235,9 @@ def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulner
     for seg in (old / "segments" / "transfers").glob("*.parquet"):
         t = pq.read_table(seg)
         pq.write_table(t.drop_columns(["n_reserved", "n_sent", "n_landed", "landed_is_reserved"]), seg)
-    fx = Forensics(old, allow_unverified=True)     # rewritten segments no longer match the signed chain
-    assert fx.unverified_note and "does not match its hash" in fx.unverified_note
+    _relink(old)            # the chain names the rewritten files' hashes; its signatures are then stale
+    fx = Forensics(old, allow_unverified=True)
+    assert fx.unverified_note and "not signed by this store's key" in fx.unverified_note and not fx.left_out
     pre = fx.query("preflight")
     assert pre.height and pre["preflight_action"].is_null().all()
     assert set(zip(*(fx.exposure_slots()[c] for c in ('response', 'donor', 'node', 'page', 'position'))))\
@@ -447,3 +467,43 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d)).height == 0
     ng, _ = _ngram_rule(store, far.format(d=d, pos="NULL"))
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
+
+
+def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
+    """Issue 33: a response still decoding (or cut off by a crash) had no request row: tenant NULL,
+    same_tenant wrong, not counted by runs or the report. Its arrival is now written by the ledger
+    before its first read, so everything but what its end would have said is known."""
+    from engine.replay.glm53 import glm53
+    from forensics.report import build
+    from telemetry.recorder import Telemetry
+    from tests.conftest import GLM53_SMALL
+
+    class Cut(Exception):
+        pass
+    opened, done = [], [0]
+
+    def factory(**kw):
+        opened.append(Telemetry(tmp_path / "cut", **kw))
+        return opened[-1]
+
+    def progress(n, total=None):                 # the replay stops, mid-decode, after 9 finished requests
+        done[0] += n
+        if done[0] >= 9:
+            raise Cut
+    with pytest.raises(Cut):
+        glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
+    opened[0].close()                            # what a crash leaves: rows, no end for the running requests
+    fx = Forensics(tmp_path / "cut")
+    req = fx.requests()
+    running = set(req.filter(~pl.col("finished"))["incarnation"])
+    ex = fx.query("exposures")
+    cut = ex.filter(pl.col("response").is_in(list(running)))
+    assert cut.height, "some response was reading foreign KV when it was cut off"
+    assert cut["response_tenant"].null_count() == 0 and not cut["same_tenant"].any()
+    umbrella = req.filter(pl.col("incarnation").is_in(list(running)) & (pl.col("prompt_tokens_billed") > 656))
+    assert set(cut["response_tenant"]) <= set(umbrella["tenant_h"])
+    runs = fx.query("runs")
+    assert runs["unfinished"][0] == len(running) and runs["requests"][0] == req.height
+    rep = build(tmp_path / "cut")
+    listed = {int(r["response"]) for r in rep["responses"]}
+    assert set(cut["response"]) <= listed

@@ -189,6 +189,8 @@ def test_a_tenants_rate_limits_refuse_it_alone_with_retry_after(unified):
     e = rpm.value
     assert e.status_code == 429 and e.body["code"] == "rate_limit_exceeded" and e.body["type"] == "requests"
     assert 1 <= int(e.response.headers["retry-after"]) <= 20 and e.response.headers["x-ratelimit-remaining-requests"] == "0"
+    tok = httpx.post(unified.url + "/tokenize", json={"prompt": "hello"}, headers={"Authorization": "Bearer key-r"})
+    assert tok.status_code == 429 and tok.json()["error"]["type"] == "requests"     # /tokenize is no way around it
     assert unified.client("key-a").completions.create(model="recall", prompt="hello", max_tokens=1).usage  # acme is not limited
     narrow = unified.client("key-p")
     with narrow.completions.create(model="recall", prompt="tell me more", max_tokens=300, stream=True) as live:

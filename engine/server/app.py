@@ -249,8 +249,20 @@ def create_app(state: State) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        if tenant_of(request) is None:
+        tenant = tenant_of(request)
+        if tenant is None:
             return unauthorized()
+        # a tokenize is a request like any other to the tenant's request rate (it costs CPU, and
+        # answers how long a text is): charged before the body is read, its parallel slot given back after
+        grant = state.limiter.admit(tenant.tenant, 0, 0)
+        if isinstance(grant, Refusal):
+            return _rate_limited(grant)
+        try:
+            return await _tokenize(request)
+        finally:
+            grant.release(None)
+
+    async def _tokenize(request: Request):
         body = await _body(request)
         if isinstance(body, JSONResponse):
             return body

@@ -1,6 +1,7 @@
 -- The runs a store holds: one row per boot (a start of a deployment), oldest first: its nodes
 -- and their roles, the policy and isolation level they ran under, the requests it served, how
--- many responses read foreign KV (blocked reads aside), and its first and last recorded times.
+-- many of those had not finished when the store was read (still running, or cut off: unfinished),
+-- how many responses read foreign KV (blocked reads aside), and its first and last recorded times.
 -- page_ledger: the run recorded page reads and writes. Without them which pages a response read
 -- cannot be established: exposed_responses is then NULL (unknown), never 0. Stores written before
 -- the flag existed: a run with any page write recorded one.
@@ -16,7 +17,8 @@ wrote AS (
     SELECT DISTINCT boot FROM page_writes WHERE boot IN (SELECT boot FROM cfg WHERE declared IS NULL)
 ),
 req AS (
-    SELECT boot, count(*) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
+    SELECT boot, count(*) AS requests, count(*) FILTER (WHERE NOT finished) AS unfinished,
+           min(arrived_at) AS first_request, max(coalesce(finished_at, arrived_at)) AS last_request
     FROM requests GROUP BY boot
 ),
 exposed AS (
@@ -26,7 +28,7 @@ exposed AS (
     GROUP BY boot
 )
 SELECT cfg.boot, cfg.policy, cfg.nodes, cfg.isolation_level, cfg.model,
-       coalesce(req.requests, 0) AS requests,
+       coalesce(req.requests, 0) AS requests, coalesce(req.unfinished, 0) AS unfinished,
        CASE WHEN coalesce(cfg.declared, wrote.boot IS NOT NULL) THEN coalesce(exposed.responses_reading_foreign_kv, 0)
        END AS exposed_responses,
        cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen,

@@ -103,6 +103,22 @@ CREATE TABLE transfers (
     span_id         VARCHAR
 );
 
+-- One row per request incarnation as a node admits it, written by the page ledger in the fold
+-- before any of its reads: who the request is for before its finished span exists, so a response
+-- still running, or cut off by a crash, has its tenant and arrival in the store (requests.sql
+-- takes these for incarnations with no request span: finished = false). Sharded as the request
+-- spans are (by incarnation): a shard holds both halves of its requests.
+-- clickhouse: ORDER BY (node, boot, incarnation) PARTITION BY toDate(ts) SHARD BY cityHash64(toString(incarnation))
+CREATE TABLE arrivals (
+    node          VARCHAR NOT NULL,
+    boot          VARCHAR NOT NULL,
+    incarnation   BIGINT NOT NULL,
+    tenant_h      VARCHAR NOT NULL,     -- the tenant's pseudonym
+    scope_h       VARCHAR NOT NULL,     -- its cache scope's pseudonym
+    prompt_tokens BIGINT NOT NULL,      -- prompt tokens received (what a finished request is billed)
+    ts            TIMESTAMP_NS NOT NULL
+);
+
 -- One row per page-set release.
 -- clickhouse: ORDER BY (node, boot, lclock) PARTITION BY toDate(ts) SHARD BY cityHash64(node, boot)
 CREATE TABLE releases (

@@ -10,7 +10,8 @@ wrote AS (
     SELECT DISTINCT boot, true AS any_write FROM page_writes WHERE boot IN (SELECT boot FROM cfg WHERE declared IS NULL)
 ),
 req AS (
-    SELECT boot, toInt64(count()) AS requests, min(arrived_at) AS first_request, max(finished_at) AS last_request
+    SELECT boot, toInt64(count()) AS requests, toInt64(countIf(NOT finished)) AS unfinished,
+           min(arrived_at) AS first_request, max(coalesce(finished_at, arrived_at)) AS last_request
     FROM requests GROUP BY boot
 ),
 exposed AS (
@@ -20,7 +21,7 @@ exposed AS (
     GROUP BY boot
 )
 SELECT cfg.boot AS boot, cfg.policy AS policy, cfg.nodes AS nodes, cfg.isolation_level AS isolation_level,
-       cfg.model AS model, coalesce(req.requests, 0) AS requests,
+       cfg.model AS model, coalesce(req.requests, 0) AS requests, coalesce(req.unfinished, 0) AS unfinished,
        if(coalesce(cfg.declared, wrote.any_write, false), coalesce(exposed.responses_reading_foreign_kv, 0),
           CAST(NULL AS Nullable(Int64))) AS exposed_responses,
        cfg.started_at AS started_at, greatest(cfg.started_at, req.last_request) AS last_seen,
