@@ -37,11 +37,11 @@ class Protection:
     ongoing: bool                            # the last foreign read is recent (ONGOING)
 
 
-ONGOING = dt.timedelta(minutes=5)
+ONGOING = dt.timedelta(minutes=5)           # a foreign read newer than this: exposure "ongoing"
 
 
 def _listed(items: list[str], n: int = 3) -> str:
-    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")           # a foreign read newer than this: exposure "ongoing"
+    return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 # what this dashboard process has verified (segment hashes, signatures, anchor lines): verify's cache
