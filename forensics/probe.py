@@ -23,10 +23,11 @@ Checks implemented (``--checks``):
   counter (``vllm:prefix_cache_hits_total``) read before and after each request.
 - ``timing`` (the prefix-cache side channel): interleaved samples of B's first request for a
   prefix A has just sent vs a fresh prefix of the same length; a one-sided Mann-Whitney rank test
-  (scipy) with the median TTFT ratio as the effect size. A finding needs both p < 0.01 and the
-  ratio < 0.7. The positive control (A re-sending its own prefix, same test) must show the cache
-  works: without it the result is inconclusive, not a pass. Power: the samples, the p-values and
-  the ratios are reported.
+  (scipy) with the median TTFT ratio as the effect size. A finding needs p < 0.01 and either the
+  ratio < 0.7 or at least half the speed-up the positive control shows (a small model's cache hit
+  saves less than 30 %: B getting what A gets is the finding, whatever its size). The positive
+  control (A re-sending its own prefix, same test) must show the cache works: without it the
+  result is inconclusive, not a pass. Power: the samples, the p-values and the ratios are reported.
 - ``abort`` (the late-write family): B streams prompts dense with B's own canary and closes each
   stream part-way through its prefill (at fractions of the TTFT measured for that length first),
   while A keeps asking, in a loop of its own, a fixed greedy prompt that ends with the canary's
@@ -393,14 +394,27 @@ def check_timing(t: Endpoint, pool: int | None, context: int | None, samples: in
     p_cross, r_cross = test(cross)
     stats = (f"{len(fresh)} samples per arm of {n}-token prefixes; positive control (A's own prefix): "
              f"p={p_own:.2g}, median TTFT ratio {r_own:.2f}; B on A's prefix: p={p_cross:.2g}, ratio {r_cross:.2f}")
-    if p_cross < TIMING_ALPHA and r_cross < TIMING_RATIO:
+    verdict = timing_verdict(p_own, r_own, p_cross, r_cross)
+    if verdict == FINDING:
         return Result("timing", FINDING, stats, [{"prompt_tokens": n, "p_value": p_cross, "median_ttft_ratio": r_cross,
                                                   "why": "tenant B's requests for tenant A's prefix come back faster: "
                                                          "the prefix cache is shared across tenants"}])
-    if not (p_own < TIMING_ALPHA and r_own < TIMING_RATIO):
+    if verdict == INCONCLUSIVE:
         return Result("timing", INCONCLUSIVE, stats + ": the positive control shows no cache effect, so B's result "
                       "has no power")
     return Result("timing", PASS, stats)
+
+
+def timing_verdict(p_own: float, r_own: float, p_cross: float, r_cross: float) -> str:
+    """FINDING when B's requests for A's prefix are significantly faster and either clearly so
+    (ratio < TIMING_RATIO) or by at least half the speed-up A's own repeat shows; INCONCLUSIVE when
+    the positive control shows no cache effect; else PASS."""
+    control = p_own < TIMING_ALPHA and r_own < 1.0
+    if p_cross < TIMING_ALPHA and (r_cross < TIMING_RATIO or (control and 1 - r_cross >= 0.5 * (1 - r_own))):
+        return FINDING
+    if not (p_own < TIMING_ALPHA and r_own < TIMING_RATIO):
+        return INCONCLUSIVE
+    return PASS
 
 
 def _has(text: str, canary: str) -> bool:

@@ -178,3 +178,16 @@ def test_a_429_is_retried_after_its_retry_after(monkeypatch):
     assert out["status"] == 200 and out["id"] == "cmpl-1" and out["usage"] == 3 and len(calls) == 3
     assert out["ttft"] is not None                         # the first chunk times it, though its text is empty
     assert calls[1] - calls[0] >= 0.19 and calls[2] - calls[1] >= 0.19 and t.requests == 3
+
+
+@pytest.mark.parametrize("p_own,r_own,p_cross,r_cross,want", [
+    (0.0076, 0.69, 0.0011, 0.71, "finding"),      # seen against a real vLLM: B gets what A gets, just under 30 %
+    (0.001, 0.40, 0.001, 0.45, "finding"),
+    (0.001, 0.40, 0.30, 0.98, "pass"),            # the cache works for A and not for B
+    (0.001, 0.40, 0.004, 0.85, "pass"),           # significant but a sliver of the control's speed-up
+    (0.40, 0.95, 0.50, 1.00, "inconclusive"),     # no cache effect even for A: no power
+    (0.001, 0.75, 0.40, 0.99, "inconclusive"),    # A's effect too small to call B's absence a pass
+])
+def test_the_timing_verdict_weighs_b_against_the_positive_control(p_own, r_own, p_cross, r_cross, want):
+    from forensics.probe import timing_verdict
+    assert timing_verdict(p_own, r_own, p_cross, r_cross) == want

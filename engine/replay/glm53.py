@@ -141,59 +141,10 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
     if progress:
         progress(0, total=sum(len(w) for w in waves))      # finished requests of how many
     if mode == "unified":
-        eng = LLMEngine(model, tok, cfg(small, "unified0"), recorder=tel)
-        eng.observers.append(oracle.observe_step)
-        pools = {"unified0": eng.pool.capacity_tokens}
-        for wave in waves:
-            for tenant, text in wave:
-                sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
-                try:
-                    r = eng.new_request(text, sp, tenant)
-                    error = None
-                except KvledgerError as e:          # e.g. hardened fitted the context to the pool: longer than it
-                    r = Request(tok.encode(text), sp, tenant, eng.scope_for(tenant), TagChain(b"rejected"),
-                                prompt_tokens_billed=len(tok.encode(text)))
-                    error = e
-                try:
-                    if error is not None:
-                        raise error
-                    eng.check_fits_pool(len(r.prompt_ids))
-                    eng.enqueue(r)
-                except KvledgerError as e:          # unified: the over-pool prompt gets its error
-                    eng.rec.request_arrived(eng, r)
-                    eng.rec.rejected(eng, r, f"admission:{eng.cfg.node_id}", e)
-                    r.fail(e)
-                reqs.append(r)
-                over += [r] if len(r.prompt_ids) > eng.pool.capacity_tokens else []
-            eng.run_until_done(progress)
-        nodes = [eng]
+        nodes, pools = _unified(model, tok, cfg, small, waves, oracle, tel, max_tokens, progress, reqs, over)
     else:
-        if processes:
-            from engine.disagg.procs import ProcessCluster as Cluster
-        else:
-            Cluster = DisaggCluster   # noqa: N806
-        cluster = Cluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
-                          cfg(2 * context, "decode0"), guards, recorder=tel)
-        for n in cluster.nodes:
-            n.observers.append(oracle.observe_step)
-        cluster.landing_observers.append(oracle.observe_landing)
-        pools = {n.cfg.node_id: n.pool.capacity_tokens for n in cluster.nodes}
-        reported = 0                    # finished requests the progress bar has been told of
-        for wave in waves:
-            for i, (tenant, text) in enumerate(wave):
-                sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
-                node = 0 if tenant == "umbrella" or i % 2 == 0 else 1
-                r = cluster.submit(text, sp, tenant, prefill_node=node)   # a rejection comes back failed
-                reqs.append(r)
-                over += [r] if len(r.prompt_ids) > cluster.prefills[node].pool.capacity_tokens else []
-            while cluster.has_work():
-                cluster.step()
-                if progress:
-                    finished = sum(r.is_finished for r in reqs)
-                    progress(finished - reported)
-                    reported = finished
-        cluster.close()
-        nodes = cluster.nodes
+        nodes, pools = _disaggregated(model, tok, cfg, small, context, guards, waves, oracle, tel, max_tokens,
+                                      progress, processes, reqs, over)
     free = {n.cfg.node_id: (n.allocator.num_free, n.allocator.total) for n in nodes}
     balanced = all(f == t for f, t in free.values())
     exposures = {r.incarnation: oracle.exposures(r) for r in reqs if r.error is None}
@@ -207,3 +158,67 @@ def glm53(policy: str = "vulnerable", mode: str = "disaggregated", seed: int = 0
             if c in text and owner != r.tenant:
                 res.surfaced.append((r.incarnation, r.tenant, c))
     return res
+
+
+def _unified(model, tok, cfg, small: int, waves, oracle, tel, max_tokens: int, progress, reqs, over) -> tuple[list, dict]:
+    """One node: the over-pool prompts get the node's error (admission, or the pool check)."""
+    eng = LLMEngine(model, tok, cfg(small, "unified0"), recorder=tel)
+    eng.observers.append(oracle.observe_step)
+    pools = {"unified0": eng.pool.capacity_tokens}
+    for wave in waves:
+        for tenant, text in wave:
+            sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
+            try:
+                r = eng.new_request(text, sp, tenant)
+                error = None
+            except KvledgerError as e:          # e.g. hardened fitted the context to the pool: longer than it
+                r = Request(tok.encode(text), sp, tenant, eng.scope_for(tenant), TagChain(b"rejected"),
+                            prompt_tokens_billed=len(tok.encode(text)))
+                error = e
+            try:
+                if error is not None:
+                    raise error
+                eng.check_fits_pool(len(r.prompt_ids))
+                eng.enqueue(r)
+            except KvledgerError as e:          # unified: the over-pool prompt gets its error
+                eng.rec.request_arrived(eng, r)
+                eng.rec.rejected(eng, r, f"admission:{eng.cfg.node_id}", e)
+                r.fail(e)
+            reqs.append(r)
+            over += [r] if len(r.prompt_ids) > eng.pool.capacity_tokens else []
+        eng.run_until_done(progress)
+    nodes = [eng]
+    return nodes, pools
+
+
+def _disaggregated(model, tok, cfg, small: int, context: int, guards, waves, oracle, tel, max_tokens: int, progress,
+                   processes: bool, reqs, over) -> tuple[list, dict]:
+    """A small prefill node (the incident's pool), a canary prefill node and a decode node: the
+    over-pool prompts go through the small one, half the background through each."""
+    if processes:
+        from engine.disagg.procs import ProcessCluster as Cluster
+    else:
+        Cluster = DisaggCluster   # noqa: N806
+    cluster = Cluster(model, tok, [cfg(small, "prefill0"), cfg(2 * context, "prefill1-canary")],
+                      cfg(2 * context, "decode0"), guards, recorder=tel)
+    for n in cluster.nodes:
+        n.observers.append(oracle.observe_step)
+    cluster.landing_observers.append(oracle.observe_landing)
+    pools = {n.cfg.node_id: n.pool.capacity_tokens for n in cluster.nodes}
+    reported = 0                    # finished requests the progress bar has been told of
+    for wave in waves:
+        for i, (tenant, text) in enumerate(wave):
+            sp = SamplingParams(max_tokens=max_tokens if tenant == "umbrella" else 8)
+            node = 0 if tenant == "umbrella" or i % 2 == 0 else 1
+            r = cluster.submit(text, sp, tenant, prefill_node=node)   # a rejection comes back failed
+            reqs.append(r)
+            over += [r] if len(r.prompt_ids) > cluster.prefills[node].pool.capacity_tokens else []
+        while cluster.has_work():
+            cluster.step()
+            if progress:
+                finished = sum(r.is_finished for r in reqs)
+                progress(finished - reported)
+                reported = finished
+    cluster.close()
+    nodes = cluster.nodes
+    return nodes, pools

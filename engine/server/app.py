@@ -157,6 +157,95 @@ def _validation(e: ValidationError) -> JSONResponse:
     return _err(400, f"{where}: {msg}", param=where or None)
 
 
+# ---- the routes' work, one function each (create_app only wires them) ----------------------------
+def tenant_of(state: State, request: Request) -> Tenant | None:
+    return state.keys.lookup(request.headers.get("authorization"))
+
+def unauthorized() -> JSONResponse:
+    return _err(401, "missing or unknown API key (Authorization: Bearer <key>)", "authentication_error",
+                code="invalid_api_key")
+
+async def generate(state: State, request: Request, chat: bool):
+    m = state.metrics
+    tenant = tenant_of(state, request)
+    if tenant is None:
+        return unauthorized()
+    body = await _body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        cr = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
+    except ValidationError as e:
+        return _validation(e)
+    if cr.model not in (None, state.model_name):
+        return _err(404, f"model {cr.model!r} does not exist; this server serves {state.model_name!r}",
+                    code="model_not_found", param="model")
+    prompt = render_chat(state, cr.messages) if chat else cr.prompt
+    if isinstance(prompt, str):
+        try:
+            prompt_ids = state.tokenizer.encode(prompt)
+        except UnicodeEncodeError:
+            return _err(400, "the prompt is not valid Unicode text")
+    else:
+        prompt_ids = list(prompt)
+    limit = cr.limit if chat else cr.max_tokens
+    sp = SamplingParams(max_tokens=limit, temperature=cr.temperature, top_p=cr.top_p, seed=cr.seed)
+    # the client's user / cache_salt narrow the scope the key gives (one more component of it)
+    salt = json.dumps([cr.user or "", cr.cache_salt or ""]) if (cr.user or cr.cache_salt) else ""
+    grant = state.limiter.admit(tenant.tenant, len(prompt_ids), limit)   # the tenant's rate limits, before the engine
+    if isinstance(grant, Refusal):
+        return _rate_limited(grant)
+    try:
+        stream = await state.loop.submit(prompt_ids, sp, tenant.tenant, tenant.user, salt)
+    except (KvledgerError, QueueFull) as e:
+        grant.release(None)
+        m.rejections.labels(type(e).__name__, "admission").inc()
+        return _admission_error(e)
+    except BaseException:                        # e.g. cancelled: the client left while it was admitted
+        grant.release(None)
+        raise
+    stream.on_done = grant.release               # its parallel slot and unused tokens, when it ends
+    if stream.req.is_finished:                   # (it may have ended before on_done was set)
+        grant.release(stream.req)
+    if stream.req.is_finished and stream.req.error is not None and not stream.req.output_ids:
+        m.rejections.labels(type(stream.req.error).__name__, "cluster").inc()
+        return _failed(stream.req)               # refused at admission: a 4xx, streamed or not
+    if cr.stream:
+        return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", **(grant.headers or {})})
+    response = await _whole(state, request, stream, chat)
+    response.headers.update(grant.headers or {})
+    return response
+
+async def _tokenize(state: State, request: Request):
+    body = await _body(request)
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        tr = P.TokenizeRequest.model_validate(body)
+    except ValidationError as e:
+        return _validation(e)
+    if (tr.prompt is None) == (tr.messages is None):
+        return _err(400, "give exactly one of prompt or messages")
+    text = tr.prompt if tr.prompt is not None else render_chat(state, tr.messages)
+    try:
+        ids = state.tokenizer.encode(text)
+    except UnicodeEncodeError:
+        return _err(400, "the prompt is not valid Unicode text")
+    return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
+
+def operator_only(state: State, request: Request) -> JSONResponse | None:
+    """/metrics and /server_info show every tenant's pseudonym and the cluster's shape: with
+    --metrics-key they want that key (compared in constant time), else 401."""
+    if state.metrics_key is None:
+        return None
+    given = request.headers.get("authorization", "")
+    if hmac.compare_digest(given.encode(), f"Bearer {state.metrics_key}".encode()):
+        return None
+    return _err(401, "this endpoint wants the --metrics-key (Authorization: Bearer <key>)",
+                "authentication_error", code="invalid_api_key")
+
+
 def create_app(state: State) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -174,82 +263,24 @@ def create_app(state: State) -> FastAPI:
 
     app.add_middleware(CountResponses, counter=m.http)
 
-    def tenant_of(request: Request) -> Tenant | None:
-        return state.keys.lookup(request.headers.get("authorization"))
-
-    def unauthorized() -> JSONResponse:
-        return _err(401, "missing or unknown API key (Authorization: Bearer <key>)", "authentication_error",
-                    code="invalid_api_key")
-
-    async def generate(request: Request, chat: bool):
-        tenant = tenant_of(request)
-        if tenant is None:
-            return unauthorized()
-        body = await _body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            cr = (P.ChatRequest if chat else P.CompletionRequest).model_validate(body)
-        except ValidationError as e:
-            return _validation(e)
-        if cr.model not in (None, state.model_name):
-            return _err(404, f"model {cr.model!r} does not exist; this server serves {state.model_name!r}",
-                        code="model_not_found", param="model")
-        prompt = render_chat(state, cr.messages) if chat else cr.prompt
-        if isinstance(prompt, str):
-            try:
-                prompt_ids = state.tokenizer.encode(prompt)
-            except UnicodeEncodeError:
-                return _err(400, "the prompt is not valid Unicode text")
-        else:
-            prompt_ids = list(prompt)
-        limit = cr.limit if chat else cr.max_tokens
-        sp = SamplingParams(max_tokens=limit, temperature=cr.temperature, top_p=cr.top_p, seed=cr.seed)
-        # the client's user / cache_salt narrow the scope the key gives (one more component of it)
-        salt = json.dumps([cr.user or "", cr.cache_salt or ""]) if (cr.user or cr.cache_salt) else ""
-        grant = state.limiter.admit(tenant.tenant, len(prompt_ids), limit)   # the tenant's rate limits, before the engine
-        if isinstance(grant, Refusal):
-            return _rate_limited(grant)
-        try:
-            stream = await state.loop.submit(prompt_ids, sp, tenant.tenant, tenant.user, salt)
-        except (KvledgerError, QueueFull) as e:
-            grant.release(None)
-            m.rejections.labels(type(e).__name__, "admission").inc()
-            return _admission_error(e)
-        except BaseException:                        # e.g. cancelled: the client left while it was admitted
-            grant.release(None)
-            raise
-        stream.on_done = grant.release               # its parallel slot and unused tokens, when it ends
-        if stream.req.is_finished:                   # (it may have ended before on_done was set)
-            grant.release(stream.req)
-        if stream.req.is_finished and stream.req.error is not None and not stream.req.output_ids:
-            m.rejections.labels(type(stream.req.error).__name__, "cluster").inc()
-            return _failed(stream.req)               # refused at admission: a 4xx, streamed or not
-        if cr.stream:
-            return StreamingResponse(_sse(state, request, stream, chat, cr.include_usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", **(grant.headers or {})})
-        response = await _whole(state, request, stream, chat)
-        response.headers.update(grant.headers or {})
-        return response
-
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await generate(request, chat=False)
+        return await generate(state, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await generate(request, chat=True)
+        return await generate(state, request, chat=True)
 
     @app.get("/v1/models")
     async def models(request: Request):
-        if tenant_of(request) is None:
+        if tenant_of(state, request) is None:
             return unauthorized()
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "kvledger", "max_model_len": state.context_length}]}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        tenant = tenant_of(request)
+        tenant = tenant_of(state, request)
         if tenant is None:
             return unauthorized()
         # a tokenize is a request like any other to the tenant's request rate (it costs CPU, and
@@ -258,46 +289,18 @@ def create_app(state: State) -> FastAPI:
         if isinstance(grant, Refusal):
             return _rate_limited(grant)
         try:
-            return await _tokenize(request)
+            return await _tokenize(state, request)
         finally:
             grant.release(None)
-
-    async def _tokenize(request: Request):
-        body = await _body(request)
-        if isinstance(body, JSONResponse):
-            return body
-        try:
-            tr = P.TokenizeRequest.model_validate(body)
-        except ValidationError as e:
-            return _validation(e)
-        if (tr.prompt is None) == (tr.messages is None):
-            return _err(400, "give exactly one of prompt or messages")
-        text = tr.prompt if tr.prompt is not None else render_chat(state, tr.messages)
-        try:
-            ids = state.tokenizer.encode(text)
-        except UnicodeEncodeError:
-            return _err(400, "the prompt is not valid Unicode text")
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_length}
 
     @app.get("/health")
     async def health():
         alive = state.loop.alive
         return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
-    def operator_only(request: Request) -> JSONResponse | None:
-        """/metrics and /server_info show every tenant's pseudonym and the cluster's shape: with
-        --metrics-key they want that key (compared in constant time), else 401."""
-        if state.metrics_key is None:
-            return None
-        given = request.headers.get("authorization", "")
-        if hmac.compare_digest(given.encode(), f"Bearer {state.metrics_key}".encode()):
-            return None
-        return _err(401, "this endpoint wants the --metrics-key (Authorization: Bearer <key>)",
-                    "authentication_error", code="invalid_api_key")
-
     @app.get("/metrics")
     async def metrics(request: Request):
-        if (refused := operator_only(request)) is not None:
+        if (refused := operator_only(state, request)) is not None:
             return refused
         text = generate_latest(m.registry)
         text += await state.loop.metrics_text()       # the engine's own metrics, from its process
@@ -305,7 +308,7 @@ def create_app(state: State) -> FastAPI:
 
     @app.get("/server_info")
     async def server_info(request: Request):
-        if (refused := operator_only(request)) is not None:
+        if (refused := operator_only(state, request)) is not None:
             return refused
         return state.info
 

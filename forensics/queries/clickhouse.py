@@ -32,10 +32,10 @@ import pyarrow as pa
 
 from forensics.queries.base import ForensicsBackend
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
-from telemetry.store.chain import Verdict, verify
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
-from telemetry.store.schema import arrow_schemas
 from telemetry.store import StoreError, resolve_boot
+from telemetry.store.chain import Verdict, verify
+from telemetry.store.schema import arrow_schemas, collector_span_columns
 
 CH_DIR = SQL_DIR / "clickhouse"
 MATERIALISED = ["requests", "exposure_x", "exposure_slots", "exposure_ngrams"]
@@ -65,6 +65,13 @@ def _strip_comments(text: str) -> str:
     return "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("--"))
 
 
+# how the Collector's ClickHouse exporter types a column where ours differs (LowCardinality and enum
+# strings, a UInt64 duration, the event names array); every other column is read as it is
+COLLECTOR_CAST = {"SpanName": "toString(SpanName)", "SpanKind": "toString(SpanKind)",
+                  "ServiceName": "toString(ServiceName)", "Duration": "toInt64(Duration)",
+                  "StatusCode": "toString(StatusCode)", "Events.Name": "arrayMap(x -> toString(x), `Events.Name`)"}
+
+
 def otel_spans(table: str, tenant_attribute: str = "tenant.id") -> str:
     """The spans table's columns read from a Collector-written ``otel_traces`` table (the exporter's
     DDL): the typed columns from the attributes, first present wins, as the OTLP receiver fills them.
@@ -77,14 +84,10 @@ def otel_spans(table: str, tenant_attribute: str = "tenant.id") -> str:
         return "coalesce(" + ", ".join(f"nullIf(SpanAttributes['{n}'], '')" for n in names) + ")"
 
     ta = tenant_attribute.replace("'", "")
+    # the Collector's own columns, named by schema.sql (the one list), read as the exporter typed them
+    collector = ", ".join(f'{COLLECTOR_CAST.get(c, f"`{c}`")} AS "{c}"' for c in collector_span_columns())
     return f"""
-    SELECT Timestamp AS "Timestamp", TraceId AS "TraceId", SpanId AS "SpanId", ParentSpanId AS "ParentSpanId",
-           TraceState AS "TraceState", toString(SpanName) AS "SpanName", toString(SpanKind) AS "SpanKind",
-           toString(ServiceName) AS "ServiceName", ResourceAttributes AS "ResourceAttributes", ScopeName AS "ScopeName",
-           ScopeVersion AS "ScopeVersion", SpanAttributes AS "SpanAttributes", toInt64(Duration) AS "Duration",
-           toString(StatusCode) AS "StatusCode", StatusMessage AS "StatusMessage",
-           `Events.Timestamp` AS "Events.Timestamp", arrayMap(x -> toString(x), `Events.Name`) AS "Events.Name",
-           `Links.TraceId` AS "Links.TraceId", `Links.SpanId` AS "Links.SpanId",
+    SELECT {collector},
            toInt64OrNull(SpanAttributes['kvledger.incarnation']) AS incarnation,
            coalesce(nullIf(ResourceAttributes['service.instance.id'], ''), nullIf(ResourceAttributes['host.name'], ''),
                     toString(ServiceName)) AS node,

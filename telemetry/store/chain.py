@@ -215,52 +215,14 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
         files = read_chain_files(root)
     except ValueError as e:
         return Verdict(False, 0, 0, GENESIS, str(e), [], **base)
-    prev, rows, n, seq, warnings = GENESIS, 0, 0, -1, []
-    linked: set[str] = set()
-    for cf in files:
-        for link in cf.links:
-            where = f"segment {link.seq} ({link.file})"
-            problem = None
-            path = root / link.file
-            if link.seq != seq + 1:
-                problem = f"sequence gap: expected {seq + 1}, found {link.seq} (a segment was removed)"
-            elif link.prev != prev:
-                problem = "does not link to the previous segment (reordered or inserted)"
-            elif link.computed() != link.link:
-                problem = "link hash does not match its entry (the entry was edited)"
-            elif not path.is_file():
-                problem = "segment file is missing"
-            elif _sha(path, cache) != link.sha256:
-                problem = "segment content does not match its hash (the file was modified)"
-            if problem:
-                return Verdict(False, n, rows, prev, f"{where}: {problem}", warnings, seq, **base)
-            prev, rows, n, seq = link.link, rows + link.rows, n + 1, link.seq
-            linked.add(link.file)
-        last = cf.links[-1] if cf.links else None
-        if cf.signature is None or last is None or not _checked(
-                cache, ("sig", cf.name, last.link, cf.signature),
-                lambda: ident.check(_msg("chain", ident.store_id, last.seq, last.link), cf.signature)):
-            return Verdict(False, n - len(cf.links), rows - sum(ln.rows for ln in cf.links), cf.links[0].prev
-                           if cf.links else prev, f"chain/{cf.name}: not signed by this store's key "
-                           f"(fingerprint {ident.fingerprint}): rewritten by someone without it", warnings,
-                           cf.links[0].seq - 1 if cf.links else seq, **base)
-    # files the chain does not name: a killed writer's signed tail, or strangers
-    intent, unlinked = read_intent(root, ident), []
-    for p in sorted((root / "segments").rglob("*")) if (root / "segments").is_dir() else []:
-        rel = str(p.relative_to(root))
-        if p.is_dir() or rel in linked:
-            continue
-        if p.name.startswith(".tmp-"):
-            warnings.append(f"{rel}: a temp file a writer left when it stopped mid-write; readers ignore it")
-            continue
-        e = intent.get(rel)
-        if e is not None and e["seq"] > seq and p.is_file() and _sha(p, cache) == e["sha256"]:
-            unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"]))
-            warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
-                            "readers ignore it until the next writer links it")
-            continue
-        return Verdict(False, n, rows, prev, f"{rel}: not written by this store's writer (no link or signed intent "
-                       "names it): a file was dropped into the store", warnings, seq, **base)
+    walked = _walk_chain(root, ident, files, cache, base)
+    if isinstance(walked, Verdict):
+        return walked
+    prev, rows, n, seq, linked = walked
+    warnings: list[str] = []
+    unlinked, stranger = _unlinked(root, ident, seq, linked, cache, warnings)
+    if stranger:
+        return Verdict(False, n, rows, prev, stranger, warnings, seq, **base)
     sealed = _sealed(root, ident, seq, prev)
     # the key holder's record of which store lives at this path: a store rewritten under a new key
     # and id, or another genuine store moved here, declares an identity that is not the recorded one
@@ -299,6 +261,63 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
                         "before anchoring them)")
     return Verdict(True, n, rows, prev, None, warnings, seq, str(apath), top["seq"], sealed,
                    unlinked=tuple(unlinked), **base)
+
+
+def _walk_chain(root: Path, ident, files, cache: dict | None, base: dict):
+    """Every link in order: sequence, linkage, entry hash, file hash, and each chain file's signature.
+    (prev, rows, segments, seq, linked files) when all hold, else the Verdict naming the first break."""
+    prev, rows, n, seq = GENESIS, 0, 0, -1
+    linked: set[str] = set()
+    for cf in files:
+        for link in cf.links:
+            where = f"segment {link.seq} ({link.file})"
+            problem = None
+            path = root / link.file
+            if link.seq != seq + 1:
+                problem = f"sequence gap: expected {seq + 1}, found {link.seq} (a segment was removed)"
+            elif link.prev != prev:
+                problem = "does not link to the previous segment (reordered or inserted)"
+            elif link.computed() != link.link:
+                problem = "link hash does not match its entry (the entry was edited)"
+            elif not path.is_file():
+                problem = "segment file is missing"
+            elif _sha(path, cache) != link.sha256:
+                problem = "segment content does not match its hash (the file was modified)"
+            if problem:
+                return Verdict(False, n, rows, prev, f"{where}: {problem}", [], seq, **base)
+            prev, rows, n, seq = link.link, rows + link.rows, n + 1, link.seq
+            linked.add(link.file)
+        last = cf.links[-1] if cf.links else None
+        if cf.signature is None or last is None or not _checked(
+                cache, ("sig", cf.name, last.link, cf.signature),
+                lambda: ident.check(_msg("chain", ident.store_id, last.seq, last.link), cf.signature)):
+            return Verdict(False, n - len(cf.links), rows - sum(ln.rows for ln in cf.links), cf.links[0].prev
+                           if cf.links else prev, f"chain/{cf.name}: not signed by this store's key "
+                           f"(fingerprint {ident.fingerprint}): rewritten by someone without it", [],
+                           cf.links[0].seq - 1 if cf.links else seq, **base)
+    return prev, rows, n, seq, linked
+
+
+def _unlinked(root: Path, ident, seq: int, linked: set[str], cache: dict | None, warnings: list[str]):
+    """Files the chain does not name: a killed writer's signed tail (kept, for the next writer to
+    link), a writer's temp file (ignored), or a stranger - ([unlinked], the stranger named or None)."""
+    intent, unlinked = read_intent(root, ident), []
+    for p in sorted((root / "segments").rglob("*")) if (root / "segments").is_dir() else []:
+        rel = str(p.relative_to(root))
+        if p.is_dir() or rel in linked:
+            continue
+        if p.name.startswith(".tmp-"):
+            warnings.append(f"{rel}: a temp file a writer left when it stopped mid-write; readers ignore it")
+            continue
+        e = intent.get(rel)
+        if e is not None and e["seq"] > seq and p.is_file() and _sha(p, cache) == e["sha256"]:
+            unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"]))
+            warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
+                            "readers ignore it until the next writer links it")
+            continue
+        return unlinked, (f"{rel}: not written by this store's writer (no link or signed intent names it): a file "
+                          "was dropped into the store")
+    return unlinked, None
 
 
 def damaged_segments(root: str | Path, cache: dict | None = None) -> list[str]:
