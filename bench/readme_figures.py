@@ -286,7 +286,17 @@ def peers_collect_table(r: dict) -> str:
     ])
 
 
-SECTIONS = {"engine": engine_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+def dashboard_replay_table(r: dict) -> str:
+    c = r["config"]
+    return (f"On the quick start's store (one `kvledger replay glm53`: {c['rows']:,} rows, {c['segments']} segments), "
+            f"`bench/dashboard_replay.py`: the banner's data (store opened and verified, the page's queries, the "
+            f"protection state and the totals) {r['banner_s']:.2f} s (first {r['first_banner_s']:.2f} s; goal <= "
+            f"{r['goal_banner_s']:.0f} s), the whole page {r['page_s']:.2f} s in Streamlit's AppTest, the script itself "
+            f"{r['script_s']:.2f} s (first {r['first_page_s']:.2f} s; goal <= {r['goal_page_s']:.0f} s); medians of "
+            f"{c['repeats']} warm runs.")
+
+
+SECTIONS = {"engine": engine_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table}
 
