@@ -515,3 +515,30 @@ def test_verify_exits_non_zero_unless_the_store_is_intact_and_anchored(store, tm
     assert main(["verify", "--store", str(store), *argv, "--format", "json"]) == code
     body = json.loads(capsys.readouterr().out)
     assert body["exit"] == code and body["anchored"] == (code == 0 and "--no-anchor" not in argv)
+
+
+def test_a_reader_does_not_rehash_what_it_verified_before_and_still_sees_any_change(store, monkeypatch):
+    """Issue 36 (the verification cache): a command's segment hashes are kept outside the store, keyed
+    by path, size, mtime, ctime and inode, so the next command re-reads nothing it verified - and an
+    edit in place with its size and mtime restored is still caught (its ctime moved)."""
+    import telemetry.store.chain as chain
+    from forensics.queries.duckdb import Forensics
+    hashed: list = []
+    real = chain.sha256_file
+    monkeypatch.setattr(chain, "sha256_file", lambda p: hashed.append(p) or real(p))
+    Forensics(store)
+    assert len(hashed) >= 4                                  # cold: every segment read once
+    assert chain.HashCache(store).path.is_file()             # kept in the state directory, not in the store
+    assert not any("verified" in str(p) for p in store.rglob("*"))
+    hashed.clear()
+    Forensics(store)
+    assert hashed == []                                      # warm: nothing re-read
+    seg = _seg(store, 1)
+    st = seg.stat()
+    body = bytearray(seg.read_bytes())
+    body[len(body) // 2] ^= 0x01
+    seg.write_bytes(bytes(body))
+    os.utime(seg, ns=(st.st_atime_ns, st.st_mtime_ns))       # size and mtime as they were
+    with pytest.raises(StoreError, match="does not match its hash"):
+        Forensics(store)
+    assert verify(store).broken and "does not match its hash" in verify(store).broken   # verify keeps no cache

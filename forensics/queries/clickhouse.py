@@ -34,7 +34,7 @@ from forensics.queries.base import ForensicsBackend
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
 from telemetry.store import StoreError, resolve_boot
-from telemetry.store.chain import Verdict, verify
+from telemetry.store.chain import HashCache, Verdict, verify
 from telemetry.store.schema import arrow_schemas, collector_span_columns
 
 CH_DIR = SQL_DIR / "clickhouse"
@@ -123,7 +123,11 @@ class ClickHouseForensics:
             self.store = Path(store)
             if not (self.store / "chain").is_dir():
                 raise StoreError(f"no kvledger store at {self.store} (expected {self.store}/chain)")
+            if cache is None:               # a command: the segment hashes of earlier commands (outside the store)
+                cache = HashCache(self.store)
             self.verdict = verify(self.store, anchor, cache=cache)
+            if isinstance(cache, HashCache):
+                cache.save()
             if not self.verdict.ok and not allow_unverified:
                 raise StoreError(f"store {self.store} does not verify: {self.verdict.broken}; refusing to answer "
                                  "(--allow-unverified answers anyway, and says so in every output)")

@@ -18,7 +18,7 @@ import duckdb
 import polars as pl
 
 from telemetry.store import StoreError, open_store, verify
-from telemetry.store.chain import damaged_segments
+from telemetry.store.chain import HashCache, damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
 # tables the queries build on, materialised once per connection (a snapshot of the store) on first
@@ -28,6 +28,7 @@ SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named qu
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposures_in", "scores_in"]
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
+
 EPOCH = dt.datetime(1970, 1, 1)
 FAR = dt.datetime(2262, 1, 1)       # TIMESTAMP_NS ends in April 2262
 DEFAULTS = {"bucket_s": 60, "min_tokens": 32, "slack": 0.5, "boundary": 0.02, "min_probes": 3, "share": 0.2}
@@ -70,7 +71,11 @@ class Forensics:
         every output must (``unverified_note``). ``cache``: a long-lived reader's verification
         cache, so a growing store is verified incrementally."""
         self.store, self.run = Path(store), run
+        if cache is None:                   # a command: the segment hashes of earlier commands, outside the store
+            cache = HashCache(self.store)
         self.verdict = verify(self.store, anchor, cache=cache)
+        if isinstance(cache, HashCache):
+            cache.save()
         if not self.verdict.ok and not allow_unverified:
             raise StoreError(f"store {self.store} does not verify: {self.verdict.broken}; refusing to answer "
                              "(--allow-unverified answers anyway, and says so in every output)")

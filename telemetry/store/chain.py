@@ -351,10 +351,43 @@ def _sha(path: Path, cache: dict | None) -> str:
     if cache is None:
         return sha256_file(path)
     st = path.stat()
-    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ino)
+    # ctime too: an edit in place with its size and mtime restored (os.utime) still moves the ctime
+    key = (str(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
     if key not in cache:
         cache[key] = sha256_file(path)
     return cache[key]
+
+
+class HashCache(dict):
+    """The segment hashes a reader computed, kept between commands outside the store (the state
+    directory, beside the keys: the same custody), so a segment verified once is not re-read on
+    every command - verification that does not grow with history. An entry is keyed by the file's
+    path, size, mtime, ctime and inode: any change to the file (its content, or a substitute in its
+    place) misses and is hashed again; the signatures and the anchor are checked every time.
+    ``kvledger verify`` keeps no cache; unwritable state is no error (the cache is only speed)."""
+
+    def __init__(self, root: str | Path):
+        super().__init__()
+        real = str(Path(root).resolve())
+        self.path = state_dir() / "verified" / f"{hashlib.sha256(real.encode()).hexdigest()[:32]}.json"
+        try:
+            for e in json.loads(self.path.read_text()):
+                self[tuple(e[:5])] = e[5]
+        except (OSError, ValueError, TypeError, IndexError):
+            pass
+        self._loaded = len(self)
+
+    def save(self) -> None:
+        files = [[*k, v] for k, v in self.items() if len(k) == 5 and isinstance(v, str) and isinstance(k[0], str)]
+        if len(files) == self._loaded:
+            return
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(f".tmp-{os.getpid()}")
+            tmp.write_text(json.dumps(files))
+            os.replace(tmp, self.path)
+        except OSError:
+            pass
 
 
 def _sealed(root: Path, ident: Identity, seq: int, head: str) -> bool:
