@@ -173,3 +173,16 @@ def test_preflight_and_verify_print_json_that_says_what_the_table_says(capsys, t
     assert found and all(f["pool_tokens"] for f in found)
     assert code == (1 if any(f["fits"] is False or f["finding"] for f in found) else 3 if any(
         f["fits"] is None for f in found) else 0)
+
+
+def test_replay_and_generate_print_one_json_object(capsys):
+    import json
+    assert main(["generate", "--model", "recall", "--prompt", "hello there hello", "--max-tokens", "4",
+                 "--format", "json"]) == 0
+    g = json.loads(capsys.readouterr().out)
+    assert g["completion_tokens"] == 4 and g["read_check"] is True and g["incarnation"].isdigit()
+    assert main(["replay", "late_write", "--no-store", "--format", "json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["scenario"] == "late_write" and r["requests"] and r["pages_balanced"] in (True, False)
+    assert r["responses_reading_foreign_kv"] == sum(1 for q in r["requests"] if q["donors"]) >= 1
+    assert all(d.isdigit() for q in r["requests"] for d in q["donors"])

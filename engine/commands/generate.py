@@ -21,6 +21,7 @@ class GenerateConfig:
     context_length: int | None = None
     page_size: int = 16
     check_reads: bool = True
+    format: str = "text"
 
 
 def add_arguments(g) -> None:
@@ -37,6 +38,8 @@ def add_arguments(g) -> None:
                         "never outgrows the pool; a longer one is warned about)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
+    g.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text (default): the completion, then its stats table on stderr; json: one object with both")
 
 
 MAX_TOKENS = 1 << 24          # tokens: no context this engine serves is longer
@@ -58,7 +61,7 @@ def make_config(args) -> GenerateConfig:
         raise InputError(f"--memory-budget {args.memory_budget}: must be more than 0 and at most this machine's "
                          f"memory ({ram / 2**30:.1f} GiB)")
     return GenerateConfig(args.model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
-                          args.tenant, args.memory_budget, args.context_length, args.page_size, not args.no_check)
+                          args.tenant, args.memory_budget, args.context_length, args.page_size, not args.no_check, format=args.format)
 
 
 def run(c: GenerateConfig) -> int:
@@ -87,13 +90,24 @@ def run(c: GenerateConfig) -> int:
     eng = LLMEngine(model, tok, cfg)
     t0 = time.perf_counter()
     req = eng.add_request(c.prompt, sp, tenant=c.tenant)
-    con = Console(stderr=True)
+    con = Console(stderr=True, quiet=c.format == "json")
     with con.status("generating", spinner="dots"):
         eng.run_until_done()
     wall = time.perf_counter() - t0
     if req.error is not None:
         from engine.commands.main import die
         return die(str(req.error))
+    if c.format == "json":
+        import json
+        n_out = len(req.output_ids)
+        decode_s = (req.finished_at - req.first_token_at) if req.first_token_at else 0.0
+        print(json.dumps({"text": eng.text(req), "incarnation": str(req.incarnation), "tenant": req.tenant,
+                          "prompt_tokens": len(req.prompt_ids), "completion_tokens": n_out,
+                          "finish_reason": req.finish_reason, "ttft_s": req.ttft,
+                          "decode_tokens_per_s": (n_out - 1) / decode_s if n_out > 1 and decode_s > 0 else None,
+                          "wall_s": wall, "engine_steps": eng.steps, "read_check": cfg.check_reads,
+                          "pool_tokens": eng.pool.capacity_tokens, "context_length": cfg.context_length}))
+        return 0
     print(eng.text(req))
     con.print(_stats(eng, req, cfg, wall))
     return 0

@@ -23,6 +23,7 @@ class ReplayConfig:
     context_length: int = 1024
     victims: int = 4
     max_tokens: int = 160
+    format: str = "text"
 
 
 def add_arguments(r) -> None:
@@ -44,6 +45,9 @@ def add_arguments(r) -> None:
                    help="glm53: scaled context, 256..131072 (default 1024); pools keep the incident's ratio")
     r.add_argument("--victims", type=int, default=None, help="glm53: prompts longer than the small prefill pool (default 4)")
     r.add_argument("--max-tokens", type=int, default=None, help="glm53: tokens each over-pool request generates (default 160)")
+    r.add_argument("--format", choices=["text", "json"], default="text",
+                   help="text (default): the tables; json: one object - pools, every request's outcome and the "
+                        "donors it read (by the oracle), canaries, free pages, what reached the store")
 
 
 def make_config(a) -> ReplayConfig:
@@ -69,12 +73,13 @@ def make_config(a) -> ReplayConfig:
         mode = MODES[a.scenario]
         if a.mode not in (None, mode):
             raise InputError(f"scenario {a.scenario} runs in {mode} mode only (got --mode {a.mode})")
-        return ReplayConfig(a.scenario, policy=a.policy, mode=mode, trigger=not a.no_trigger, store=store, seed=a.seed)
+        return ReplayConfig(a.scenario, policy=a.policy, mode=mode, trigger=not a.no_trigger, store=store, seed=a.seed,
+                            format=a.format)
     d = GLM53_DEFAULTS
     c = ReplayConfig(a.scenario, policy=a.policy, mode=a.mode or d["mode"], processes=a.processes, store=store,
                      seed=a.seed, context_length=d["context_length"] if a.context_length is None else a.context_length,
                      victims=d["victims"] if a.victims is None else a.victims,
-                     max_tokens=d["max_tokens"] if a.max_tokens is None else a.max_tokens)
+                     max_tokens=d["max_tokens"] if a.max_tokens is None else a.max_tokens, format=a.format)
     _check_glm53(c, a.no_trigger)
     return c
 
@@ -113,11 +118,11 @@ def run(c: ReplayConfig) -> int:
         from engine.replay import run_fault
         res = view.with_progress(f"replaying {c.scenario} ({c.policy}, {c.mode})", lambda progress: run_fault(
             c.scenario, c.policy, seed=c.seed, trigger=c.trigger, recorder=recorder, progress=progress), unit="steps")
-        view.print_fault(res, c.store)
+        view.print_json(res, c.store) if c.format == "json" else view.print_fault(res, c.store)
         return 0
     from engine.replay import glm53
     res = view.with_progress(f"replaying {c.scenario} ({c.policy}, {c.mode})", lambda progress: glm53(
         c.policy, c.mode, seed=c.seed, context=c.context_length, victims=c.victims, max_tokens=c.max_tokens,
         progress=progress, recorder=recorder, processes=c.processes))
-    view.print_glm53(res, c.store)
+    view.print_json(res, c.store) if c.format == "json" else view.print_glm53(res, c.store)
     return 0

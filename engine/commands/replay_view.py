@@ -23,6 +23,27 @@ def with_progress(title: str, work, unit: str = "requests"):
         return work(progress)
 
 
+def print_json(res, store: str | None) -> None:
+    """The replay as one JSON object (ids as decimal strings, as everywhere)."""
+    import json
+    donors = res.readers_of_foreign
+    reqs = [{"incarnation": str(r.incarnation), "tenant": r.tenant, "prompt_tokens": len(r.prompt_ids),
+             "prompt_tokens_billed": r.prompt_tokens_billed, "completion_tokens": len(r.output_ids),
+             "outcome": "error" if r.error is not None else (r.finish_reason or "unfinished"),
+             "error": str(r.error) if r.error is not None else None,
+             "over_pool": any(r is o for o in res.over_pool),
+             "foreign_slots_read": len(res.exposures.get(r.incarnation, [])),
+             "donors": sorted(str(d) for d in donors.get(r.incarnation, ())),
+             "blocked": r.incarnation in res.blocked} for r in res.requests]
+    print(json.dumps({"scenario": res.scenario, "policy": res.policy, "mode": res.mode, "context": res.context,
+                      "pools": res.pools, "requests": reqs,
+                      "responses_reading_foreign_kv": sum(1 for r in reqs if r["donors"]),
+                      "canaries_planted": len(res.canaries), "canaries_surfaced": len(res.surfaced),
+                      "pages_balanced": res.pages_balanced,
+                      "free_pages": {n: {"free": f, "total": t} for n, (f, t) in res.free_pages.items()},
+                      "store": store, "telemetry": res.telemetry}, default=str))
+
+
 def _store_line(res, store: str | None, detail: bool) -> str | None:
     if res.telemetry is None:
         return None
