@@ -81,13 +81,16 @@ def url_state(key: str, value: str, default: str) -> None:
         QP[key] = value
 
 
-def when(text: str, label: str) -> dt.datetime | None:
+def when(text: str, label: str | None = None) -> dt.datetime | None:
+    """The time a sidebar field names (None: empty or unreadable); ``label``: say why in the
+    sidebar (the script run only - a fragment rerun may not write outside its own body)."""
     if not text.strip():
         return None
     try:
         return parse_when(text)
     except ValueError as e:
-        st.sidebar.error(f"{label}: {e}")
+        if label is not None:
+            st.sidebar.error(f"{label}: {e}")
         return None
 
 
@@ -108,7 +111,7 @@ def open_panels(f: Filters, snap: "Panels | None" = None) -> Panels:
 with st.sidebar:
     st.header("View")
     view = st.segmented_control("Section", list(VIEWS), default=QP.get("view") if QP.get("view") in VIEWS else "all", key="view",
-                                format_func=lambda v: v, help="; ".join(f"{k}: {v}" for k, v in VIEWS.items())) or "all"
+                                help="; ".join(f"{k}: {v}" for k, v in VIEWS.items())) or "all"
     since = st.text_input("From", QP.get("from", ""), key="from", placeholder="store start",
                           help="ISO 8601 UTC (2026-09-01T12:00:00Z) or relative: now-15m, 2h, 7d; empty: the start")
     until = st.text_input("To", QP.get("to", ""), key="to", placeholder="now",
@@ -133,7 +136,7 @@ _THIS_RUN = {"snapshot": meta}
 
 def filters(start: dt.datetime | None = None) -> Filters:
     """The sidebar's filters; a relative range is re-read from now on every refresh."""
-    return Filters(start=start or when(since, "From"), end=when(until, "To"),
+    return Filters(start=start or when(since), end=when(until),
                    tenant=None if tenant == "all" else tenant,
                    node=None if node == "all" else node, policy=None if policy == "all" else policy)
 
