@@ -23,6 +23,7 @@ recursion limit is a 400.
 """
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import operator
@@ -398,6 +399,9 @@ class Decoders:
             self.pool = None
 
 
+COMMIT_TIMEOUT = 30.0      # seconds a post waits for its rows to be durable before a 503 (the sender retries)
+
+
 def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header: str | None = None,
               decode_workers: int = 0, own_metrics_registry=None) -> FastAPI:
     """The receiver as an ASGI app writing into ``writer`` (a telemetry.store.SegmentWriter);
@@ -459,11 +463,18 @@ def build_app(writer, tenant_attribute: str | None = "tenant.id", tenant_header:
             return error(503, "a decoder process died; retry")
         if kind == "traces":
             table = with_pseudonyms(table, writer.keys.pseudonym)
-        try:
-            writer.submit("spans" if counter == "spans" else "metrics", table)
+        if writer.saturated:        # filled while this body was decoded: a full queue would block the event loop
+            app.state.received["throttled"] += 1
+            return error(503, "the store writer is behind; retry later")
+        try:        # acknowledged only once durable (group commit): a full disk is a 503, never a lost 200
+            ticket = writer.commit("spans" if counter == "spans" else "metrics", table)
         except StoreError as e:
             app.state.received["store_failed"] += 1
             return error(503, f"the store cannot be written ({e}); retry later")
+        if not await asyncio.to_thread(ticket.wait, COMMIT_TIMEOUT):
+            app.state.received["store_failed"] += 1
+            why = ticket.error or writer.error or f"not on disk within {COMMIT_TIMEOUT:g} s"
+            return error(503, f"the store cannot be written ({why}); retry later")
         app.state.received[counter] += table.num_rows
         out = response_cls()
         if ctype.startswith("application/json"):

@@ -17,7 +17,7 @@ from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metric
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from telemetry.errors import StoreError
-from telemetry.receivers.otlp import MAX_BODY, metric_rows, span_rows
+from telemetry.receivers.otlp import COMMIT_TIMEOUT, MAX_BODY, metric_rows, span_rows
 
 
 class _Receiver:
@@ -34,11 +34,15 @@ class _Receiver:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the store writer is behind; retry later")
 
     def _submit(self, context, table_name: str, table) -> None:
-        try:
-            self.writer.submit(table_name, table)
+        try:        # acknowledged only once durable (group commit, as over HTTP)
+            ticket = self.writer.commit(table_name, table)
         except StoreError as e:
             self.received["store_failed"] += 1
             context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be written ({e}); retry later")
+        if not ticket.wait(COMMIT_TIMEOUT):
+            self.received["store_failed"] += 1
+            why = ticket.error or self.writer.error or f"not on disk within {COMMIT_TIMEOUT:g} s"
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"the store cannot be written ({why}); retry later")
 
     def _header_tenant(self, context) -> str | None:
         if self.tenant_header is None:

@@ -103,6 +103,19 @@ def _atomic_write(path: Path, data: "bytes | pa.Buffer") -> None:
         raise
 
 
+class Commit:
+    """A durability ticket (``SegmentWriter.commit``): set once the rows it follows are in linked
+    segments, or the write failed (``error``)."""
+    __slots__ = ("done", "error")
+
+    def __init__(self):
+        self.done, self.error = threading.Event(), None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """True once durable; False when the write failed or ``timeout`` passed first."""
+        return self.done.wait(timeout) and self.error is None
+
+
 class SegmentWriter:
     """Buffers columnar batches per table and writes chained Parquet segments from one thread.
 
@@ -164,6 +177,7 @@ class SegmentWriter:
         self.rows_written: dict[str, int] = dict.fromkeys(self.schemas, 0)
         self.segments_written = 0
         self.error: BaseException | None = None
+        self._commits: list[Commit] = []         # writer thread only: tickets waiting for the next write
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
         self._thread.start()
@@ -178,7 +192,7 @@ class SegmentWriter:
     @property
     def saturated(self) -> bool:
         """The batch queue is (nearly) full: a receiver answers 503 instead of blocking its sender."""
-        return self._q.qsize() >= self._q.maxsize - 1
+        return self._q.qsize() >= self._q.maxsize - 2      # room for one more batch and its commit ticket
 
     @property
     def accepting(self) -> bool:
@@ -197,6 +211,16 @@ class SegmentWriter:
         if num_rows(data):
             self.nudge()
             self._q.put((table, data))
+
+    def commit(self, table: str, data: "pa.Table | Columns") -> Commit:
+        """Submit, and get a ticket set when those rows are durable - group commit: the writer writes
+        as soon as its queue runs dry (every ticket queued meanwhile shares that one write), so a
+        receiver acknowledges only what is on disk. A write that fails (a full disk) fails every
+        ticket waiting on it: nothing is acknowledged and then lost."""
+        self.submit(table, data)
+        c = Commit()
+        self._q.put(("__commit__", c))
+        return c
 
     def submit_lazy(self, build: Callable[[], list[tuple[str, "pa.Table | Columns"]]]) -> None:
         """Queue a function the writer thread calls to build (table, rows) pairs: the engine hands over
@@ -246,6 +270,7 @@ class SegmentWriter:
             except queue.Empty:
                 item = ("__tick__", None)
             if item is None:
+                self._settle(self.error or StoreError("store writer is closed"))
                 return
             table, data = item
             try:
@@ -253,6 +278,12 @@ class SegmentWriter:
                     self._write_all()
                     last = self._flushed()          # everything is written: the next periodic flush is an interval away
                     data.set()
+                    continue
+                if table == "__commit__":
+                    self._commits.append(data)
+                    if self._q.empty():              # nothing more to batch with: write now, for every ticket waiting
+                        self._write_all()
+                        last = self._flushed()
                     continue
                 items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
                 for t, d in items:
@@ -269,9 +300,18 @@ class SegmentWriter:
                 self.error = e
                 if table == "__flush__":
                     data.set()
+                self._settle(e)
+
+    def _settle(self, error: BaseException | None = None) -> None:
+        """Writer thread: every commit ticket waiting is durable now (or failed with ``error``)."""
+        for c in self._commits:
+            c.error = error
+            c.done.set()
+        self._commits.clear()
 
     def _flushed(self) -> float:
         """Writer thread, after each flush: the time of it; a boosted idle writer goes back to idle."""
+        self._settle()
         if self._boosted:
             self._boosted = False
             enter_idle_priority()
