@@ -49,6 +49,7 @@ from telemetry.store.schema import arrow_schemas, conform
 # fewer rows, so a shorter interval costs decode throughput (bench/telemetry.py --flush-intervals 1,2
 # measures them side by side).
 FLUSH_INTERVAL = 2.0
+COMMIT_WINDOW = 0.25        # seconds of posts that share one group-commit write (at most 4 writes a second)
 log = logging.getLogger("kvledger.store")
 
 
@@ -178,6 +179,7 @@ class SegmentWriter:
         self.segments_written = 0
         self.error: BaseException | None = None
         self._commits: list[Commit] = []         # writer thread only: tickets waiting for the next write
+        self.commit_window = min(COMMIT_WINDOW, flush_interval)   # a ticket waits at most this (+ one write)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvledger-store-writer", daemon=True)
         self._thread.start()
@@ -214,7 +216,8 @@ class SegmentWriter:
 
     def commit(self, table: str, data: "pa.Table | Columns") -> Commit:
         """Submit, and get a ticket set when those rows are durable - group commit: the writer writes
-        as soon as its queue runs dry (every ticket queued meanwhile shares that one write), so a
+        once its queue runs dry and COMMIT_WINDOW has passed since its last write (every ticket
+        queued meanwhile shares that one write: at most 4 segments a second per table), so a
         receiver acknowledges only what is on disk. A write that fails (a full disk) fails every
         ticket waiting on it: nothing is acknowledged and then lost."""
         self.submit(table, data)
@@ -265,6 +268,8 @@ class SegmentWriter:
         last = self._last_flush = time.monotonic()
         while True:
             timeout = max(0.0, self.flush_interval - (time.monotonic() - last))
+            if self._commits:               # a ticket waits: write when its commit window has passed
+                timeout = min(timeout, max(0.0, self.commit_window - (time.monotonic() - last)))
             try:
                 item = self._q.get(timeout=timeout)
             except queue.Empty:
@@ -281,11 +286,8 @@ class SegmentWriter:
                     continue
                 if table == "__commit__":
                     self._commits.append(data)
-                    if self._q.empty():              # nothing more to batch with: write now, for every ticket waiting
-                        self._write_all()
-                        last = self._flushed()
-                    continue
-                items = data() if table == "__lazy__" else [] if table == "__tick__" else [(table, data)]
+                items = (data() if table == "__lazy__" else [] if table in ("__tick__", "__commit__")
+                         else [(table, data)])
                 for t, d in items:
                     if num_rows(d):
                         self._buf[t].append(d)
@@ -293,7 +295,10 @@ class SegmentWriter:
                         self._bytes[t] = self._bytes.get(t, 0) + (d.nbytes if isinstance(d, pa.Table) else 0)
                         if self._rows[t] >= self.max_rows or self._bytes[t] >= self.max_bytes:
                             self._write([t])
-                if time.monotonic() - last >= self.flush_interval:
+                since = time.monotonic() - last
+                # group commit: tickets wait for the queue to run dry and at most commit_window since
+                # the last write, so posts arriving together share one write (one segment per table)
+                if since >= self.flush_interval or (self._commits and self._q.empty() and since >= self.commit_window):
                     self._write_all()
                     last = self._flushed()
             except BaseException as e:        # surfaced to the producer on its next call
