@@ -103,8 +103,11 @@ def open_panels(f: Filters, snap: "Panels | None" = None) -> Panels:
     try:
         return Panels(STORE, f, same_snapshot_as=snap, engine=ENGINE, run=RUN, anchor=ANCHOR)
     except (KvledgerError, ClickHouseError) as e:
-        st.error(f"UNVERIFIED STORE - cannot read {STORE}: {e} (`kvledger verify` names the damage)",
-                 icon=":material/error:")
+        if RUN and "--run" in str(e):           # the store is fine: the run asked for is not in it
+            st.error(f"Cannot show run {RUN!r}: {e}", icon=":material/error:")
+        else:
+            st.error(f"UNVERIFIED STORE - cannot read {STORE}: {e} (`kvledger verify` names the damage)",
+                     icon=":material/error:")
         st.stop()
 
 

@@ -318,3 +318,11 @@ def test_unwritten_slots_are_never_a_tenant(glm53_vulnerable):
     assert tm.filter(pl.col("donor_kind") != "tenant")["donor_tenant"].null_count() == \
         tm.filter(pl.col("donor_kind") != "tenant").height
     assert Panels(store).tenant_matrix()["donor_kind"].unique().to_list() in ([], ["tenant"])
+
+
+def test_a_run_not_in_the_store_is_named_not_called_damage(glm53_vulnerable, monkeypatch):
+    _, store = glm53_vulnerable
+    monkeypatch.setenv("KVLEDGER_RUN", "zzz")
+    at = _app(store, monkeypatch)
+    assert [e.value for e in at.error if e.value.startswith("Cannot show run 'zzz'")]
+    assert not any(e.value.startswith("UNVERIFIED") for e in at.error)
