@@ -59,6 +59,14 @@ def _dict(values: list, idx: np.ndarray) -> Coded:
     return Coded(idx.astype(np.int32, copy=False), values)
 
 
+def _take_all(q: deque) -> list:
+    """Writer thread: everything queued so far (only this thread pops; producers only append)."""
+    out = []
+    while q:
+        out.append(q.popleft())
+    return out
+
+
 def _coded(values: tuple) -> Coded:
     """Dictionary-coded strings from a few distinct values (node names, pseudonyms)."""
     names = list(dict.fromkeys(values))
@@ -502,9 +510,7 @@ class PageLedger:
                                len(req.prompt_ids), perf_to_unix_ns(req.arrival) or time.time_ns()))
 
     def _arrival_rows(self) -> list[tuple[str, Columns]]:
-        got = []
-        while self._arrivals:                   # only this thread pops
-            got.append(self._arrivals.popleft())
+        got = _take_all(self._arrivals)
         if not got:
             return []
         node, inc, tenant, scope, prompt, ts = zip(*got)
@@ -552,9 +558,7 @@ class PageLedger:
                                time.time_ns()))
 
     def _release_rows(self) -> list[tuple[str, Columns]]:
-        rel = []
-        while self._releases:                   # only this thread pops
-            rel.append(self._releases.popleft())
+        rel = _take_all(self._releases)
         if not rel:
             return []
         node, inc, pages, kind, ended_by, hold, lclock, ts = zip(*rel)
