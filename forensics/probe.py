@@ -58,6 +58,7 @@ from engine.errors import KvledgerError
 
 IMPLEMENTED = ("limits", "usage", "canary", "salt", "timing", "abort")
 TIMING_ALPHA, TIMING_RATIO = 0.01, 0.7     # a finding needs both: p below alpha, median TTFT ratio below this
+TIMING_PASS_SHARE = 0.2                    # a pass: B gets at most this share of A's own cache speed-up
 PASS, FINDING, INCONCLUSIVE = "pass", "finding", "inconclusive"
 RETRIES, MAX_RETRY_AFTER = 5, 30.0          # 429s retried, and the longest Retry-After honoured (seconds)
 
@@ -376,30 +377,40 @@ def check_timing(t: Endpoint, pool: int | None, context: int | None, samples: in
 
     def prefix() -> str:
         return t.prompt(n, filler=f" {secrets.token_hex(3)}")
-    for _ in range(max(samples, 6)):            # interleaved: load drifts hit every arm alike
-        warm = prefix()
-        t.complete(t.a, warm, 1)                                   # A caches it (if anything does)
-        cross.append(t.complete(t.b, warm, 1)["ttft"])             # B asks for A's prefix
-        fresh.append(t.complete(t.b, prefix(), 1)["ttft"])         # B asks for a prefix nobody sent
-        mine = prefix()
-        t.complete(t.a, mine, 1)
-        own.append(t.complete(t.a, mine, 1)["ttft"])               # positive control: A's own prefix again
-        tick()
-    if any(x is None for x in fresh + cross + own):
-        return Result("timing", INCONCLUSIVE, "some requests were not answered (no streamed chunk to time)")
+
+    def sample(rounds: int) -> None:
+        for _ in range(rounds):                     # interleaved: load drifts hit every arm alike
+            warm = prefix()
+            t.complete(t.a, warm, 1)                                   # A caches it (if anything does)
+            cross.append(t.complete(t.b, warm, 1)["ttft"])             # B asks for A's prefix
+            fresh.append(t.complete(t.b, prefix(), 1)["ttft"])         # B asks for a prefix nobody sent
+            mine = prefix()
+            t.complete(t.a, mine, 1)
+            own.append(t.complete(t.a, mine, 1)["ttft"])               # positive control: A's own prefix again
+            tick()
 
     def test(x):
         return mannwhitneyu(x, fresh, alternative="less").pvalue, float(np.median(x) / np.median(fresh))
-    p_own, r_own = test(own)
-    p_cross, r_cross = test(cross)
+    rounds = max(samples, 6)
+    while True:                                     # a grey result (B faster, not yet significant) earns more samples
+        sample(rounds)
+        if any(x is None for x in fresh + cross + own):
+            return Result("timing", INCONCLUSIVE, "some requests were not answered (no streamed chunk to time)")
+        (p_own, r_own), (p_cross, r_cross) = test(own), test(cross)
+        verdict = timing_verdict(p_own, r_own, p_cross, r_cross)
+        grey = verdict == INCONCLUSIVE and p_own < TIMING_ALPHA and r_own < TIMING_RATIO and r_cross < 1.0
+        if not grey or len(fresh) >= 3 * rounds:
+            break
     stats = (f"{len(fresh)} samples per arm of {n}-token prefixes; positive control (A's own prefix): "
              f"p={p_own:.2g}, median TTFT ratio {r_own:.2f}; B on A's prefix: p={p_cross:.2g}, ratio {r_cross:.2f}")
-    verdict = timing_verdict(p_own, r_own, p_cross, r_cross)
     if verdict == FINDING:
         return Result("timing", FINDING, stats, [{"prompt_tokens": n, "p_value": p_cross, "median_ttft_ratio": r_cross,
                                                   "why": "tenant B's requests for tenant A's prefix come back faster: "
                                                          "the prefix cache is shared across tenants"}])
     if verdict == INCONCLUSIVE:
+        if p_own < TIMING_ALPHA and r_own < TIMING_RATIO:
+            return Result("timing", INCONCLUSIVE, stats + ": B's requests for A's prefix came back faster, but not "
+                          "significantly; too close to call a pass (more --samples, or a quieter endpoint)")
         return Result("timing", INCONCLUSIVE, stats + ": the positive control shows no cache effect, so B's result "
                       "has no power")
     return Result("timing", PASS, stats)
@@ -407,14 +418,17 @@ def check_timing(t: Endpoint, pool: int | None, context: int | None, samples: in
 
 def timing_verdict(p_own: float, r_own: float, p_cross: float, r_cross: float) -> str:
     """FINDING when B's requests for A's prefix are significantly faster and either clearly so
-    (ratio < TIMING_RATIO) or by at least half the speed-up A's own repeat shows; INCONCLUSIVE when
-    the positive control shows no cache effect; else PASS."""
+    (ratio < TIMING_RATIO) or by at least half the speed-up A's own repeat shows. PASS only when the
+    positive control shows a clear cache effect and B gets at most a fifth of it: absence of
+    significance alone is no pass (six samples miss a real 30 % speed-up one time in three).
+    Everything between is INCONCLUSIVE."""
     control = p_own < TIMING_ALPHA and r_own < 1.0
-    if p_cross < TIMING_ALPHA and (r_cross < TIMING_RATIO or (control and 1 - r_cross >= 0.5 * (1 - r_own))):
+    share = (1 - r_cross) / (1 - r_own) if r_own < 1.0 else float("inf")
+    if p_cross < TIMING_ALPHA and (r_cross < TIMING_RATIO or (control and share >= 0.5)):
         return FINDING
-    if not (p_own < TIMING_ALPHA and r_own < TIMING_RATIO):
-        return INCONCLUSIVE
-    return PASS
+    if control and r_own < TIMING_RATIO and share <= TIMING_PASS_SHARE:
+        return PASS
+    return INCONCLUSIVE
 
 
 def _has(text: str, canary: str) -> bool:

@@ -38,7 +38,7 @@ CASES = {
     "replay context 0": (["replay", "glm53", "--context-length", "0"], "--context-length must be in [256, 131072]"),
     "replay context -5": (["replay", "glm53", "--context-length", "-5"], "--context-length must be in [256, 131072]"),
     "replay context 1e9": (["replay", "glm53", "--context-length", "1000000000"], "--context-length must be in [256"),
-    "replay victims -1": (["replay", "glm53", "--victims", "-1"], "--victims must be >= 0, got -1"),
+    "replay victims -1": (["replay", "glm53", "--victims", "-1"], "--victims must be >= 0 and at most 1024, got -1"),
     "replay seed 2**70": (["replay", "glm53", "--seed", str(2 ** 70)], "--seed must be in [0, 2**63)"),
     "replay max-tokens too long": (["replay", "glm53", "--max-tokens", "400"], "it must be < 335"),
     "fault replay ignores a flag": (["replay", "late_write", "--max-tokens", "5"], "apply to glm53 only"),
@@ -167,3 +167,41 @@ def test_a_store_or_report_path_that_cannot_be_written_is_named(tmp_path, capsys
     monkeypatch.setenv("KVLEDGER_STORE_SECRET", "not-hex")
     assert main(["replay", "late_write", "--store", str(tmp_path / "new")]) == 2
     assert "KVLEDGER_STORE_SECRET must be hex" in capsys.readouterr().err
+
+
+# every numeric flag of every command, walked from the parser (a new flag joins the sweep by itself):
+# the arguments a command needs besides the flag, and values no flag may take
+NEEDS = {"generate": ["--model", "recall", "--prompt", "x"], "replay": ["glm53"], "forensics": ["exposures"],
+         "probe": ["--base-url", "http://127.0.0.1:9", "--key-a", "a", "--key-b", "b"], "export": ["--to", "chdb:x"]}
+HOSTILE = {int: ["-1", str(2 ** 64), "1.5"], float: ["nan", "inf", "-1e300"]}
+
+
+def _numeric_flags():
+    import argparse
+
+    from engine.commands.main import build_parser
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    for name, p in sub.choices.items():
+        for a in p._actions:
+            if a.option_strings and a.type in HOSTILE:
+                for value in HOSTILE[a.type]:
+                    yield pytest.param(name, a.option_strings[-1], value, id=f"{name} {a.option_strings[-1]} {value}")
+
+
+@pytest.mark.parametrize("name,flag,value", list(_numeric_flags()))
+def test_every_numeric_flag_is_bounded_and_names_its_limit(name, flag, value, tmp_path, monkeypatch, capsys):
+    from engine.commands import main as entry
+    monkeypatch.chdir(tmp_path)
+    mod = entry.command(name)
+
+    def accepted(config):
+        raise AssertionError(f"{name} {flag} {value} was accepted: {config}")
+    monkeypatch.setattr(mod, "run", accepted)
+    try:
+        code = entry.main([name, *NEEDS.get(name, []), flag, value])
+    except SystemExit as e:                      # argparse's own refusal (one line, exit 2)
+        code = e.code
+    err = capsys.readouterr().err
+    assert code != 0 and err.startswith("kvledger: error: ") and flag in err, err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert not (tmp_path / "kvledger-store").exists()

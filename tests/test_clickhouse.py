@@ -419,7 +419,7 @@ BAD = [
     (["dashboard", "--engine", "duckdb", "--dsn", "clickhouse://h/db"], "--dsn is for --engine clickhouse"),
     (["export", "--store", "{tmp}/nothing"], "export needs --to"),
     (["export", "--to", "chdb:{tmp}/ch", "--store", "{tmp}/nothing"], "no kvledger store"),
-    (["export", "--to", "chdb:{tmp}/ch", "--interval", "0"], "--interval must be > 0"),
+    (["export", "--to", "chdb:{tmp}/ch", "--interval", "0"], "--interval must be in [0.1, 86400] seconds"),
     (["export", "--to", "ftp://h/db", "--store", "{store}"], "expected clickhouse://"),
     (["export", "--to", "chdb:", "--store", "{store}"], "chdb needs a data directory"),
 ]

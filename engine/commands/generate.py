@@ -1,6 +1,7 @@
 """``kvledger generate``: one prompt through the engine, the text and the request's stats."""
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ def make_config(args) -> GenerateConfig:
                         ("--page-size", args.page_size)):
         if value is not None and not 1 <= value <= MAX_TOKENS:
             raise InputError(f"{flag} must be in [1, {MAX_TOKENS}], got {value}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise InputError(f"--temperature must be a finite number >= 0, got {args.temperature}")
+    if not (math.isfinite(args.top_p) and 0 < args.top_p <= 1):
+        raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise InputError(f"--seed must be in [0, 2**63), got {args.seed}")
     from engine.config import parse_bytes
     budget, ram = parse_bytes(args.memory_budget), physical_memory()
     if not 0 < budget <= ram:

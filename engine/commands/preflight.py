@@ -46,10 +46,10 @@ def make_config(a) -> PreflightConfig:
         raise InputError(f"give one of --endpoint, --vllm-log, --sglang-log (got {', '.join(f for f, _ in foreign)})")
     if foreign:
         return PreflightConfig(foreign=foreign[0], format=a.format)
-    if a.context_length <= 0:
-        raise InputError(f"--context-length must be >= 1, got {a.context_length}")
-    if a.page_size <= 0:
-        raise InputError(f"--page-size must be >= 1, got {a.page_size}")
+    if not 1 <= a.context_length <= 1 << 24:
+        raise InputError(f"--context-length must be >= 1 and at most {1 << 24} tokens, got {a.context_length}")
+    if not 1 <= a.page_size <= 1 << 16:
+        raise InputError(f"--page-size must be >= 1 and at most {1 << 16} tokens, got {a.page_size}")
     return PreflightConfig(a.model, a.context_length, tuple(a.memory_budget or ["64MiB"]), a.page_size,
                            format=a.format)
 

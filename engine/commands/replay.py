@@ -88,8 +88,8 @@ def _check_glm53(c: ReplayConfig, no_trigger: bool) -> None:
     if not 256 <= c.context_length <= MAX_REPLAY_CONTEXT:
         raise InputError(f"--context-length must be in [256, {MAX_REPLAY_CONTEXT}] for a replay on this machine, "
                          f"got {c.context_length}")
-    if c.victims < 0:
-        raise InputError(f"--victims must be >= 0, got {c.victims}")
+    if not 0 <= c.victims <= 1024:
+        raise InputError(f"--victims must be >= 0 and at most 1024, got {c.victims}")
     if c.max_tokens < 1:
         raise InputError(f"--max-tokens must be >= 1, got {c.max_tokens}")
     room = c.context_length - round(c.context_length * 681_280 / 1_048_576) - 24

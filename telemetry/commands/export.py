@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.commands.options import add_store
+from engine.commands.options import check_range
 from engine.errors import InputError
 
 
@@ -44,8 +45,7 @@ def make_config(a) -> ExportConfig:
         return c
     if not c.to:
         raise InputError("export needs --to clickhouse://HOST:8123/DATABASE (or chdb:PATH for embedded ClickHouse)")
-    if c.interval <= 0:
-        raise InputError(f"--interval must be > 0 seconds, got {c.interval}")
+    check_range("--interval", c.interval, 0.1, 86400, " seconds")
     if not (Path(c.store) / "chain").is_dir():
         raise InputError(f"no kvledger store at {c.store} (expected {c.store}/chain)")
     return c
