@@ -594,9 +594,7 @@ def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM,
     win = np.lib.stride_tricks.sliding_window_view(toks, n)[start]
     informative = _distinct_content(win, content) >= NGRAM_MIN_CONTENT
     start, win = start[informative], win[informative]
-    powers = np.uint64(0x100000001B3) ** np.arange(n, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = keys.ngram_pseudonyms((win * powers).sum(axis=1, dtype=np.uint64).view(np.int64))
+    h = keys.ngram_pseudonyms(win)
     g = group[start]
     pos = start - (ends - lens)[g]                       # the window's first token, in its own list
     order = np.lexsort((pos, h, g))

@@ -105,9 +105,7 @@ def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     def reference(tokens: list[int]) -> set[tuple[int, int]]:
         starts = [k for k in range(len(tokens) - NGRAM + 1)
                   if len({t for t in tokens[k:k + NGRAM] if content(t)}) >= 4]      # evidence at all
-        h = [sum(t * pow(0x100000001B3, i, 1 << 64) for i, t in enumerate(tokens[k:k + NGRAM])) % (1 << 64)
-             for k in starts]
-        return set(zip(keys.ngram_pseudonyms(np.array(h, dtype=np.uint64).view(np.int64)).tolist(), starts))
+        return {(keys.ngram_pseudonym(tokens[k:k + NGRAM]), k) for k in starts}
     stored = {(i, role): set(zip(h, p)) for i, role, h, p in
               con.sql("SELECT incarnation, role, list(hash), list(pos) FROM ngrams GROUP BY ALL").fetchall()}
     for req in res.requests:
@@ -117,6 +115,27 @@ def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     rel = con.sql("SELECT incarnation, kind, ended_by, len(pages) FROM releases").fetchall()
     assert {k for _, k, _, _ in rel} <= {"immediate", "deferred"} and all(n > 0 for *_, n in rel)
     assert {i for i, *_ in rel} >= {r.incarnation for r in res.requests if r.output_ids}
+
+
+def test_the_keyed_hashes_are_a_keyed_cipher_not_a_public_hash():
+    """n-gram and tag pseudonyms: AES-256 under the store's keys (before: a keyed mix of a public
+    polynomial hash, whose collisions anyone can compute). Another key gives other values; the
+    column path equals the cipher's own CBC mode one window at a time."""
+    from telemetry.store.keys import Keys
+    k, other = Keys(b"p" * 32, b"n" * 32), Keys(b"p" * 32, b"m" * 32)
+    a = [7, 9] + list(range(100, 100 + NGRAM - 2))
+    win = np.array([a, [9, 7] + a[2:], a[::-1], [2 ** 32 - 1] * NGRAM], dtype=np.uint64)
+    h = k.ngram_pseudonyms(win)
+    assert len(set(h.tolist())) == 4 and h.dtype == np.int64
+    assert k.ngram_pseudonyms(np.zeros((0, NGRAM), dtype=np.uint64)).shape == (0,)
+    assert h.tolist() == [k.ngram_pseudonym(w) for w in win.tolist()]
+    assert not set(h.tolist()) & set(other.ngram_pseudonyms(win).tolist())
+    tags = np.array([0, 1, -1, 2 ** 62], dtype=np.int64)
+    t = k.tag_pseudonyms(tags)
+    assert len(set(t.tolist())) == 4 and not set(t.tolist()) & set(tags.tolist())
+    assert k.tag_pseudonyms(tags[1:2]).tolist() == t[1:2].tolist()          # per value, not per column
+    with pytest.raises(ValueError):
+        k.ngram_pseudonyms(np.array([[2 ** 33] * NGRAM], dtype=np.uint64))
 
 
 def test_segments_dictionary_encode_all_but_the_keyed_hashes(glm53_vulnerable):

@@ -234,33 +234,51 @@ def reader_keys(root: Path) -> Keys:
 
 
 class Keys:
-    """Keyed pseudonyms: tenant ids and scopes (HMAC-SHA256), content tags and n-grams (a keyed
-    64-bit permutation each, vectorised over whole columns), under two separate secrets."""
+    """Keyed pseudonyms, under two separate secrets: tenant ids and scopes (HMAC-SHA256), content
+    tags and n-grams (AES-256 as a keyed pseudorandom function, vectorised over whole columns: one
+    block per tag; CBC-MAC over an n-gram's tokens, one fixed length per key, so CBC-MAC is a PRF)."""
 
     def __init__(self, pseudonym_secret: bytes, ngram_secret: bytes):
         self._pseud = hmac.new(pseudonym_secret, b"kvledger/pseudonym", hashlib.sha256).digest()
-        self._tag_mix = np.frombuffer(hmac.new(pseudonym_secret, b"kvledger/tag-mix", hashlib.sha256).digest(),
-                                      dtype=np.uint64).copy()
-        self._ngram_mix = np.frombuffer(hmac.new(ngram_secret, b"kvledger/ngram-mix", hashlib.sha256).digest(),
-                                        dtype=np.uint64).copy()
+        self._tag_key = hmac.new(pseudonym_secret, b"kvledger/tag-prf", hashlib.sha256).digest()
+        self._ngram_key = hmac.new(ngram_secret, b"kvledger/ngram-prf", hashlib.sha256).digest()
 
     def pseudonym(self, value: str) -> str:
         return hmac.new(self._pseud, value.encode(), hashlib.sha256).hexdigest()[:16]
 
     def tag_pseudonyms(self, tags: np.ndarray) -> np.ndarray:
-        return _mix(tags, self._tag_mix)
+        """int64 tags -> int64 pseudonyms (the first 8 bytes of AES_k(tag || 0))."""
+        blocks = np.zeros((len(tags), 16), dtype=np.uint8)
+        blocks[:, :8] = np.ascontiguousarray(tags, dtype="<i8").view(np.uint8).reshape(-1, 8)
+        return _cbc_mac(self._tag_key, blocks)
 
-    def ngram_pseudonyms(self, hashes: np.ndarray) -> np.ndarray:
-        return _mix(hashes, self._ngram_mix)
+    def ngram_pseudonyms(self, windows: np.ndarray) -> np.ndarray:
+        """[N, n] token ids (each < 2**32) -> int64 pseudonyms, one per window: CBC-MAC under the
+        n-gram key of the window's tokens as little-endian uint32, zero-padded to whole blocks."""
+        w = np.asarray(windows)
+        if not len(w):
+            return np.zeros(0, dtype=np.int64)
+        if w.size and int(w.max()) >= 1 << 32:
+            raise ValueError("token ids must be < 2**32")
+        raw = np.ascontiguousarray(w, dtype="<u4").view(np.uint8).reshape(len(w), -1)
+        pad = -raw.shape[1] % 16
+        return _cbc_mac(self._ngram_key, np.pad(raw, ((0, 0), (0, pad))) if pad else raw)
+
+    def ngram_pseudonym(self, tokens) -> int:
+        """One window, through the cipher's own CBC mode (the reference the columns must equal)."""
+        from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+        msg = np.asarray(list(tokens), dtype="<u4").tobytes()
+        msg += bytes(-len(msg) % 16)
+        last = Cipher(algorithms.AES(self._ngram_key), modes.CBC(bytes(16))).encryptor().update(msg)[-16:]
+        return int.from_bytes(last[:8], "little", signed=True)
 
 
-def _mix(values: np.ndarray, key: np.ndarray) -> np.ndarray:
-    """Keyed murmur3-finaliser mix of int64 values (a keyed permutation of 64-bit values)."""
-    x = values.astype(np.int64, copy=False).view(np.uint64) ^ key[0]
-    with np.errstate(over="ignore"):
-        x = x * np.uint64(0xFF51AFD7ED558CCD)
-        x ^= x >> np.uint64(33)
-        x ^= key[1]
-        x = x * np.uint64(0xC4CEB9FE1A85EC53)
-        x ^= x >> np.uint64(33)
-    return (x ^ key[2]).view(np.int64)
+def _cbc_mac(key: bytes, blocks: np.ndarray) -> np.ndarray:
+    """CBC-MAC with AES-256 of every row of ``blocks`` ([N, 16*k] uint8) at once: k passes of ECB over
+    the whole column (the chaining is per row), the first 8 bytes of the last block as int64."""
+    from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+    enc = Cipher(algorithms.AES(key), modes.ECB()).encryptor()     # ECB: each block alone, so one encryptor serves
+    state = np.zeros((len(blocks), 16), dtype=np.uint8)
+    for b in range(0, blocks.shape[1], 16):
+        state = np.frombuffer(enc.update((state ^ blocks[:, b:b + 16]).tobytes()), dtype=np.uint8).reshape(-1, 16)
+    return state[:, :8].copy().view("<i8").ravel().astype(np.int64, copy=False)
