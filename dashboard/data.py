@@ -127,10 +127,10 @@ class Panels:
         """The affected responses with their severity tier (TIERS), most severe first, then by score."""
         ex = self.exposures()
         sc = self._q("scores").filter(pl.col("response").is_in(ex["response"].unique().to_list()))
-        real = ex.filter(pl.col("severity") != "blocked")
+        real = ex.filter(pl.col("evidence") != "blocked")
         other = (pl.col("donor") != -1) & ~pl.col("same_tenant")
         per = real.group_by("response").agg(
-            crit=(other & (pl.col("severity") == "surfaced")).any(), cross=other.any(),
+            crit=(other & (pl.col("evidence") == "surfaced")).any(), cross=other.any(),
             own=((pl.col("donor") != -1) & pl.col("same_tenant")).any())
         tier = (pl.when(pl.col("crit")).then(pl.lit("critical")).when(pl.col("cross")).then(pl.lit("high"))
                 .when(pl.col("own")).then(pl.lit("medium")).otherwise(pl.lit("low")))
@@ -142,7 +142,7 @@ class Panels:
 
     def totals(self) -> dict[str, int]:
         ex, sc = self.exposures(), self.scores()
-        real = ex.filter((pl.col("donor") != -1) & (pl.col("severity") != "blocked"))
+        real = ex.filter((pl.col("donor") != -1) & (pl.col("evidence") != "blocked"))
         cross = real.filter(~pl.col("same_tenant"))      # tenant counts are cross-tenant, as in the report
         return {"affected_responses": sc.height,
                 "surfaced_responses": int(sc["surfaced"].sum()) if sc.height else 0,
@@ -167,7 +167,7 @@ class Panels:
 
     def drill_down(self, response: int) -> pl.DataFrame:
         return self.exposures().filter(pl.col("response") == response).select(
-            "donor", "donor_tenant", "kinds", "severity", "shared_ngrams", "pages", "node_pages", "foreign_tokens",
+            "donor", "donor_tenant", "kinds", "evidence", "shared_ngrams", "pages", "node_pages", "foreign_tokens",
             "attention_mass", "first_step", "last_step")
 
     def tenant_matrix(self) -> pl.DataFrame:
@@ -278,7 +278,7 @@ class Panels:
         if lost.height:
             amber.append(f"telemetry lost: {int(lost['items'].sum())} item(s) in {lost.height} gap(s)")
         ex = self._q("exposures", whole=True)
-        real = ex.filter((pl.col("donor") != -1) & (pl.col("severity") != "blocked")) if ex.height else ex
+        real = ex.filter((pl.col("donor") != -1) & (pl.col("evidence") != "blocked")) if ex.height else ex
         last = real["last_read"].max() if real.height else None
         recent = {m: real.filter(pl.col("last_read") >= now - dt.timedelta(minutes=m))["response"].n_unique()
                   if real.height else 0 for m in (5, 60)}

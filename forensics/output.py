@@ -12,7 +12,7 @@ import polars as pl
 # what a person at an 80-column terminal sees of each wide query by default (--wide: every column;
 # --columns: a chosen set; csv, json and parquet always carry every column)
 COMPACT = {
-    "exposures": ["response", "donor", "kinds", "foreign_tokens", "severity"],
+    "exposures": ["response", "donor", "kinds", "foreign_tokens", "evidence"],
     "ttft": ["incarnation", "prompt_tokens_billed", "prompt_tokens_prefilled", "ttft_s", "ttft_floor_s",
              "below_floor", "usage_dishonest"],
     "transfers": ["incarnation", "reserved", "landed", "checksum_ok", "integrity_ok", "outcome"],
@@ -45,7 +45,10 @@ def pick_columns(df: pl.DataFrame, query: str, wide: bool, columns: str | None) 
         return df.select(want)
     if wide or query not in COMPACT:
         return df
-    return df.select([c for c in COMPACT[query] if c in df.columns])
+    want = COMPACT[query]
+    if "response_state" in df.columns and (df["response_state"] != "finished").any():
+        want = want + ["response_state"]        # "in flight" / "cut off": never hidden by the compact view
+    return df.select([c for c in want if c in df.columns])
 
 
 IDS = {"response", "donor", "incarnation", "transfer_id"}          # 19-digit decimal ids: never wrapped

@@ -338,6 +338,8 @@ class PageLedger:
         self.waited_s = 0.0                     # engine time spent waiting for a writer that fell behind
         self._batch: tuple = (None, None, None)  # engine thread only: the last step's incarnations, ids, prompt lengths
         self._finished: deque = deque()         # (incarnation, prompt ids, output ids, tokenizer) of finished requests, not yet hashed
+        self._streaming: dict = {}              # incarnation -> (request, tokenizer) still running (engine adds and drops)
+        self._hashed: dict = {}                 # writer thread only: incarnation -> [prompt hashed, output tokens hashed]
         self._masks: dict[int, np.ndarray] = {}  # id(tokenizer) -> its content mask
         self._releases: deque = deque()         # releases not yet written (one tuple each)
         self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
@@ -518,10 +520,20 @@ class PageLedger:
                               "tenant_h": _coded(tenant), "scope_h": _coded(scope),
                               "prompt_tokens": np.array(prompt, dtype=np.int64), "ts": np.array(ts, dtype=np.int64)})]
 
+    STREAMING_CAP = 1 << 16                     # running requests whose streamed tokens are hashed as they come
+
+    def on_streaming(self, req, tokenizer=None) -> None:
+        """Engine thread, at a request's arrival: its prompt, and its output as it is streamed, are
+        hashed at every fold, so a response still running or cut off by a crash is judged for
+        ``surfaced`` on what it had streamed (and a donor still running on its prompt)."""
+        forget_oldest_half(self._streaming, self.STREAMING_CAP)   # those left out are hashed when they finish
+        self._streaming[req.incarnation] = (req, tokenizer)
+
     def on_finished(self, req, tokenizer=None) -> None:
-        """Engine thread: copies of the request's token lists; their n-grams are hashed on the
-        writer thread with every other request finished since the last fold, in one pass.
-        ``tokenizer``: the engine's, for which tokens carry content (``content_mask``)."""
+        """Engine thread: copies of the request's token lists; what is not hashed yet of them is
+        hashed on the writer thread with every other request finished since the last fold, in one
+        pass. ``tokenizer``: the engine's, for which tokens carry content (``content_mask``)."""
+        self._streaming.pop(req.incarnation, None)
         self._finished.append((req.incarnation, list(req.prompt_ids), list(req.output_ids), tokenizer))
 
     def _content(self, tokenizer) -> np.ndarray | None:
@@ -534,21 +546,37 @@ class PageLedger:
         return self._masks[key]
 
     def _ngrams(self) -> list[tuple[str, Columns]]:
-        """Writer thread: the n-gram rows of every request finished and not yet hashed."""
-        by_tok: dict[int, tuple[object, list, list]] = {}
+        """Writer thread: the n-gram rows not written yet of every request finished since the last
+        fold and of every request still running (its output so far): each window once, as if its
+        whole lists had been hashed at the end (a window is new when it ends past what was hashed)."""
+        parts: dict[int, tuple[object, list]] = {}        # id(tokenizer) -> (tokenizer, [(inc, role, tokens, offset)])
+
+        def new_windows(inc: int, prompt, output: list, tok, state: list) -> None:
+            _, todo = parts.setdefault(id(tok), (tok, []))
+            if not state[0]:
+                todo.append((inc, 0, list(prompt), 0))
+                state[0] = True
+            if len(output) > state[1]:
+                off = max(0, state[1] - (NGRAM - 1))     # the first window not yet complete before
+                todo.append((inc, 1, output[off:], off))
+                state[1] = len(output)
+        done = set()
         while self._finished:                   # only this thread pops; the engine only appends
             inc, prompt, output, tok = self._finished.popleft()
-            _, parts, incs = by_tok.setdefault(id(tok), (tok, [], []))
-            parts += [prompt, output]
-            incs.append(inc)
+            done.add(inc)
+            new_windows(inc, prompt, output, tok, self._hashed.pop(inc, None) or [False, 0])
+        for inc, (req, tok) in list(self._streaming.items()):
+            if inc not in done:                 # (a list's copy is atomic; the engine only appends to it)
+                forget_oldest_half(self._hashed, 4 * self.STREAMING_CAP)
+                new_windows(inc, req.prompt_ids, list(req.output_ids), tok, self._hashed.setdefault(inc, [False, 0]))
         out = []
-        for tok, parts, incs in by_tok.values():
-            group, h, pos = ngram_hashes(self.keys, parts, content=self._content(tok))
+        for tok, todo in parts.values():
+            group, h, pos = ngram_hashes(self.keys, [t for _, _, t, _ in todo], content=self._content(tok))
             if len(h):
-                out.append(("ngrams", {"incarnation": np.asarray(incs, dtype=np.int64)[group // 2],
-                                       "role": _dict(["prompt", "output"], group % 2),
+                inc, role, off = (np.array([x[i] for x in todo], dtype=np.int64) for i in (0, 1, 3))
+                out.append(("ngrams", {"incarnation": inc[group], "role": _dict(["prompt", "output"], role[group]),
                                        "n": np.full(len(h), NGRAM, dtype=np.int16), "hash": h,
-                                       "pos": pos.astype(np.int32)}))
+                                       "pos": (pos + off[group]).astype(np.int32)}))
         return out
 
     def on_release(self, engine, req, pages: list[int], kind: str, ended_by: str, hold_ns: int) -> None:

@@ -151,6 +151,8 @@ class Telemetry(Recorder):
         forget_oldest_half(self._ids, self.ids_cap)     # past 1 Mi requests, the oldest lose their ids on late rows
         self._ids[req.incarnation] = (f"{ctx.trace_id:032x}", f"{ctx.span_id:016x}")
         req.on_finish.append(lambda r: self.request_finished(engine, r))
+        if self.ledger is not None:
+            self.ledger.on_streaming(req, getattr(engine, "tokenizer", None))
 
     def step(self, engine, out) -> None:
         if self.ledger is not None:

@@ -57,10 +57,10 @@ def test_forensics_tables_fit_80_columns_and_never_cut_an_id(glm53_vulnerable, c
         for r in rows:
             for col in ids:
                 assert str(r[col]) in out, f"{query}: {col} {r[col]} not shown whole"
-    assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,severity"]) == 0
+    assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,evidence"]) == 0
     out = capsys.readouterr().out
     head = out[out.index("┏"):out.index("┡")]
-    assert "donor" in head and "severity" in head and "response" not in head
+    assert "donor" in head and "evidence" in head and "response" not in head
     assert main(["forensics", "exposures", "--store", str(store), "--columns", "donor,nope"]) == 2
     assert "kvledger: error: --columns: nope not in exposures's columns" in capsys.readouterr().err
     assert main(["forensics", "exposures", "--store", str(store), "--columns", ","]) == 2

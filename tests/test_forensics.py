@@ -11,6 +11,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
+from telemetry import open_store
 from telemetry.recorder import recording
 from engine.disagg.cluster import Guards
 from engine.replay.glm53 import glm53
@@ -284,7 +285,7 @@ def test_the_report_reads_as_a_breach_notification(glm53_vulnerable, glm53_harde
     assert "| measure | count |" in md and "<th></th><th></th>" not in html.replace("\n", "")
     assert "## Evidence excerpts" in md and "Redacted by construction" in md and "keyed n-grams" in html
     excerpts = paths["excerpts.csv"].read_text().splitlines()
-    assert excerpts[0] == "response,donor,severity,shared_ngrams" and len(excerpts) == len(rep["excerpts"]["pairs"]) + 1
+    assert excerpts[0] == "response,donor,evidence,shared_ngrams" and len(excerpts) == len(rep["excerpts"]["pairs"]) + 1
     assert "narrower" in md          # report "surfaced" vs the replay's "canaries surfaced", explained
     hardened = build(glm53_hardened[1])
     assert hardened["status_now"]["contained"] is True and "read_check" in hardened["status_now"]["protections"]
@@ -347,7 +348,7 @@ def test_a_window_strictly_inside_one_exposure_finds_it(glm53_vulnerable, tmp_pa
     assert main(["report", "--store", str(store), "--out", str(out), "--from", t0.isoformat(),
                  "--to", t1.isoformat()]) == 0
     rep = json.loads((out / "report.json").read_text())
-    exposed = inside.filter(pl.col("severity") != "blocked")
+    exposed = inside.filter(pl.col("evidence") != "blocked")
     assert rep["counts"]["affected_responses"] == exposed["response"].n_unique() > 0
 
 
@@ -492,6 +493,9 @@ def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path)
             raise Cut
     with pytest.raises(Cut):
         glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
+    opened[0].writer.flush()                     # its writer still live: the running responses are in flight
+    live = Forensics(tmp_path / "cut").query("exposures").filter(~pl.col("response_finished"))
+    assert live.height and set(live["response_state"]) == {"in flight"}
     opened[0].close()                            # what a crash leaves: rows, no end for the running requests
     fx = Forensics(tmp_path / "cut")
     req = fx.requests()
@@ -500,6 +504,8 @@ def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path)
     cut = ex.filter(pl.col("response").is_in(list(running)))
     assert cut.height, "some response was reading foreign KV when it was cut off"
     assert cut["response_tenant"].null_count() == 0 and not cut["same_tenant"].any()
+    assert set(cut["response_state"]) == {"cut off"} and not cut["response_finished"].any()
+    assert set(ex.filter(~pl.col("response").is_in(list(running)))["response_state"]) == {"finished"}
     umbrella = req.filter(pl.col("incarnation").is_in(list(running)) & (pl.col("prompt_tokens_billed") > 656))
     assert set(cut["response_tenant"]) <= set(umbrella["tenant_h"])
     runs = fx.query("runs")
@@ -507,3 +513,18 @@ def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path)
     rep = build(tmp_path / "cut")
     listed = {int(r["response"]) for r in rep["responses"]}
     assert set(cut["response"]) <= listed
+    assert rep["counts"]["unfinished_responses"] == cut["response"].n_unique()
+    assert {r["response_state"] for r in rep["responses"] if int(r["response"]) in running} == {"cut off"}
+    # judged on what it had streamed: its prompt and its output so far are in the n-grams, each
+    # window inside what it had decoded (written to its KV) plus the token just sampled
+    con = open_store(tmp_path / "cut")
+    decoded = dict(con.sql("SELECT writer, sum(n_slots) FROM page_writes WHERE path = 'decode' GROUP BY ALL").fetchall())
+    ng = {(i, role): end for i, role, end in
+          con.sql("SELECT incarnation, role, max(pos) + any_value(n) FROM ngrams GROUP BY ALL").fetchall()}
+    assert all((i, "prompt") in ng for i in running)
+    streamed = [i for i in running if (i, "output") in ng]
+    assert streamed, "no running response's streamed output was hashed"
+    assert all(ng[(i, "output")] <= decoded.get(i, 0) + 1 for i in streamed)
+    # the umbrella request cut off mid-decode had already repeated a victim's text: surfaced, on
+    # its streamed tokens alone (before, only a finished response's output was ever hashed)
+    assert "surfaced" in ex.filter(pl.col("response").is_in(streamed))["evidence"].to_list()

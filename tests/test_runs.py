@@ -86,7 +86,7 @@ def test_boilerplate_every_prompt_holds_is_never_surfaced(mixed):
     res = results[3]                                             # offload_race: shared boilerplate only
     ex = Forensics(store, run=res.telemetry["boot"]).exposures()
     assert ex.height and not res.surfaced
-    assert set(ex["severity"]) == {"read"}
+    assert set(ex["evidence"]) == {"read"}
 
 
 def test_reads_the_check_stopped_are_blocked_never_exposures(tmp_path):
@@ -96,7 +96,7 @@ def test_reads_the_check_stopped_are_blocked_never_exposures(tmp_path):
     exposed, blocked = split_blocked(fx)
     assert blocked == res.blocked_set and exposed == set()
     ex = fx.exposures()
-    assert set(ex["severity"]) == {"blocked"}
+    assert set(ex["evidence"]) == {"blocked"}
     assert fx.query("scores").is_empty() and fx.query("tenants").is_empty()
 
 

@@ -38,7 +38,7 @@ def print_json(res, store: str | None) -> None:
     print(json.dumps({"scenario": res.scenario, "policy": res.policy, "mode": res.mode, "context": res.context,
                       "pools": res.pools, "requests": reqs,
                       "responses_reading_foreign_kv": sum(1 for r in reqs if r["donors"]),
-                      "canaries_planted": len(res.canaries), "canaries_surfaced": len(res.surfaced),
+                      "canaries_planted": len(res.canaries), "canaries_leaked": len(res.surfaced),
                       "pages_balanced": res.pages_balanced,
                       "free_pages": {n: {"free": f, "total": t} for n, (f, t) in res.free_pages.items()},
                       "store": store, "telemetry": res.telemetry}, default=str))
@@ -81,8 +81,9 @@ def print_glm53(res, store: str | None) -> None:
               f"(oracle: clean re-run of each response's own tokens vs what it read)")
     served_over = [r for r in res.over_pool if r.error is None]
     rate = len({i for i, _, _ in res.surfaced}) / len(served_over) if served_over else 0.0
-    con.print(f"canaries planted: {len(res.canaries)}; surfaced in another tenant's output: {len(res.surfaced)} "
-              f"(surfacing rate {rate:.0%} of served over-pool responses)")
+    con.print(f"canaries planted: {len(res.canaries)}; leaked into another tenant's output: {len(res.surfaced)} "
+              f"(the replay's own string check, {rate:.0%} of served over-pool responses; forensics' `surfaced` "
+              "is the store's n-gram evidence)")
     for inc, tenant, canary in res.surfaced:
         con.print(f"  {canary} (tenant {res.canaries[canary]}) -> response {inc} of tenant {tenant}")
     if (line := _store_line(res, store, detail=True)):
@@ -109,6 +110,6 @@ def print_fault(res, store: str | None) -> None:
     con.print(f"responses that read foreign slots: [bold]{len(res.readers_of_foreign)}[/]; free pages at the end "
               f"(free/total): {pools}{'' if res.pages_balanced else '  [red]pages lost or double-counted'}")
     if res.surfaced:
-        con.print(f"canaries that surfaced in another tenant's output: {len(res.surfaced)}")
+        con.print(f"canaries leaked into another tenant's output: {len(res.surfaced)}")
     if (line := _store_line(res, store, detail=False)):
         con.print(line)

@@ -46,3 +46,15 @@ class ForensicsBackend(Protocol):
         """Rows of a store table in this snapshot."""
 
     def close(self) -> None: ...
+
+
+def with_response_state(df: "pl.DataFrame", live: bool | None) -> "pl.DataFrame":
+    """Name each response whose end is not in the store: ``in flight`` while the store has a live
+    writer, ``cut off`` once it has none (a crash, or a writer that closed before the response
+    ended), ``unfinished`` where the store is not at hand (a ClickHouse server); else ``finished``."""
+    if "response_finished" not in df.columns:
+        return df
+    import polars as pl
+    pending = "unfinished" if live is None else "in flight" if live else "cut off"
+    return df.with_columns(pl.when(pl.col("response_finished")).then(pl.lit("finished"))
+                           .otherwise(pl.lit(pending)).alias("response_state"))

@@ -30,10 +30,10 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
-from forensics.queries.base import ForensicsBackend
+from forensics.queries.base import ForensicsBackend, with_response_state
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
-from telemetry.store import StoreError, resolve_boot
+from telemetry.store import StoreError, has_live_writer, resolve_boot
 from telemetry.store.chain import HashCache, Verdict, verify
 from telemetry.store.schema import arrow_schemas, collector_span_columns
 
@@ -121,6 +121,7 @@ class ClickHouseForensics:
             if store is None:
                 raise StoreError("--engine chdb answers over a local store: give --store")
             self.store = Path(store)
+            self.live = has_live_writer(self.store)
             if not (self.store / "chain").is_dir():
                 raise StoreError(f"no kvledger store at {self.store} (expected {self.store}/chain)")
             if cache is None:               # a command: the segment hashes of earlier commands (outside the store)
@@ -145,7 +146,7 @@ class ClickHouseForensics:
         elif engine == "clickhouse":
             if not dsn:
                 raise ClickHouseError("--engine clickhouse needs --dsn clickhouse://HOST:8123/DATABASE")
-            self.store = None
+            self.store, self.live = None, None
             self.target = connect(dsn)
             # what the server holds was verified by `kvledger export` before it was copied
             self.verdict = Verdict(True, 0, 0, "", None, [])
@@ -213,7 +214,8 @@ class ClickHouseForensics:
               **params) -> pl.DataFrame:
         self._prepare(ch_sql(name))
         text = self._bind(ch_sql(name))
-        return to_polars(self.target.query_arrow(text, self._params(text, start, end, params), SETTINGS))
+        return with_response_state(to_polars(self.target.query_arrow(text, self._params(text, start, end, params),
+                                                                      SETTINGS)), self.live)
 
     def queries(self, names: list[str], start: dt.datetime | None = None, end: dt.datetime | None = None,
                 workers: int = 1, **params) -> dict[str, pl.DataFrame]:

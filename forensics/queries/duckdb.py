@@ -17,7 +17,8 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from telemetry.store import StoreError, open_store, verify
+from forensics.queries.base import with_response_state
+from telemetry.store import StoreError, has_live_writer, open_store, verify
 from telemetry.store.chain import HashCache, damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
@@ -82,6 +83,7 @@ class Forensics:
         # a damaged segment is never opened: it can crash the Parquet reader or read as garbage
         self.left_out = damaged_segments(self.store, cache) if not self.verdict.ok else []
         self.con = open_store(self.store, run, skip=set(self.left_out))
+        self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None) -> None:
@@ -107,7 +109,7 @@ class Forensics:
             self.materialise()
         elif "requests" in text:
             self._ensure("requests")
-        return self._run(self.con, text, start, end, params)
+        return with_response_state(self._run(self.con, text, start, end, params), self.live)
 
     @staticmethod
     def _run(con, text: str, start, end, params: dict) -> pl.DataFrame:
@@ -125,7 +127,7 @@ class Forensics:
             self._ensure("requests")
         with ThreadPoolExecutor(workers) as pool:
             futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params) for n, t in texts.items()}
-            return {n: f.result() for n, f in futs.items()}
+            return {n: with_response_state(f.result(), self.live) for n, f in futs.items()}
 
     @property
     def unverified_note(self) -> str | None:

@@ -103,7 +103,7 @@ def build(store: str | Path, start: dt.datetime | None = None, end: dt.datetime 
                                       "the count of keyed n-grams (12 tokens each) of the donor's prompt found in "
                                       "the recipient's output, per response and donor; the text itself can be "
                                       "recovered only by the prompt's owner, who holds the n-gram key",
-                              "pairs": rows(e["exposures"].select("response", "donor", "severity", "shared_ngrams"))}
+                              "pairs": rows(e["exposures"].select("response", "donor", "evidence", "shared_ngrams"))}
     jsonschema.validate(report, json.loads(SCHEMA.read_text()))
     return report
 
@@ -118,6 +118,8 @@ def _counts(e: Evidence) -> dict:
             "surfaced_cross_tenant_responses": len(e.surfaced_cross),
             "surfaced_own_tenant_responses": len(e.surfaced_own),
             "blocked_responses": len(e.responses(e.blocked)),
+            "unfinished_responses": len(e.responses(e.exposed.filter(pl.col("response_state") != "finished")))
+            if "response_state" in e.exposed.columns else 0,
             "donor_scopes": e.scopes(cross["donor"].to_list()),
             "recipient_scopes": e.scopes(cross["response"].to_list()),
             "recipient_tenants": cross["response_tenant"].drop_nulls().n_unique(),

@@ -37,11 +37,11 @@ class Evidence:
     @property
     def exposed(self) -> pl.DataFrame:
         """(response, donor) rows that are exposures: blocked reads returned nothing computed from them."""
-        return self.q["exposures"].filter(pl.col("severity") != "blocked")
+        return self.q["exposures"].filter(pl.col("evidence") != "blocked")
 
     @property
     def blocked(self) -> pl.DataFrame:
-        return self.q["exposures"].filter(pl.col("severity") == "blocked")
+        return self.q["exposures"].filter(pl.col("evidence") == "blocked")
 
     @property
     def real(self) -> pl.DataFrame:
@@ -68,12 +68,12 @@ class Evidence:
     @property
     def surfaced_cross(self) -> set[int]:
         """Responses whose output repeats another customer's text."""
-        return self.responses(self.cross.filter(pl.col("severity") == "surfaced"))
+        return self.responses(self.cross.filter(pl.col("evidence") == "surfaced"))
 
     @property
     def surfaced_own(self) -> set[int]:
         """Responses whose output repeats only the tenant's own other requests' text."""
-        return self.responses(self.own.filter(pl.col("severity") == "surfaced")) - self.surfaced_cross
+        return self.responses(self.own.filter(pl.col("evidence") == "surfaced")) - self.surfaced_cross
 
     @property
     def any_exposure(self) -> bool:

@@ -184,6 +184,7 @@ def _counts(r: dict) -> str:
 | responses whose output repeated another customer's text (surfaced) | {c['surfaced_cross_tenant_responses']} |
 | responses whose output repeated the tenant's own earlier text (surfaced) | {c['surfaced_own_tenant_responses']} |
 | stopped by the read check (blocked, not exposed) | {c['blocked_responses']} |
+| affected responses with no end in the store (in flight or cut off: judged on what they had streamed) | {c.get('unfinished_responses', 0)} |
 | recipient tenants (another customer's KV) | {c['recipient_tenants']} |
 | donor tenants (KV read by another customer) | {c['donor_tenants']} |
 | donor requests | {c['donor_requests']} |
@@ -256,7 +257,7 @@ def _excerpts(r: dict) -> str:
     if not ex:
         return ""
     return ("## Evidence excerpts (--include-excerpts)\n" + ex["note"] + ".\n\n"
-            + md_table(ex["pairs"], ["response", "donor", "severity", "shared_ngrams"]))
+            + md_table(ex["pairs"], ["response", "donor", "evidence", "shared_ngrams"]))
 
 
 def _glossary(_: dict) -> str:

@@ -147,7 +147,7 @@ def notices(e: Evidence) -> list[dict]:
     out = []
     for t in tenants:
         as_donor = cross.filter(pl.col("donor_tenant") == t)
-        shown = as_donor.filter(pl.col("severity") == "surfaced")
+        shown = as_donor.filter(pl.col("evidence") == "surfaced")
         as_recipient = cross.filter(pl.col("response_tenant") == t)
         mine = own.filter(pl.col("response_tenant") == t)
         roles = [r for r, df in zip(ROLES, (shown, as_donor, as_recipient, mine)) if df.height]

@@ -11,6 +11,8 @@
 -- attention_mass: the softmax mass the response put on the donor's pages, summed over its read
 -- steps (each step's mass averaged over layers): 1.0 = one step attending to nothing else, so 46.5
 -- is about 46 steps' worth of attention on the donor's KV (NULL where a read was not measured).
+-- response_finished: false for a response whose end is not in the store (still running, or cut
+-- off; the readers name which: response_state); its evidence is judged on what it had streamed.
 -- Window: a response is in [t0, t1] when any of its failing reads is: a read run overlapping the
 -- window (first read at or before t1, last at or after t0) counts, whenever the response began.
 CREATE OR REPLACE MACRO exposures_in(t0, t1) AS TABLE
@@ -33,8 +35,9 @@ SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_t
        count(DISTINCT (e.node, e.boot, e.position)) AS foreign_tokens,
        any_value(m.attention_mass) AS attention_mass,
        CASE WHEN any_value(r.error_type) = 'ReadCheckViolation' THEN 'blocked'
-            WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,
+            WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS evidence,
        coalesce(any_value(s.shared_ngrams), 0) AS shared_ngrams,
+       coalesce(any_value(r.finished), false) AS response_finished,
        min(e.step_first) AS first_step, max(e.step_last) AS last_step,
        min(e.ts_first) AS first_read, max(e.ts_last) AS last_read
 FROM e

@@ -6,10 +6,10 @@ CREATE OR REPLACE MACRO scores_in(t0, t1) AS TABLE
 SELECT response, any_value(response_tenant) AS tenant,
        sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END)::BIGINT AS foreign_tokens,
        count(DISTINCT donor) FILTER (WHERE donor <> -1) AS donors,
-       bool_or(severity = 'surfaced') AS surfaced,
+       bool_or(evidence = 'surfaced') AS surfaced,
        (sum(CASE WHEN donor = -1 THEN 0 ELSE foreign_tokens END)
-        * CASE WHEN bool_or(severity = 'surfaced') THEN 10 ELSE 1 END)::BIGINT AS score,
-       min(first_read) AS first_read, max(last_read) AS last_read
+        * CASE WHEN bool_or(evidence = 'surfaced') THEN 10 ELSE 1 END)::BIGINT AS score,
+       min(first_read) AS first_read, max(last_read) AS last_read, bool_and(response_finished) AS response_finished
 FROM exposures_in(t0, t1)
-WHERE severity <> 'blocked'
+WHERE evidence <> 'blocked'
 GROUP BY response

@@ -9,8 +9,8 @@ SELECT donor_tenant, response_tenant AS recipient_tenant, same_tenant,
        CASE WHEN donor = -1 THEN 'unwritten' WHEN donor_tenant IS NULL THEN 'unrecorded' ELSE 'tenant' END AS donor_kind,
        count(DISTINCT response) AS responses, count(DISTINCT donor) AS donor_requests,
        sum(pages)::BIGINT AS pages, sum(foreign_tokens)::BIGINT AS foreign_tokens,
-       count(DISTINCT response) FILTER (WHERE severity = 'surfaced') AS surfaced_responses
+       count(DISTINCT response) FILTER (WHERE evidence = 'surfaced') AS surfaced_responses
 FROM exposures_in($from, $to)
-WHERE severity <> 'blocked'
+WHERE evidence <> 'blocked'
 GROUP BY ALL
 ORDER BY foreign_tokens DESC, donor_tenant, recipient_tenant, donor_kind

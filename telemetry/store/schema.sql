@@ -213,7 +213,9 @@ CREATE TABLE metrics (
 
 -- Keyed hashes (store secret) of every n-gram of n tokens of each request's prompt and output that
 -- can be evidence (at least 4 distinct tokens holding a letter or digit: never a run of spaces or
--- punctuation), computed when the request finishes: forensics tells "surfaced" from "read" with no
+-- punctuation), computed as the request streams (its prompt at the first fold after its arrival,
+-- its output as it comes, each window once): a response still running or cut off by a crash is
+-- judged on what it had streamed. Forensics tells "surfaced" from "read" with no
 -- plaintext, and ``pos`` tells whether the recipient read the slots that n-gram's KV sits in.
 -- clickhouse: ORDER BY (incarnation, role, hash) SHARD BY cityHash64(incarnation)
 CREATE TABLE ngrams (

@@ -86,6 +86,23 @@ def enter_idle_priority() -> str:
         return "normal"
 
 
+def has_live_writer(root: str | Path) -> bool:
+    """Whether a writer holds the store's lock now (a live replay, serve or collect): the kernel
+    drops the lock when its holder closes it or dies, so False after a clean close and a crash."""
+    try:
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: Path, data: "bytes | pa.Buffer") -> None:
     """Write data as path: a temp file, fsync, rename (a reader never sees a partial file)."""
     tmp = path.with_name(f".tmp-{os.getpid()}-{path.name}")

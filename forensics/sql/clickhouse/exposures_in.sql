@@ -18,8 +18,9 @@ SELECT e.response AS response, r.tenant_h AS response_tenant, e.donor AS donor, 
        toInt64(uniqExact(e.node, e.boot, e.position)) AS foreign_tokens,
        any(m.attention_mass) AS attention_mass,
        CASE WHEN any(r.error_type) = 'ReadCheckViolation' THEN 'blocked'
-            WHEN any(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS severity,
+            WHEN any(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS evidence,
        toInt64(coalesce(any(s.shared_ngrams), 0)) AS shared_ngrams,
+       toBool(coalesce(any(r.finished), false)) AS response_finished,
        min(e.step_first) AS first_step, max(e.step_last) AS last_step,
        min(e.ts_first) AS first_read, max(e.ts_last) AS last_read
 FROM e
