@@ -57,6 +57,9 @@ class _Replay:
         self.page_bytes = KVPool.page_bytes_for(self.model.num_layers, self.model.kv_dim, PAGE)
         self.oracle = Oracle(self.model, seed)
         self.rng = random.Random(seed)
+        # seed 0 is the documented layout; any other seed also varies the layout (prompt and answer
+        # lengths) within what keeps each scenario's race possible (n below)
+        self.shape = random.Random(f"kvledger-layout/{seed}") if seed else None
         self.canaries: dict[str, str] = {}
         # canaries are keyed by a secret derived from the seed (the same --seed replays the same texts
         # and verdict); pass a key to replay the same texts with and without the triggering event
@@ -72,6 +75,11 @@ class _Replay:
     def cfg(self, tokens: int, node: str, **kw) -> EngineConfig:
         return EngineConfig(kv_memory_budget=tokens // PAGE * self.page_bytes, page_size=PAGE, context_length=CONTEXT,
                             node_id=node, max_num_seqs=8, check_reads=True, **kw)
+
+    def n(self, base: int, more: int) -> int:
+        """``base`` tokens, or (a seed other than 0) up to ``more`` more: growing only, so a pool each
+        scenario overfills stays overfilled."""
+        return base if self.shape is None else base + self.shape.randint(0, more)
 
     def text(self, tenant: str, tokens: int) -> str:
         """Prose of exactly ``tokens`` tokens (byte tokenizer) from ``tenant``, with a canary inside."""
@@ -133,9 +141,9 @@ def _abort_race(rp: _Replay, trigger: bool, on_wire: bool, progress=None) -> Rep
     client of A disconnects - during A's prefill (fault 3) or once A's transfer is on the wire
     (fault 7). B gets A's pages; whatever of A's transfer lands afterwards lands in B's KV."""
     cl = rp.cluster([1024, 1024], 1024, LinkConfig(slots_per_tick=64, batch_slots=64, release_timeout_ticks=4))
-    reqs = _submit(cl, [("globex", rp.text("globex", 200), 40, 1, ""),
-                        ("acme", rp.text("acme", 760), 8, 0, ""),
-                        ("initech", rp.text("initech", 300), 48, 1, "")])
+    reqs = _submit(cl, [("globex", rp.text("globex", rp.n(200, 60)), rp.n(40, 16), 1, ""),
+                        ("acme", rp.text("acme", rp.n(760, 40)), 8, 0, ""),
+                        ("initech", rp.text("initech", rp.n(300, 40)), rp.n(48, 16), 1, "")])
     a = reqs[1]
 
     def event(cl: DisaggCluster) -> bool:
@@ -167,9 +175,9 @@ def double_free(rp: _Replay, trigger: bool, progress=None) -> ReplayResult:
     The link fails A's transfer before its first call lands. Unchecked, A's pages enter the free list
     twice: D is given pages B already holds, and one overwrites the other's KV."""
     cl = rp.cluster([1024, 1024], 1024, LinkConfig(slots_per_tick=64, batch_slots=64, release_timeout_ticks=4))
-    reqs = _submit(cl, [("globex", rp.text("globex", 200), 40, 1, ""),
-                        ("acme", rp.text("acme", 760), 8, 0, "")]
-                   + [(t, rp.text(t, 300), 32, 1, "") for t in ("initech", "globex", "umbrella")])
+    reqs = _submit(cl, [("globex", rp.text("globex", rp.n(200, 60)), rp.n(40, 16), 1, ""),
+                        ("acme", rp.text("acme", rp.n(760, 40)), 8, 0, "")]
+                   + [(t, rp.text(t, rp.n(300, 40)), rp.n(32, 16), 1, "") for t in ("initech", "globex", "umbrella")])
     a = reqs[1]
     if trigger:
         cl.fail_transfer(a, after_calls=0)
@@ -185,8 +193,9 @@ def lease_expiry(rp: _Replay, trigger: bool, progress=None) -> ReplayResult:
     and the pull then reads C's KV into A's decode pages."""
     cl = rp.cluster([512, 1024], 2048, LinkConfig(slots_per_tick=64, batch_slots=64, release_timeout_ticks=4,
                                                   prefill_lease_ticks=3))
-    reqs = _submit(cl, [("acme", rp.text("acme", 400), 24, 0, ""), ("globex", rp.text("globex", 400), 24, 0, ""),
-                        ("initech", rp.text("initech", 300), 24, 1, "")])
+    reqs = _submit(cl, [("acme", rp.text("acme", rp.n(400, 48)), rp.n(24, 8), 0, ""),
+                        ("globex", rp.text("globex", rp.n(400, 48)), rp.n(24, 8), 0, ""),
+                        ("initech", rp.text("initech", rp.n(300, 60)), rp.n(24, 8), 1, "")])
     a = reqs[0]
     if trigger:
         cl.link.stall("prefill0", 5)              # decode's pulls from prefill0 are delayed 5 ticks
@@ -201,10 +210,10 @@ def transfer_id_reuse(rp: _Replay, trigger: bool, progress=None) -> ReplayResult
     the client's id: the retry's transfer is taken for a retransmission and never registered, and
     its source pages are never released."""
     cl = rp.cluster([1024, 1024], 2048, LinkConfig(slots_per_tick=64, batch_slots=64, release_timeout_ticks=4))
-    text = rp.text("acme", 400)
-    reqs = _submit(cl, [("acme", text, 16, 0, "req-42"), ("globex", rp.text("globex", 300), 16, 1, ""),
-                        ("acme", text, 16, 0, "req-42" if trigger else "req-43"),
-                        ("initech", rp.text("initech", 300), 16, 1, "")])
+    text, answer = rp.text("acme", rp.n(400, 80)), rp.n(16, 8)
+    reqs = _submit(cl, [("acme", text, answer, 0, "req-42"), ("globex", rp.text("globex", rp.n(300, 60)), answer, 1, ""),
+                        ("acme", text, answer, 0, "req-42" if trigger else "req-43"),
+                        ("initech", rp.text("initech", rp.n(300, 60)), answer, 1, "")])
     _drive(cl, None, progress)
     return rp.result(cl.nodes, reqs, [reqs[2]], trigger)
 
@@ -221,10 +230,11 @@ def offload_race(rp: _Replay, trigger: bool, progress=None) -> ReplayResult:
                                              fail_on_violation=g.read_check, deferred_release=g.deferred_release,
                                              detect_double_free=g.double_free_check), recorder=rp.tel)
     eng.observers.append(rp.oracle.observe_step)
-    items = [("acme", 150), ("globex", 150)] + ([("initech", 150), ("umbrella", 150)] if trigger else [])
+    sizes, answer = [rp.n(150, 24) for _ in range(4)], rp.n(120, 16)     # drawn alike with and without the event
+    items = list(zip(("acme", "globex", "initech", "umbrella"), sizes))[: 4 if trigger else 2]
     reqs = []
     for tenant, n in items:
-        r = eng.new_request(rp.text(tenant, n), SamplingParams(max_tokens=120), tenant)
+        r = eng.new_request(rp.text(tenant, n), SamplingParams(max_tokens=answer), tenant)
         eng.enqueue(r)
         reqs.append(r)
     steps = 0

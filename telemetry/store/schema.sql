@@ -9,7 +9,8 @@
 -- counters restart with every boot, so every join and ordering keys on (node, boot); a store
 -- holding many runs answers the union of each run's answer. Incarnation ids are unique across boots.
 -- Pseudonyms: `*_h` columns are keyed with the store secret (HMAC-SHA256, 16 hex chars for ids;
--- a keyed 64-bit mix for content tags). Tenant ids, scopes and prompt text are never stored in clear.
+-- AES-256 under the store's keys, 64 bits, for content tags and n-grams). Tenant ids, scopes and
+-- prompt text are never stored in clear.
 -- ClickHouse (telemetry/clickhouse/ddl.py generates its DDL from this file): the `-- clickhouse:` line
 -- above each table gives its MergeTree sorting key, its partition (by day where the table has a
 -- time) and, on a cluster, its sharding key - `everywhere`: a small table every shard holds whole.
