@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -210,7 +211,9 @@ def tiles(t: dict, pr: Protection) -> None:
              ("Exposed, last 5 min", pr.recent[5], "red" if pr.recent[5] else "ok", None),
              ("Affected responses", t["affected_responses"], "red" if cross else "amber" if t["affected_responses"]
               else "ok", None),
-             ("Surfaced", t["surfaced_responses"], "red" if t["critical_responses"] else "ok", None),
+             ("Surfaced, other customers'", t["critical_responses"], "red" if t["critical_responses"] else "ok",
+              f"responses whose output repeated another customer's prompt text; "
+              f"{t['surfaced_responses'] - t['critical_responses']} more repeated only their own tenant's"),
              ("Foreign KV tokens read", t["foreign_tokens"], "red" if cross else "amber" if t["foreign_tokens"]
               else "ok", None),
              ("Recipient tenants", t["recipient_tenants"], "red" if t["recipient_tenants"] else "ok", None),
@@ -218,7 +221,7 @@ def tiles(t: dict, pr: Protection) -> None:
              ("Exposure score", t["exposure_score"], "red" if cross else "ok", SCORE_HELP)]
     for row in (cells[:3], cells[3:6], cells[6:]):
         for c, (label, value, alert, help_) in zip(st.columns(3), row):
-            with c.container(key=f"kpi-{alert}-{label.replace(' ', '_').replace(',', '')}"):
+            with c.container(key=f"kpi-{alert}-{re.sub(r'[^A-Za-z0-9]+', '_', label)}"):
                 st.metric(label, value, help=help_)
 
 

@@ -47,7 +47,8 @@ def test_every_panel_renders_and_its_numbers_equal_kvledger_forensics(glm53_vuln
     assert m["Affected responses"] == scores.height == len(res.over_pool)
     assert m["Foreign KV tokens read"] == int(ex.filter(pl.col("donor") != -1)["foreign_tokens"].sum())
     assert m["Exposure score"] == int(scores["score"].sum())
-    assert m["Surfaced"] == int(scores["surfaced"].sum())
+    cross = ex.filter((pl.col("evidence") == "surfaced") & ~pl.col("same_tenant") & (pl.col("donor") != -1))
+    assert m["Surfaced, other customers'"] == cross["response"].n_unique()      # never mixed with a tenant's own
     assert m["Donor tenants"] == ex.filter(pl.col("donor") != -1)["donor_tenant"].n_unique()
     assert m["Billed for more prompt than prefilled"] == int(ttft["usage_dishonest"].sum())
     assert m["Transfers failing integrity"] == int((~tr["integrity_ok"]).sum())
