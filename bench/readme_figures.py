@@ -15,31 +15,42 @@ def engine_table(r: dict) -> str:
     desc = {"tiny": "tiny Llama (hidden {hidden}, {layers} layers, GQA {heads}:{kv_heads})",
             "big": "Qwen2 shape (hidden {hidden}, {layers} layers, GQA {heads}:{kv_heads}, intermediate {intermediate})",
             "long": "tiny Llama, long prompts"}
-    rows = ["| workload | batch x prompt tokens, new tokens | kvledger vs transformers tokens/s | ratio |",
-            "| --- | --- | --- | --- |"]
+    rows = ["| workload | batch x prompt tokens, new tokens | kvledger vs transformers tokens/s | ratio "
+            "| vLLM-CPU tokens/s | kvledger vs vLLM |",
+            "| --- | --- | --- | --- | --- | --- |"]
     for name, x in w.items():
         c, t = x["config"], x["tokens_per_s"]
+        vl = (f"{t['vllm']:.0f} ({x['vllm_same_greedy_outputs']}/{c['batch']} greedy outputs equal) | "
+              f"**{x['ratio_kvledger_vs_vllm']:.2f}x**") if "vllm" in t else "not measured | "
         rows.append(f"| {name}: {desc[name].format(**c)} | {c['batch']} x {min(c['prompt_lens'])}-{max(c['prompt_lens'])}, "
                     f"{c['new_tokens']} | {t['kvledger']:.0f} vs {t['transformers']:.0f} | "
-                    f"**{x['ratio_kvledger_vs_transformers']:.2f}x** |")
+                    f"**{x['ratio_kvledger_vs_transformers']:.2f}x** | {vl} |")
     for name, x in w.items():
         t = x["tokens_per_s"]
         if "read_check_cost" in x:
             rows.append(f"| {name}: read check on vs off | | {t['kvledger']:.0f} vs {t['check_off']:.0f} | "
-                        f"cost {100 * x['read_check_cost']:+.1f} % |")
+                        f"cost {100 * x['read_check_cost']:+.1f} % | | |")
         if "read_check_share_of_run" in x:
             rows.append(f"| {name}: read check timed alone on the run's layouts | "
                         f"{1e6 * x['read_check_seconds_per_step']:.0f} us per step | | "
-                        f"{100 * x['read_check_share_of_run']:.1f} % of the run |")
+                        f"{100 * x['read_check_share_of_run']:.1f} % of the run | | |")
         if "zero_on_free_cost" in x:
             rows.append(f"| {name}: `zero_on_free` on vs off | | {t['zero_on_free']:.0f} vs {t['kvledger']:.0f} | "
-                        f"cost {100 * x['zero_on_free_cost']:+.1f} % |")
+                        f"cost {100 * x['zero_on_free_cost']:+.1f} % | | |")
     reps = {x["config"]["repeats"] for x in w.values()}
+    prof = [f"{name}: " + ", ".join(f"`{p['op'].removeprefix('aten::')}` {100 * p['share']:.0f} %" for p in x["profile"][:6])
+            for name, x in w.items() if "profile" in x]
+    vllm = next((x["vllm_version"] for x in w.values() if "vllm_version" in x), None)
+    tail = ([] if vllm is None else [
+        "", f"vLLM-CPU {vllm} (the interop tier's venv), each workload in its own process, prefix caching off, "
+        "token ids in, fp32 like the others, one warm-up run, then interleaved with kvledger and transformers run "
+        "by run (bench/vllm_worker.py)."]) + ([] if not prof else [
+        "", "Where kvledger's CPU time goes (torch profiler, self time of the top ops, one run): " + "; ".join(prof) + "."])
     return "\n".join([
         f"Greedy decoding, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, "
         f"{r.get('threads', 2)} torch threads for both engines, on this 2-core CPU machine "
         "(`transformers` with its `sdpa` attention, left-padded batch):",
-        "", *rows])
+        "", *rows, *tail])
 
 
 def guards_table(r: dict) -> str:
