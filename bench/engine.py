@@ -24,10 +24,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._common import interleaved, write  # noqa: E402
+from engine import kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.models.llama import LlamaModel  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
+from telemetry import Telemetry  # noqa: E402
 from tests.tiny_models import build_tiny  # noqa: E402
 
 TINY = dict(kind="llama", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=512, vocab=512, max_positions=4096)
@@ -83,11 +85,11 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     kv = sum(lens) + batch * new
     page_bytes = 2 * shape["layers"] * shape["kv_heads"] * (shape["hidden"] // shape["heads"]) * 4 + 16
 
-    def ours(**kw):
+    def ours(recorder=None, **kw):
         # the engine (and its pool) is built once, outside the timed region; each run reuses it
         cfg = EngineConfig(kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch,
                            context_length=hi + new, **kw)
-        eng = LLMEngine(model, None, cfg)
+        eng = LLMEngine(model, None, cfg, recorder=recorder)
         return lambda: eng.generate(prompts, sp)
 
     import transformers
@@ -104,7 +106,19 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
             hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
                         do_sample=False, pad_token_id=0)
 
-    variants = {"kvledger": ours(), "transformers": theirs}
+    def torch_decode(run):
+        # the same engine with the native decode kernel off: torch's gather + bmm path (the reference)
+        def go():
+            lib, kernels._lib = kernels._lib, None
+            try:
+                run()
+            finally:
+                kernels._lib = lib
+        return go
+
+    tel = Telemetry(tmp / f"ledger-{name}-{time.time_ns()}", model_name=name)
+    variants = {"kvledger": ours(), "transformers": theirs, "torch_decode": torch_decode(ours()),
+                "with_ledger": ours(recorder=tel)}
     if "check_off" in extra:
         variants["check_off"] = ours(check_reads=False)
     if "zero_on_free" in extra:
@@ -117,6 +131,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     try:
         t = interleaved(variants, repeats)
     finally:
+        tel.close()
         if vllm is not None:
             vllm.close()
     tps = {k: batch * new / v for k, v in t.items()}
@@ -124,12 +139,16 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
                       "repeats": repeats, "attn_implementation": hf.config._attn_implementation},
            "seconds": t, "tokens_per_s": tps,
            "ratio_kvledger_vs_transformers": tps["kvledger"] / tps["transformers"],
-           "bench_seconds": time.perf_counter() - t0}
+           "bench_seconds": time.perf_counter() - t0,
+           "native_decode": kernels.why_not() or "on",
+           "ratio_native_vs_torch_decode": tps["kvledger"] / tps["torch_decode"],
+           "ledger_cost": 1 - tps["with_ledger"] / tps["kvledger"]}
     if vllm is not None:
         mine = [r.output_ids for r in LLMEngine(model, None, EngineConfig(
             kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch, context_length=hi + new))
             .generate(prompts, sp)]
         res |= {"ratio_kvledger_vs_vllm": tps["kvledger"] / tps["vllm"], "vllm_version": vllm.version,
+                "ratio_with_ledger_vs_vllm": tps["with_ledger"] / tps["vllm"],
                 # fp32 both: greedy outputs equal token for token, or the first position they differ
                 "vllm_same_greedy_outputs": sum(a == list(b) for a, b in zip(vllm.outputs, mine)),
                 "vllm_first_divergence": min((next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
@@ -199,7 +218,8 @@ def main() -> None:
         r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers)
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
-                f"-> {r['ratio_kvledger_vs_transformers']:.2f}x")
+                f"-> {r['ratio_kvledger_vs_transformers']:.2f}x; native decode vs torch's "
+                f"{r['ratio_native_vs_torch_decode']:.2f}x; ledger on {100 * r['ledger_cost']:+.1f} %")
         if "vllm" in tps:
             line += (f"; vs vLLM-CPU {tps['vllm']:.0f} -> {r['ratio_kvledger_vs_vllm']:.2f}x "
                      f"({r['vllm_same_greedy_outputs']}/{len(r['config']['prompt_lens'])} greedy outputs equal)")

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.kv.pool import KVPool
 
 
@@ -48,6 +49,7 @@ class VarlenPlan(NamedTuple):
     dec_tok: torch.Tensor        # [Bd] its query token
     dec_pages: torch.Tensor      # [Bd, Cd] pages to read (clamped; masked by dec_bias)
     dec_bias: torch.Tensor       # [Bd, 1, Cd * S] 0 for a key slot inside [0, seq_len), -inf outside
+    dec_seq: torch.Tensor        # [Bd] seq_len of each decode request
     pre: tuple                   # per prefill chunk: (b, first token, q_len, pages [Cb], mask [q_len, Cb * S])
 
 
@@ -85,7 +87,7 @@ class BatchLayout(NamedTuple):
             kpos = torch.arange(cb * S)
             mask = (kpos[None, :] <= torch.arange(sl - ql, sl)[:, None]) & (kpos[None, :] < sl)
             pre.append((b, int(starts[b]), ql, bt[b, :cb], mask))
-        plan = VarlenPlan(dec_b, starts[dec_b], bt[dec_b, :Cd], dec_bias, tuple(pre))
+        plan = VarlenPlan(dec_b, starts[dec_b], bt[dec_b, :Cd], dec_bias, seq_lens[dec_b], tuple(pre))
         return BatchLayout(block_tables, seq_lens, query_lens, positions, tok_batch, tok_row,
                            expected_gen, expected_tags, plan)
 
@@ -192,7 +194,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
                     exact_mass: bool = False) -> AttentionOutput:
     """Varlen paged attention: no padding across requests, only the pages in each request's range read.
 
-    - decode requests: one batched attention over their own pages; mass measured on every page;
+    - decode requests: one call of the native kernel (engine/kernels: K/V read in place from the
+      records, no gather), else one batched attention over their own pages; mass measured on every page;
     - prefill chunks: each on its own; PyTorch's fused ``scaled_dot_product_attention`` (which never
       materialises the scores) unless the chunk reads a page the read check flagged (``mass_pages``;
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
@@ -209,7 +212,9 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
     kl, vl = pool.k(layer), pool.v(layer)
     out = q.new_empty(T, Hq, D)
     page_mass = torch.zeros((B, C), dtype=q.dtype)         # pages not read: no mass
-    if len(plan.dec_b):     # per KV head: gather its pages straight into [keys, D] and batch-matmul
+    if len(plan.dec_b) and not kernels.paged_decode(q, plan.dec_tok, pool, layer, plan.dec_pages, plan.dec_seq,
+                                                    num_kv_heads, scale, out, page_mass, plan.dec_b):
+        # the torch path (no native kernel): per KV head, gather its pages into [keys, D] and batch-matmul
         Bd, Cd = plan.dec_pages.shape
         flat = plan.dec_pages.view(-1)
         kh, vh = pool.head_views(layer, num_kv_heads)

@@ -4,9 +4,13 @@ every page it measures - all pages of decode requests, all pages of a prefill ch
 page the check flags, every page with ``exact_mass`` - and NaN (not measured) nowhere else."""
 from __future__ import annotations
 
+import itertools
+import shutil
+
 import pytest
 import torch
 
+from engine import kernels
 from engine.attention import BatchLayout, _read_check_torch, padded_attention, paged_attention, read_check
 from engine.kv.pool import KVPool
 
@@ -20,7 +24,7 @@ CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page siz
 
 
 @pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
-def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
+def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, monkeypatch):
     torch.manual_seed(len(seq) * 31 + S)
     D, B = 16, len(seq)
     C = max(-(-n // S) for n in seq) + 1                 # one spare column: padding in every row
@@ -40,8 +44,13 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
     q = torch.randn(sum(ql), hkv * g, D)
     ref = padded_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True)
     flagged_req = {b for b, _ in flagged}
-    for exact in (False, True):
+    # decode through the native kernel (engine/kernels), then through torch's ops
+    paths = [("native", kernels.native())] * (kernels.native() is not None) + [("torch", None)]
+    for (path, lib), exact in itertools.product(paths, (False, True)):
+        monkeypatch.setattr(kernels, "_lib", lib)
+        calls = kernels.CALLS
         got = paged_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True, exact_mass=exact)
+        assert kernels.CALLS - calls == (path == "native" and 1 in ql), path
         torch.testing.assert_close(got.out, ref.out, atol=1e-5, rtol=1e-4)
         for a, b in zip(got.check[:5], ref.check[:5]):      # the tensors (any_failed: below)
             assert torch.equal(a[ref.check.slots_read > 0], b[ref.check.slots_read > 0])
@@ -50,6 +59,7 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
             want = exact or ql[b] == 1 or b in flagged_req
             assert bool(measured[b].all()) == want, (b, exact)
         torch.testing.assert_close(got.page_mass[measured], ref.page_mass[measured], atol=1e-5, rtol=1e-4)
+    monkeypatch.undo()
     # the numpy read check (CPU pools) and the torch one (other devices): equal field for field,
     # on these tags and with a page's generation wrong too
     gens[0, 0] += 1
@@ -59,6 +69,11 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g):
             assert x.dtype == y.dtype and torch.equal(x, y), name
         assert a.any_failed is bool(b.bad_slots.any()) and b.any_failed is None
     assert int(a.bad_slots[0, 0]) == min(seq[0], S) and int(a.bad_mask[0, 0]) == (1 << min(seq[0], S)) - 1
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+def test_the_native_decode_kernel_builds_and_loads_where_a_compiler_is():
+    assert kernels.native() is not None, kernels.why_not()
 
 
 def test_later_layers_measure_the_pages_layer_0_flagged():

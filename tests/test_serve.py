@@ -530,7 +530,9 @@ def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_and_the_metr
     deadline get 503 `server_shutting_down` as JSON, streams an error event then [DONE] - never
     uvicorn's text/plain 500 or a stream cut mid-body."""
     key = "operator-" + "k" * 20           # (the same server also shows --metrics-key guarding /metrics)
-    s = Server(tmp_path, "--mode", "unified", "--drain-timeout", "2", "--metrics-key", key)
+    # a context long enough that no request can finish inside the drain, however fast the engine
+    s = Server(tmp_path, "--mode", "unified", "--drain-timeout", "2", "--metrics-key", key,
+               config="context_length = 4200\n[unified]\npool_tokens = 20000\n")
     for path in ("/metrics", "/server_info"):
         assert httpx.get(s.url + path).status_code == 401
         assert httpx.get(s.url + path, headers={"Authorization": "Bearer key-a"}).status_code == 401   # a tenant's key
@@ -540,7 +542,7 @@ def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_and_the_metr
     out = []
 
     def load(stream: bool) -> None:
-        body = {"prompt": SECRET_TEXT[:100], "max_tokens": 900, "stream": stream}
+        body = {"prompt": SECRET_TEXT[:100], "max_tokens": 4000, "stream": stream}
         if stream:
             with httpx.stream("POST", s.url + "/v1/completions", headers={"Authorization": "Bearer key-b"},
                               json=body, timeout=60) as r:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from engine import kernels
 from engine.errors import ModelLoadError
 from engine.step import StepContext
 
@@ -65,12 +66,42 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """rms_norm(x) * w; with ``residual``: residual += x (in place), then rms_norm(residual) * w - one
+    native pass (engine/kernels) where it runs, else torch's ops."""
+    out = kernels.add_rms_norm(x, w, eps, residual)
+    if out is not None:
+        return out
+    if residual is not None:
+        residual += x
+        x = residual
+    return rms_norm(x, w, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of rows [gate | up]."""
+    out = kernels.silu_mul(gate_up)
+    if out is None:
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = F.silu(gate) * up
+    return out
+
+
+def rope_freqs(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
+    """The rotation angle of each (position, frequency), [T, D/2]: computed once per step."""
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return positions.float()[:, None] * inv[None, :]
+
+
+def rope_full(freqs: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [T, 1, D] in the rotate-half layout (torch's rope below)."""
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin for each position, [T, 1, D]: computed once per step, used by every layer."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    f = positions.float()[:, None] * inv[None, :]
-    emb = torch.cat([f, f], dim=-1)
-    return emb.cos()[:, None, :].to(dtype), emb.sin()[:, None, :].to(dtype)
+    return rope_full(rope_freqs(positions, head_dim, theta), dtype)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -149,20 +180,27 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_rows: torch.Tensor) -> torch.Tensor:
         c, w = self.cfg, self.w
-        T = input_ids.shape[0]
-        x = F.embedding(input_ids, w["model.embed_tokens.weight"])
-        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, x.dtype)
-        qd, kvd, inter = c.num_heads * c.head_dim, self.kv_dim, c.intermediate_size
+        T, eps, D = input_ids.shape[0], c.rms_norm_eps, c.head_dim
+        x = F.embedding(input_ids, w["model.embed_tokens.weight"])   # the residual stream (added to in place)
+        freqs = rope_freqs(positions, D, c.rope_theta)
+        half, full = (freqs.cos(), freqs.sin()), None                 # [T, D/2]: the native rope's; torch's below
+        Hq, Hkv = c.num_heads, c.num_kv_heads
+        h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            h = rms_norm(x, w[p + "input_layernorm.weight"], c.rms_norm_eps)
-            q, k, v = F.linear(h, self.qkv[i], self.qkv_bias[i]).split([qd, kvd, kvd], dim=-1)
-            q = rope(q.view(T, c.num_heads, c.head_dim), cos, sin)
-            k = rope(k.view(T, c.num_kv_heads, c.head_dim), cos, sin)
-            a = ctx.attend(i, q, k, v, c.num_kv_heads, c.head_dim, c.head_dim ** -0.5)
-            x = x + F.linear(a, w[p + "self_attn.o_proj.weight"])
-            h = rms_norm(x, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
-            gate, up = F.linear(h, self.gate_up[i]).split([inter, inter], dim=-1)
-            x = x + F.linear(F.silu(gate) * up, w[p + "mlp.down_proj.weight"])
-        x = rms_norm(x[logits_rows], w["model.norm.weight"], c.rms_norm_eps)
+            qkv = F.linear(h, self.qkv[i], self.qkv_bias[i])
+            if not kernels.rope(qkv, Hq + Hkv, D, *half):             # q and k rotated in one pass
+                full = full or rope_full(freqs, x.dtype)
+                qkv[:, :(Hq + Hkv) * D] = rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *full).view(T, -1)
+            qkv = qkv.view(T, Hq + 2 * Hkv, D)
+            q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+            a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
+            h = add_rms_norm(F.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"],
+                             eps, residual=x)
+            down = F.linear(silu_mul(F.linear(h, self.gate_up[i])), w[p + "mlp.down_proj.weight"])
+            if i + 1 < c.num_layers:
+                h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
+            else:
+                x += down
+        x = add_rms_norm(x[logits_rows], w["model.norm.weight"], eps)
         return F.linear(x, w["lm_head.weight"]).float()

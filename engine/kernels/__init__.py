@@ -1,0 +1,170 @@
+"""Native CPU kernels, compiled on first use with the machine's C compiler and loaded with ctypes.
+
+``paged_decode`` (paged_decode.c) is decode attention read straight out of the pool's page records:
+torch's path gathers every page of every request into a contiguous copy per KV head and layer
+(``index_select``, 17 % of a tiny model's step in bench/engine.py's profile) and runs a dozen small
+ops around it; the kernel is one call per layer, no copy. The torch path stays the reference and the
+fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is not fp32 on the CPU.
+``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
+where torch runs three to six ops with a dispatch each; None from them means "run torch's".
+
+The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
+the source, the flags and the CPU's feature flags (``-march=native``); it is built into a temporary
+name and renamed into place, so concurrent first uses (test workers) never load a half-written file.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "dense.c")]
+# gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+_lib: ctypes.CDLL | None = None
+_why_not: str | None = None     # why the native path is off (None: not tried yet, or on)
+_tried = False
+CALLS = 0                       # successful native calls (tests tell the kernel ran)
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build() -> ctypes.CDLL:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise OSError("no C compiler (cc) on PATH")
+    src = b"".join(p.read_bytes() for p in _SRCS)
+    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    cache = Path(os.environ.get("KVLEDGER_CACHE") or Path.home() / ".cache" / "kvledger") / "kernels"
+    so = cache / f"paged_decode-{key.hexdigest()[:16]}.so"
+    if not so.exists():
+        cache.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+            if r.returncode != 0:
+                raise OSError(f"{cc} failed: {r.stderr.strip()[:300]}")
+            os.replace(tmp, so)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(so))
+    f = lib.kvl_paged_decode_f32
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
+                  p, i64, p, p, p, i64, ctypes.c_int]
+    f.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    for name, args in (("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
+                       ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
+                       ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int])):
+        getattr(lib, name).argtypes = args
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+def native() -> ctypes.CDLL | None:
+    """The loaded kernels, or None (``why_not()`` says why)."""
+    global _lib, _why_not, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get("KVLEDGER_NATIVE", "1") == "0":
+            _why_not = "KVLEDGER_NATIVE=0"
+        else:
+            try:
+                _lib = _build()
+            except (OSError, subprocess.SubprocessError) as e:
+                _why_not = f"native kernels unavailable ({e}); the torch path runs"
+    return _lib
+
+
+def why_not() -> str | None:
+    native()
+    return _why_not
+
+
+def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: torch.Tensor, seq_lens: torch.Tensor,
+                 num_kv_heads: int, scale: float, out: torch.Tensor, page_mass: torch.Tensor,
+                 rows: torch.Tensor) -> bool:
+    """Decode attention of the requests whose query tokens are ``toks`` (rows of q and out, [T, Hq, D]),
+    over ``pages`` [Bd, Cd] up to ``seq_lens`` [Bd]; page mass written into page_mass[rows, :Cd].
+    False (nothing written) when the native path cannot run this call."""
+    lib = native()
+    if (lib is None or pool.dtype != torch.float32 or pool.buf.device.type != "cpu" or q.dtype != torch.float32
+            or q.stride(2) != 1 or q.stride(1) != q.shape[2] or not out.is_contiguous()
+            or page_mass.dtype != torch.float32 or page_mass.stride(1) != 1):
+        return False
+    T, Hq, D = q.shape
+    Bd, Cd = pages.shape
+    k, v = pool.k(layer), pool.v(layer)          # [P, S, kv_dim] strided views into the records
+    pages, seq_lens = pages.contiguous(), seq_lens.contiguous()
+    toks, rows = toks.contiguous(), rows.contiguous()
+    part = torch.empty(Bd * num_kv_heads * max(Cd, 1), dtype=torch.float32)
+    rc = lib.kvl_paged_decode_f32(
+        q.data_ptr(), q.stride(0), toks.data_ptr(), k.untyped_storage().data_ptr(), pages.data_ptr(),
+        seq_lens.data_ptr(), Bd, Cd, pool.page_size, Hq, num_kv_heads, D, k.stride(0), k.stride(1),
+        k.storage_offset(), v.storage_offset(), scale, out.data_ptr(), out.stride(0), part.data_ptr(),
+        page_mass.data_ptr(), rows.data_ptr(), page_mass.stride(0), torch.get_num_threads())
+    if rc != 0:
+        return False
+    global CALLS
+    CALLS += 1
+    return True
+
+
+def _rows_ok(*ts: torch.Tensor) -> bool:
+    """fp32 CPU tensors of 2-D rows, each row contiguous (any row stride)."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1 for t in ts)
+
+
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
+                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """rms_norm(x) * w, or with ``residual``: residual += x in place, then rms_norm(residual) * w
+    (x, residual [T, H]). None: not run (torch's ops are the caller's)."""
+    lib = native()
+    if lib is None or not _rows_ok(x, w[None], *(() if residual is None else (residual,))) or not w.is_contiguous():
+        return None
+    T, H = x.shape
+    out = torch.empty(T, H)
+    lib.kvl_add_rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                             0 if residual is None else residual.stride(0), w.data_ptr(), out.data_ptr(), H, T, H,
+                             eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up of rows [gate | up] ([T, 2I] -> [T, I]); None: not run."""
+    lib = native()
+    if lib is None or not _rows_ok(gu):
+        return None
+    T, I2 = gu.shape
+    out = torch.empty(T, I2 // 2)
+    lib.kvl_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), I2 // 2, T, I2 // 2, torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate-half RoPE in place on the first ``heads`` heads of each row of x ([T, >= heads * D]),
+    cos and sin [T, D / 2]. False: not run."""
+    lib = native()
+    if lib is None or not _rows_ok(x, cos, sin) or not (cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib.kvl_rope_f32(x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), x.shape[0],
+                     torch.get_num_threads())
+    return True

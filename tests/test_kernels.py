@@ -1,0 +1,80 @@
+"""The native dense ops (engine/kernels/dense.c) against the torch ops they replace, on the shapes
+a step gives them: decode rows (below the threading threshold) and prefill rows (above it), rows
+with a stride (slices of a wider buffer), a residual added in place, and what makes them decline."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine import kernels
+from engine.models import llama
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None or kernels.native() is None,
+                                reason=f"native kernels not built here: {kernels.why_not()}")
+
+
+@pytest.mark.parametrize("T", [1, 8, 200])
+@pytest.mark.parametrize("H", [64, 96, 256])
+def test_add_rms_norm_equals_torch_with_and_without_a_residual(T, H):
+    torch.manual_seed(T * 7 + H)
+    wide = torch.randn(T, H + 32)
+    x, w = wide[:, 5:5 + H], torch.randn(H)               # rows with a stride, not contiguous
+    torch.testing.assert_close(kernels.add_rms_norm(x, w, 1e-6), llama.rms_norm(x.contiguous(), w, 1e-6))
+    res = torch.randn(T, H)
+    want_res = res + x
+    got = kernels.add_rms_norm(x, w, 1e-5, residual=res)
+    torch.testing.assert_close(res, want_res)             # the residual stream, added to in place
+    torch.testing.assert_close(got, llama.rms_norm(want_res, w, 1e-5))
+
+
+@pytest.mark.parametrize("T, inter", [(1, 64), (8, 512), (130, 1000)])
+def test_silu_mul_equals_torch(T, inter):
+    gu = torch.randn(T, 2 * inter) * 4
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("T, Hq, Hkv, D", [(1, 4, 2, 64), (8, 14, 2, 64), (100, 4, 4, 16)])
+def test_rope_in_place_equals_torch_and_leaves_v_alone(T, Hq, Hkv, D):
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D)
+    positions = torch.randint(0, 4000, (T,))
+    f = llama.rope_freqs(positions, D, 10000.0)
+    want = llama.rope(qkv.view(T, -1, D)[:, :Hq + Hkv], *llama.rope_full(f, torch.float32))
+    v = qkv[:, (Hq + Hkv) * D:].clone()
+    assert kernels.rope(qkv, Hq + Hkv, D, f.cos(), f.sin())
+    torch.testing.assert_close(qkv.view(T, -1, D)[:, :Hq + Hkv], want)
+    assert torch.equal(qkv[:, (Hq + Hkv) * D:], v)
+
+
+def test_the_kernels_decline_what_they_do_not_handle_and_torch_runs_it():
+    x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
+    assert kernels.add_rms_norm(x, w, 1e-6) is None and kernels.silu_mul(x) is None
+    assert not kernels.rope(x, 1, 64, torch.ones(4, 32), torch.ones(4, 32))
+    # bf16 through the model's helpers: torch's ops, the same numbers as the reference
+    torch.testing.assert_close(llama.add_rms_norm(x, w, 1e-6), llama.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(llama.silu_mul(x), F.silu(x[:, :32]) * x[:, 32:])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_model_step_gives_the_same_greedy_tokens_with_the_kernels_off(kind, request, monkeypatch):
+    """The whole engine, native kernels on vs off (torch's ops): the same greedy tokens."""
+    from engine.config import EngineConfig
+    from engine.llm import LLMEngine
+    from engine.models.llama import LlamaModel
+    from engine.request import SamplingParams
+    model = LlamaModel.from_pretrained(request.getfixturevalue(f"tiny_{kind}"))
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 77)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        eng = LLMEngine(model, None, EngineConfig(kv_memory_budget=8 << 20, page_size=16, max_num_seqs=4))
+        return [r.output_ids for r in eng.generate(prompts, sp)]
+    calls = kernels.CALLS
+    on = run()
+    assert kernels.CALLS > calls                       # the native decode kernel ran
+    monkeypatch.setattr(kernels, "_lib", None)
+    assert kernels.add_rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None
+    assert run() == on
