@@ -40,27 +40,26 @@ class ModelRunner:
         S = self.pool.page_size
         B = len(batch)
         C = max(len(s.req.block_table) for s in batch)
-        bt = torch.full((B, C), -1, dtype=torch.long)
-        gens = torch.zeros((B, C), dtype=torch.long)
+        # the block tables and granted generations as one tensor each (one construction, not one per request)
+        bt = torch.tensor([s.req.block_table + [-1] * (C - len(s.req.block_table)) for s in batch], dtype=torch.long)
+        gens = torch.tensor([s.req.page_gens + [0] * (C - len(s.req.page_gens)) for s in batch], dtype=torch.long)
         exp_tags = torch.zeros((B, C * S), dtype=torch.long)
-        ids, seq_lens, q_lens, sampling, new_writers = [], [], [], [], []
+        ids, seq_lens, q_lens, sampling, writers = [], [], [], [], []
         for b, (req, n) in enumerate(batch):
-            nb = len(req.block_table)
-            bt[b, :nb] = torch.tensor(req.block_table)
-            gens[b, :nb] = torch.tensor(req.page_gens)
             end = req.num_computed + n
             exp_tags[b, :end] = req.chain.tags[:end]
             ids += req.all_ids[req.num_computed:end]
             seq_lens.append(end)
             q_lens.append(n)
-            new_writers.append(torch.full((n,), req.incarnation, dtype=torch.long))
+            writers.append(req.incarnation)
             if end == req.seq_len:
                 sampling.append(b)
+        new_writers = torch.repeat_interleave(torch.tensor(writers, dtype=torch.long), torch.tensor(q_lens))
         lay = BatchLayout.build(bt, seq_lens, q_lens, gens, exp_tags)
         slot_pages = bt[lay.tok_batch, lay.positions // S]
         slot_offsets = lay.positions % S
         new_tags = exp_tags[lay.tok_batch, lay.positions]
-        ctx = StepContext(self.pool, lay, slot_pages, slot_offsets, new_tags, torch.cat(new_writers),
+        ctx = StepContext(self.pool, lay, slot_pages, slot_offsets, new_tags, new_writers,
                           self.check_reads, self.model.num_layers, self.backend, self.exact_mass)
         ends = torch.cumsum(lay.query_lens, 0) - 1
         rows = ends[torch.tensor(sampling, dtype=torch.long)]

@@ -30,13 +30,14 @@ def _h(key: bytes, data: bytes) -> int:
 class TagChain:
     """The growing tag chain of one request's own tokens, as an int64 tensor (grown in place)."""
 
-    __slots__ = ("key", "_tags", "_len", "_seed")
+    __slots__ = ("key", "_tags", "_len", "_seed", "_last")
 
     def __init__(self, key: bytes, kv_format_version: str = "kvledger-kv-v1"):
         self.key = key
         self._seed = _h(key, kv_format_version.encode())
         self._tags = torch.empty(64, dtype=torch.int64)
         self._len = 0
+        self._last = self._seed             # tag[len - 1] as a Python int (no tensor read per token)
 
     def __len__(self) -> int:
         return self._len
@@ -48,17 +49,22 @@ class TagChain:
             grown = torch.empty(max(need, 2 * self._tags.numel()), dtype=torch.int64)
             grown[: self._len] = self._tags[: self._len]
             self._tags = grown
-        prev = int(self._tags[self._len - 1]) if self._len else self._seed
-        out = []
-        for t in tokens:
-            prev = _h(self.key, _PACK.pack(prev, int(t)))
-            out.append(prev)
-        if out:
-            self._tags[self._len: need] = torch.tensor(out, dtype=torch.int64)
+        prev = self._last
+        if len(tokens) == 1:                # a decode step: one token, one element written
+            prev = self._tags[self._len] = _h(self.key, _PACK.pack(prev, int(tokens[0])))
+        else:
+            out = []
+            for t in tokens:
+                prev = _h(self.key, _PACK.pack(prev, int(t)))
+                out.append(prev)
+            if out:
+                self._tags[self._len: need] = torch.tensor(out, dtype=torch.int64)
+        self._last = prev
         self._len = need
 
     def truncate(self, n: int) -> None:
         self._len = min(self._len, n)
+        self._last = int(self._tags[self._len - 1]) if self._len else self._seed
 
     @property
     def tags(self) -> torch.Tensor:
