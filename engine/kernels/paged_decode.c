@@ -15,23 +15,54 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define LANES 16
 #define PF 4            /* slots ahead to prefetch */
+
+typedef float v8 __attribute__((vector_size(32)));
+static inline v8 ld8(const float *p) { v8 r; __builtin_memcpy(&r, p, sizeof r); return r; }
+static inline void st8(float *p, v8 a) { __builtin_memcpy(p, &a, sizeof a); }
 
 static inline void prefetch_row(const float *p, int64_t D) {
     for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
-    float acc[LANES] = {0};
     int64_t i = 0;
-    for (; i + LANES <= D; i += LANES)
-        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
-    for (int w = LANES / 2; w > 0; w /= 2)      /* a tree, not a chain of 16 dependent adds */
-        for (int j = 0; j < w; j++) acc[j] += acc[j + w];
-    float s = acc[0];
+    float s = 0.f;
+    if (D >= 16) {          /* two independent vector chains, one horizontal sum */
+        v8 x = {0}, y = {0};
+        for (; i + 16 <= D; i += 16) {
+            x += ld8(a + i) * ld8(b + i);
+            y += ld8(a + i + 8) * ld8(b + i + 8);
+        }
+        x += y;
+        for (int j = 0; j < 8; j++) s += x[j];
+    }
     for (; i < D; i++) s += a[i] * b[i];
     return s;
+}
+
+/* o[0:D] = sum_i p[i] * rows[i][0:D]: 64 columns at a time held in eight vector registers over
+   all the keys (not loaded and stored back once per key) */
+static void weighted_rows(const float *p, const float *const *rows, int64_t n, int64_t D, float *restrict o) {
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) {
+        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = rows[i] + c;
+            const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
+            a0 += w * ld8(r); a1 += w * ld8(r + 8); a2 += w * ld8(r + 16); a3 += w * ld8(r + 24);
+            a4 += w * ld8(r + 32); a5 += w * ld8(r + 40); a6 += w * ld8(r + 48); a7 += w * ld8(r + 56);
+        }
+        st8(o + c, a0); st8(o + c + 8, a1); st8(o + c + 16, a2); st8(o + c + 24, a3);
+        st8(o + c + 32, a4); st8(o + c + 40, a5); st8(o + c + 48, a6); st8(o + c + 56, a7);
+    }
+    if (c < D) {
+        for (int64_t d = c; d < D; d++) o[d] = 0.f;
+        for (int64_t i = 0; i < n; i++) {
+            const float *r = rows[i];
+            for (int64_t d = c; d < D; d++) o[d] += p[i] * r[d];
+        }
+    }
 }
 
 int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *toks,
@@ -54,20 +85,22 @@ int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *to
             memset(o, 0, sizeof(float) * G * D);
             continue;
         }
-        float *sc = malloc(sizeof(float) * G * n);
+        /* scores [G, n], then the K and V row of each key (slot records are kilobytes apart) */
+        float *sc = malloc(sizeof(float) * G * n + 2 * sizeof(float *) * n);
         if (!sc) { failed = 1; continue; }
-        const float *qb = q + toks[b] * q_tok_stride + h * G * D;
-        const int64_t np = (n + S - 1) / S;
-        for (int64_t c = 0, i = 0; c < np; c++) {  /* scores: each K row read once for the G heads */
-            const float *k = kv + pages[b * Cd + c] * page_stride + k_off + h * D;
-            for (int64_t s = 0; s < S && i < n; s++, i++, k += rec_stride) {
-                /* a slot record is kilobytes (every layer's K and V): the next rows are a page
-                   stride away, where the hardware prefetcher does not go; ask for them */
-                if (s + PF < S) prefetch_row(k + PF * rec_stride, D);
-                else if (c + 1 < np) prefetch_row(kv + pages[b * Cd + c + 1] * page_stride + k_off + h * D
-                                                  + (s + PF - S) * rec_stride, D);
-                for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, k, D) * scale;
+        const float **krow = (const float **)(sc + G * n), **vrow = krow + n;
+        for (int64_t c = 0, i = 0; i < n; c++) {   /* (no division per key: S is not a constant) */
+            const float *rec = kv + pages[b * Cd + c] * page_stride + h * D;
+            for (int64_t s = 0; s < S && i < n; s++, i++, rec += rec_stride) {
+                krow[i] = rec + k_off;
+                vrow[i] = rec + v_off;
             }
+        }
+        const float *qb = q + toks[b] * q_tok_stride + h * G * D;
+        for (int64_t i = 0; i < n; i++) {          /* scores: each K row read once for the G heads */
+            /* the next rows are a record stride away, where the hardware prefetcher does not go */
+            if (i + PF < n) prefetch_row(krow[i + PF], D);
+            for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, krow[i], D) * scale;
         }
         for (int64_t g = 0; g < G; g++) {          /* softmax per query head */
             float *s = sc + g * n, m = -INFINITY, sum = 0.f;
@@ -76,23 +109,12 @@ int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *to
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; i++) s[i] *= inv;
         }
-        memset(o, 0, sizeof(float) * G * D);
-        for (int64_t c = 0, i = 0; c < np; c++) {  /* out = P V, each V row read once for the G heads */
-            const float *v = kv + pages[b * Cd + c] * page_stride + v_off + h * D;
-            float mass = 0.f;
-            for (int64_t s = 0; s < S && i < n; s++, i++, v += rec_stride) {
-                if (s + PF < S) prefetch_row(v + PF * rec_stride, D);
-                else if (c + 1 < np) prefetch_row(kv + pages[b * Cd + c + 1] * page_stride + v_off + h * D
-                                                  + (s + PF - S) * rec_stride, D);
-                for (int64_t g = 0; g < G; g++) {
-                    const float p = sc[g * n + i];
-                    float *restrict og = o + g * D;
-                    for (int64_t d = 0; d < D; d++) og[d] += p * v[d];
-                    mass += p;
-                }
-            }
-            part_b[c] = mass;
-        }
+        for (int64_t i = 0; i < PF && i < n; i++) prefetch_row(vrow[i], D);
+        for (int64_t g = 0; g < G; g++)            /* out = P V per query head */
+            weighted_rows(sc + g * n, vrow, n, D, o + g * D);
+        for (int64_t c = 0, i = 0; i < n; c++)     /* this KV head's mass on each page, over its G heads */
+            for (int64_t s = 0; s < S && i < n; s++, i++)
+                for (int64_t g = 0; g < G; g++) part_b[c] += sc[g * n + i];
         free(sc);
     }
     if (failed) return 1;
