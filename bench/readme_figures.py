@@ -34,6 +34,14 @@ def engine_table(r: dict) -> str:
             rows.append(f"| {name}: read check timed alone on the run's layouts | "
                         f"{1e6 * x['read_check_seconds_per_step']:.0f} us per step | | "
                         f"{100 * x['read_check_share_of_run']:.1f} % of the run | | |")
+        if "ratio_native_vs_torch_decode" in x:
+            rows.append(f"| {name}: native decode kernel vs torch's gather + bmm | | {t['kvledger']:.0f} vs "
+                        f"{t['torch_decode']:.0f} | **{x['ratio_native_vs_torch_decode']:.2f}x** | | |")
+        if "ledger_cost" in x:
+            vl = (f"{t['with_ledger']:.0f} vs {t['vllm']:.0f} | **{x['ratio_with_ledger_vs_vllm']:.2f}x**"
+                  if "ratio_with_ledger_vs_vllm" in x else " | ")
+            rows.append(f"| {name}: telemetry on (spans, metrics, page ledger into a store) vs off | | {t['with_ledger']:.0f} vs "
+                        f"{t['kvledger']:.0f} | cost {100 * x['ledger_cost']:+.1f} % | {vl} |")
         if "zero_on_free_cost" in x:
             rows.append(f"| {name}: `zero_on_free` on vs off | | {t['zero_on_free']:.0f} vs {t['kvledger']:.0f} | "
                         f"cost {100 * x['zero_on_free_cost']:+.1f} % | | |")

@@ -78,3 +78,26 @@ def test_a_model_step_gives_the_same_greedy_tokens_with_the_kernels_off(kind, re
     monkeypatch.setattr(kernels, "_lib", None)
     assert kernels.add_rms_norm(torch.randn(2, 8), torch.ones(8), 1e-6) is None
     assert run() == on
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_store_writes_each_new_tokens_k_and_v_into_its_slot_and_nothing_else(native, monkeypatch):
+    """KVPool.store through the native scatter and through torch's index_put: the same records,
+    every other byte of the buffer (tags, writers, other layers, other slots) untouched."""
+    from engine.kv.pool import KVPool
+    if not native:
+        monkeypatch.setattr(kernels, "_lib", None)
+    L, Hkv, D, S = 3, 2, 8, 4
+    pool = KVPool(L, Hkv * D, S, 6 * KVPool.page_bytes_for(L, Hkv * D, S))
+    before = pool.buf.clone()
+    qkv = torch.randn(5, 4 + 2 * Hkv, D)                     # the model's fused q|k|v rows
+    k, v = qkv[:, 4:4 + Hkv], qkv[:, 4 + Hkv:]
+    pages, offs = torch.tensor([2, 2, 5, 0, 3]), torch.tensor([0, 3, 1, 2, 3])
+    pool.store(1, pages, offs, k, v)
+    torch.testing.assert_close(pool.k(1)[pages, offs], k.reshape(5, -1), rtol=0, atol=0)
+    torch.testing.assert_close(pool.v(1)[pages, offs], v.reshape(5, -1), rtol=0, atol=0)
+    pool.k(1)[pages, offs] = before.view(torch.float32).as_strided(pool.k(1).shape, pool.k(1).stride(),
+                                                                   pool.k(1).storage_offset())[pages, offs]
+    pool.v(1)[pages, offs] = before.view(torch.float32).as_strided(pool.v(1).shape, pool.v(1).stride(),
+                                                                   pool.v(1).storage_offset())[pages, offs]
+    assert torch.equal(pool.buf, before)                     # those rows were the only bytes written

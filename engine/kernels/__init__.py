@@ -73,7 +73,8 @@ def _build() -> ctypes.CDLL:
     f32 = ctypes.c_float
     for name, args in (("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
-                       ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int])):
+                       ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
+                       ("kvl_scatter_rows_f32", [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int])):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -167,4 +168,23 @@ def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: tor
         return False
     lib.kvl_rope_f32(x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), x.shape[0],
                      torch.get_num_threads())
+    return True
+
+
+def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, src: torch.Tensor) -> bool:
+    """dst[pages[r], offsets[r]] = src[r] for a pool view dst [P, S, W] (rows contiguous) and src
+    [n, W] rows (any row stride; a [n, H, D] view whose heads are adjacent counts). False: not run."""
+    lib = native()
+    if src.dim() == 3:          # [n, H, D] with adjacent heads: the same rows as [n, H * D]
+        if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
+            return False
+        src = src.as_strided((src.shape[0], src.shape[1] * src.shape[2]), (src.stride(0), 1), src.storage_offset())
+    if (lib is None or dst.dtype != torch.float32 or dst.device.type != "cpu" or dst.stride(2) != 1
+            or not _rows_ok(src) or src.shape[1] != dst.shape[2] or pages.dtype != torch.long
+            or offsets.dtype != torch.long):
+        return False
+    pages, offsets = pages.contiguous(), offsets.contiguous()
+    lib.kvl_scatter_rows_f32(dst.untyped_storage().data_ptr(), pages.data_ptr(), offsets.data_ptr(), src.shape[0],
+                             dst.stride(0), dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0),
+                             src.shape[1], torch.get_num_threads())
     return True

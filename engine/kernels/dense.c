@@ -57,3 +57,19 @@ int kvl_rope_f32(float *x, int64_t xs, int64_t H, int64_t D, const float *cos_, 
     }
     return 0;
 }
+
+/* Row r of src (width floats, rows src_stride apart) into slot offs[r] of page pages[r] of the
+   pool (records rec_stride apart inside a page, pages page_stride apart, the row at off in its
+   record): a layer's new K or V through the step's slot mapping, one call (torch: a copy of the
+   strided rows, then an index_put). */
+int kvl_scatter_rows_f32(float *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
+                         int64_t rec_stride, int64_t off, const float *src, int64_t src_stride, int64_t width,
+                         int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
+    for (int64_t r = 0; r < n; r++) {
+        float *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
+        const float *s = src + r * src_stride;
+        for (int64_t i = 0; i < width; i++) d[i] = s[i];
+    }
+    return 0;
+}

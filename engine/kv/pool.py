@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from engine import kernels
+
 from engine.errors import InputError
 
 _HDR = 8        # bytes of page header (generation)
@@ -104,8 +106,9 @@ class KVPool:
         """Write one layer's K/V for new tokens; with layer 0 the same slot mapping writes the tag plane."""
         if layer == 0:
             self.write_seq[pages, offsets] += 1
-        self._k[layer][pages, offsets] = k.reshape(-1, self.kv_dim).to(self.dtype)
-        self._v[layer][pages, offsets] = v.reshape(-1, self.kv_dim).to(self.dtype)
+        for dst, src in ((self._k[layer], k), (self._v[layer], v)):
+            if not kernels.scatter_rows(dst, pages, offsets, src):      # one native pass, else torch's
+                dst[pages, offsets] = src.reshape(-1, self.kv_dim).to(self.dtype)
         if tags is not None:
             self.tags[pages, offsets] = tags
             self.writers[pages, offsets] = writers
