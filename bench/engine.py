@@ -125,7 +125,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
         variants["zero_on_free"] = ours(zero_on_free=True)
     vllm = None
     if peers is not None:
-        vllm = VllmWorker(peers, d, hi + new + 16, torch.get_num_threads(), prompts, new)
+        vllm = VllmWorker(peers, d, min(hi + new + 16, shape["max_positions"]), torch.get_num_threads(), prompts, new)
         variants["vllm"] = vllm
     t0 = time.perf_counter()
     try:
@@ -216,6 +216,7 @@ def main() -> None:
     res = {"threads": args.threads, "workloads": {}}
     for n in names:
         r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers)
+        write("engine", res)            # after each workload: a later one failing keeps these
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
                 f"-> {r['ratio_kvledger_vs_transformers']:.2f}x; native decode vs torch's "
