@@ -15,6 +15,7 @@ Writes bench/results/engine.json; README figures are generated from it (bench/re
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -214,8 +215,14 @@ def main() -> None:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     tmp = Path(tempfile.mkdtemp())
     res = {"threads": args.threads, "workloads": {}}
+    prev = Path(__file__).resolve().parent / "results" / "engine.json"
+    if prev.exists() and set(names) != set(WORKLOADS):   # a subset run keeps the other workloads' last figures
+        old = json.loads(prev.read_text())
+        if old.get("threads") == args.threads:
+            res["workloads"] = {k: v for k, v in old.get("workloads", {}).items() if k not in names}
     for n in names:
-        r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers)
+        r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers) | {"unix_time": int(time.time())}
+        res["workloads"] = {k: res["workloads"][k] for k in WORKLOADS if k in res["workloads"]}
         write("engine", res)            # after each workload: a later one failing keeps these
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "

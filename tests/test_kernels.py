@@ -101,3 +101,21 @@ def test_store_writes_each_new_tokens_k_and_v_into_its_slot_and_nothing_else(nat
     pool.v(1)[pages, offs] = before.view(torch.float32).as_strided(pool.v(1).shape, pool.v(1).stride(),
                                                                    pool.v(1).storage_offset())[pages, offs]
     assert torch.equal(pool.buf, before)                     # those rows were the only bytes written
+
+
+def test_prepacked_linears_equal_torchs_and_every_projection_is_packed(tiny_qwen2, monkeypatch):
+    """oneDNN's prepacked weights (what vLLM-CPU does): each projection packed at load, the same
+    product as F.linear to float rounding (qkv bias included), and F.linear for what it declines."""
+    from engine.models.llama import LlamaModel, packing_available
+    if not packing_available():
+        pytest.skip("torch built without oneDNN")
+    model = LlamaModel.from_pretrained(tiny_qwen2)
+    L = model.cfg.num_layers
+    assert len(model._packed) == 4 * L + 1                # qkv, o, gate_up, down per layer + lm_head
+    for x in (torch.randn(1, model.cfg.hidden_size), torch.randn(37, model.cfg.hidden_size)):
+        torch.testing.assert_close(model.linear(x, model.qkv[0], model.qkv_bias[0]),
+                                   F.linear(x, model.qkv[0], model.qkv_bias[0]), atol=1e-5, rtol=1e-4)
+    xt = torch.randn(model.cfg.hidden_size, 5).t()        # not contiguous: F.linear's
+    assert torch.equal(model.linear(xt, model.qkv[0]), F.linear(xt, model.qkv[0]))
+    monkeypatch.setenv("KVLEDGER_ONEDNN", "0")
+    assert not LlamaModel.from_pretrained(tiny_qwen2)._packed

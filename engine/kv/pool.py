@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from engine import kernels
-
 from engine.errors import InputError
 
 _HDR = 8        # bytes of page header (generation)

@@ -111,6 +111,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+PACK_ROWS = 32      # the row count oneDNN's weight layout is chosen for (vLLM-CPU's choice too)
+
+
+def packing_available() -> bool:
+    """Whether weights are prepacked for oneDNN (torch built with it; ``KVLEDGER_ONEDNN=0`` turns it off)."""
+    import os
+    return (os.environ.get("KVLEDGER_ONEDNN", "1") != "0" and torch.backends.mkldnn.is_available()
+            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -128,6 +138,20 @@ class LlamaModel(nn.Module):
             self.qkv_bias.append(torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
                                  if cfg.qkv_bias else None)
             self.gate_up.append(torch.cat([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")]))
+        self._packed: dict[int, torch.Tensor] = {}      # id(weight) -> its oneDNN-packed copy (see linear)
+        if packing_available() and all(t.dtype == torch.float32 for t in self.qkv):
+            for t in [*self.qkv, *self.gate_up, weights["lm_head.weight"],
+                      *(weights[f"model.layers.{i}.{n}.weight"] for i in range(cfg.num_layers)
+                        for n in ("self_attn.o_proj", "mlp.down_proj"))]:
+                self._packed[id(t)] = torch.ops.mkldnn._reorder_linear_weight(t, PACK_ROWS)
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ w.T + b through oneDNN with w prepacked at load (vLLM-CPU does the same with its linear
+        layers), else F.linear: the same product, summed in another order."""
+        packed = self._packed.get(id(w))
+        if packed is None or x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32:
+            return F.linear(x, w, b)
+        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
 
     @staticmethod
     def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -188,19 +212,19 @@ class LlamaModel(nn.Module):
         h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = F.linear(h, self.qkv[i], self.qkv_bias[i])
+            qkv = self.linear(h, self.qkv[i], self.qkv_bias[i])
             if not kernels.rope(qkv, Hq + Hkv, D, *half):             # q and k rotated in one pass
                 full = full or rope_full(freqs, x.dtype)
                 qkv[:, :(Hq + Hkv) * D] = rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *full).view(T, -1)
             qkv = qkv.view(T, Hq + 2 * Hkv, D)
             q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
-            h = add_rms_norm(F.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"],
+            h = add_rms_norm(self.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"],
                              eps, residual=x)
-            down = F.linear(silu_mul(F.linear(h, self.gate_up[i])), w[p + "mlp.down_proj.weight"])
+            down = self.linear(silu_mul(self.linear(h, self.gate_up[i])), w[p + "mlp.down_proj.weight"])
             if i + 1 < c.num_layers:
                 h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
             else:
                 x += down
         x = add_rms_norm(x[logits_rows], w["model.norm.weight"], eps)
-        return F.linear(x, w["lm_head.weight"]).float()
+        return self.linear(x, w["lm_head.weight"]).float()
