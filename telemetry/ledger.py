@@ -25,6 +25,8 @@ import torch
 
 from engine.attention import read_check
 from engine.recorder import TransferRecord
+from telemetry.exposure_index import PATH_CODE, NodeIndex, Reads, Writes, finish as index_table
+from telemetry.store.columns import concat_columns
 from telemetry.store.keys import Keys
 from telemetry.store import Coded, Columns, Ragged, SegmentWriter
 
@@ -343,12 +345,19 @@ class PageLedger:
         self._masks: dict[int, np.ndarray] = {}  # id(tokenizer) -> its content mask
         self._releases: deque = deque()         # releases not yet written (one tuple each)
         self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
+        self.index: dict[str, NodeIndex] = {}   # writer thread only: the exposure index's state per node
+        self._index_rows: list = []             # writer thread only: index rows not yet flushed
+        self._moved: deque = deque()            # (node, Writes) of transfer landings and reloads, not yet folded
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
         """Writer thread, before every flush: the steps still waiting, and every read run."""
         out = self._take()
-        return out + [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
+        out += [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
+        if self._index_rows:            # flushed with the page_reads rows it is derived from
+            rows, self._index_rows = self._index_rows, []
+            out.append(("exposure_index", index_table(concat_columns(rows))))
+        return out
 
     def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, Coded]:
         ids = [self.span_ids(i) for i in incarnations]
@@ -436,14 +445,20 @@ class PageLedger:
             rec = self._pending.popleft()
             by_node.setdefault(rec.node, []).append(rec)
             cells += rec.block_tables.numel()
+        moved: dict[str, list[Writes]] = {}     # (after the steps: a landing queued before a step is here)
+        for node, w in _take_all(self._moved):
+            moved.setdefault(node, []).append(w)
+        for node in moved.keys() - by_node.keys():      # writes with no step: applied to the index's state
+            self._index(node, None, [], moved[node])
         # arrivals first: a request's arrival is in the same flush as (or one before) its first read
-        out = self._arrival_rows() + [("page_writes", self._fold(node, recs)) for node, recs in by_node.items()] \
+        out = self._arrival_rows() + [("page_writes", self._fold(node, recs, moved.get(node, [])))
+                                      for node, recs in by_node.items()] \
             + self._ngrams() + self._release_rows()
         self._cells_out += cells                # (after the fold: what waits includes what is being folded)
         self._caught_up.set()
         return out
 
-    def _fold(self, node: str, recs: list[StepRecord]) -> Columns:
+    def _fold(self, node: str, recs: list[StepRecord], moved: "list[Writes]" = ()) -> Columns:
         cat = lambda f: _cat(recs, f)  # noqa: E731
         tok_b = [_np(r.tok_batch) for r in recs]
         n = np.array([len(t) for t in tok_b])
@@ -455,12 +470,53 @@ class PageLedger:
         if runs is None:
             runs = self.runs[node] = ReadRuns(node, recs[0].page_size, self.coalesce, self.scopes)
         runs.add(recs)
+        decode = positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb]
+        lc = np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n)
+        ts = np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n)
+        self._index(node, recs, [Writes(lc, cat("slot_pages"), cat("slot_offsets"), cat("gen_written"), cat("new_writers"),
+                                        positions, decode.astype(np.int64), ts), *moved])
         return self._write_cols(
-            node, len(positions), np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n), cat("slot_pages"),
-            cat("gen_written"), cat("slot_offsets"), positions, cat("new_writers"), cat("new_tags"),
-            positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb],     # decode append
-            ["prefill", "decode"], {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)},
-            np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n))
+            node, len(positions), lc, cat("slot_pages"), cat("gen_written"), cat("slot_offsets"), positions,
+            cat("new_writers"), cat("new_tags"), decode,     # decode append
+            ["prefill", "decode"], {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}, ts)
+
+    def _index(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]") -> None:
+        """Writer thread: the exposure index's part of a fold - every read of the steps held (who
+        read which page in which generation), the failing ones answered against the slots' last
+        writes, then the fold's writes (the steps' and the landings' and reloads') applied."""
+        ix = self.index.get(node)
+        if ix is None:
+            if not recs:
+                return                  # a node with no step yet: its first fold starts from these writes
+            ix = self.index[node] = NodeIndex(node, recs[0].page_size)
+        reads = Reads()
+        if recs:
+            cat = lambda f: _cat(recs, f)  # noqa: E731
+            page, sr, gen = cat("block_tables"), cat("slots_read"), cat("expected_gen")
+            Cs = np.array([r.block_tables.shape[1] for r in recs])
+            Bs = np.array([r.block_tables.shape[0] for r in recs])
+            row_reader = np.concatenate([np.asarray(r.incs, dtype=np.int64) for r in recs])
+            reader = np.repeat(row_reader, np.repeat(Cs, Bs))
+            read = (page >= 0) & (sr > 0)
+            ix.hold(page[read], gen[read], reader[read])
+            bad = cat("bad_mask")
+            cells = np.flatnonzero(read & (bad != 0))
+            if len(cells):
+                row_c = np.repeat(Cs, Bs)
+                cell_row = np.repeat(np.arange(len(row_c)), row_c)[cells]
+                col = cells - (np.cumsum(row_c) - row_c)[cell_row]
+                si = np.repeat(np.arange(len(recs)), Bs)[cell_row]
+                step_of = lambda f: np.array([getattr(r, f) for r in recs], dtype=np.int64)[si]  # noqa: E731
+                ids = [x for r in recs for x in r.ids]
+                reads.update(reader=reader[cells], page=page[cells].astype(np.int64), generation=gen[cells].astype(np.int64),
+                             found_generation=cat("found_gen")[cells].astype(np.int64), block_index=col.astype(np.int64),
+                             bad_mask=bad[cells].astype(np.int64), slots_read=sr[cells].astype(np.int64),
+                             step=step_of("step"), lclock=step_of("lclock"), ts=step_of("ts_ns"),
+                             mass=cat("page_mass")[cells].astype(np.float64), ids=[ids[i] for i in cell_row])
+        w = Writes.concat(writes) if writes else Writes(*(np.zeros(0, np.int64),) * 8)
+        rows = ix.fold(w, reads)
+        if rows is not None:
+            self._index_rows.append(rows)
 
     # ---- records copied outside a step (host tier) ------------------------------------------------
     def on_moved(self, engine, req, path: str, pages: list[int], positions: torch.Tensor) -> None:
@@ -477,18 +533,26 @@ class PageLedger:
             tags, writers, gen = engine.pool.tags[page_of, offs], engine.pool.writers[page_of, offs], None
         n = positions.numel()
         gen = engine.pool.generation[page_of] if gen is None else gen
+        ts = _ts(n, time.time_ns())
+        if node is None:            # a reload into the pool: the index sees it (an offload lands on the host tier)
+            self._moved.append((engine.cfg.node_id, Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers),
+                                                           _np(positions), PATH_CODE[path], ts)))
         self.writer.submit("page_writes", self._write_cols(node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs,
                                                            positions, writers, tags, np.zeros(n), [path],
-                                                           self._ids([req.incarnation], np.zeros(n))))
+                                                           self._ids([req.incarnation], np.zeros(n)), ts))
 
     # ---- a transfer: its landed writes (read back from the receiver's tag plane) and its verdict ---
     def on_transfer(self, engine, rec: TransferRecord) -> None:
         n = rec.landed.numel()
         if n:       # what landed, as it landed (generation, tags and writer captured by the link per call)
+            ts = _ts(n, time.time_ns())
+            self._moved.append((engine.cfg.node_id, Writes(
+                _np(rec.landed_lclock), _np(rec.landed_pages), _np(rec.landed_offsets), _np(rec.landed_gen),
+                _np(rec.landed_writers), _np(rec.landed), PATH_CODE["transfer_landing"], ts)))
             self.writer.submit("page_writes", self._write_cols(
                 engine.cfg.node_id, n, rec.landed_lclock, rec.landed_pages, rec.landed_gen, rec.landed_offsets,
                 rec.landed, rec.landed_writers, rec.landed_tags, np.zeros(n), ["transfer_landing"],
-                self._ids([rec.incarnation], np.zeros(n))))
+                self._ids([rec.incarnation], np.zeros(n)), ts))
         trace, span = self.span_ids(rec.incarnation)
         reserved, landed = _np(rec.reserved), _np(rec.landed)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src

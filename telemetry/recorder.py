@@ -128,7 +128,7 @@ class Telemetry(Recorder):
             "guards": pa.array([list(guards.items())], pa.map_(pa.string(), pa.bool_())),
             "isolation_level": [cfg.isolation_level if cfg.prefix_cache else self.isolation_level], "model": [self._model(engine)],
             "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version],
-            "page_ledger": [self.ledger is not None]}))
+            "page_ledger": [self.ledger is not None], "exposure_index": [self.ledger is not None]}))
 
     def request_arrived(self, engine, req) -> None:
         if self.ledger is not None:

@@ -12,6 +12,7 @@ import datetime as dt
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from typing import NamedTuple
 from pathlib import Path
 
 import duckdb
@@ -61,12 +62,58 @@ def unverified_note(verdict, left_out: "list[str] | tuple[str, ...]" = ()) -> st
     return f"UNVERIFIED STORE - {verdict.broken}{skipped}; these answers may be wrong or incomplete"
 
 
+def indexed(con: "duckdb.DuckDBPyConnection") -> bool:
+    """Whether every run of this snapshot that records a page ledger wrote the exposure index beside it."""
+    cols = {r[0] for r in con.sql("DESCRIBE config_snapshots").fetchall()}
+    if "exposure_index" not in cols:
+        return False
+    return con.sql("SELECT count(*) FROM config_snapshots WHERE page_ledger IS NOT FALSE "
+                   "AND exposure_index IS NOT TRUE").fetchall()[0][0] == 0
+
+
+# exposure_slots' columns, compared as they are (attention mass: to 1e-9 relative; sums in another order)
+INDEX_KEY = ["node", "boot", "response", "donor", "page", "generation", "block_index", "slot", "position", "donor_position",
+             "kind", "write_generation", "write_path", "written_at", "n_reads", "step_first", "step_last", "lclock_first",
+             "ts_first", "ts_last", "trace_id", "span_id"]
+
+
+class IndexCheck(NamedTuple):
+    join_rows: int              # slot rows of the as-of join
+    index_rows: int             # ... and of the index
+    only_join: "pl.DataFrame"   # rows the index misses (or has otherwise)
+    only_index: "pl.DataFrame"  # rows the join does not have
+    mass_differs: "pl.DataFrame"   # same row, attention mass differs beyond rounding
+
+    @property
+    def ok(self) -> bool:
+        return not (self.only_join.height or self.only_index.height or self.mass_differs.height)
+
+
+def check_index(con: "duckdb.DuckDBPyConnection") -> IndexCheck:
+    """Both answers materialised side by side on one snapshot, compared in SQL (rows in one and not
+    the other, both ways, and attention mass beyond rounding)."""
+    con.sql(sql("exposure_slots")).to_table("_check_join")
+    con.sql(sql("exposure_slots_index")).to_table("_check_index")
+    cols = ", ".join(f'"{c}"' for c in INDEX_KEY)
+    only = lambda a, b: con.sql(f"SELECT {cols} FROM {a} EXCEPT ALL SELECT {cols} FROM {b} ORDER BY ALL").pl()  # noqa: E731
+    on = " AND ".join(f'j."{c}" IS NOT DISTINCT FROM i."{c}"' for c in INDEX_KEY)
+    mass = con.sql(f"SELECT j.response, j.donor, j.node, j.page, j.slot, j.attention_mass AS join_mass, "
+                   f"i.attention_mass AS index_mass FROM _check_join j JOIN _check_index i ON {on} "
+                   f"WHERE (j.attention_mass IS NULL) <> (i.attention_mass IS NULL) "
+                   f"OR abs(j.attention_mass - i.attention_mass) > 1e-9 * greatest(1, abs(j.attention_mass))").pl()
+    n = lambda t: con.sql(f"SELECT count(*) FROM {t}").fetchall()[0][0]  # noqa: E731
+    out = IndexCheck(n("_check_join"), n("_check_index"), only("_check_join", "_check_index"),
+                     only("_check_index", "_check_join"), mass)
+    con.sql("DROP TABLE _check_join; DROP TABLE _check_index")
+    return out
+
+
 class Forensics:
     engine = "duckdb"
     source = "the local store"
 
     def __init__(self, store: str | Path, run: str | None = None, *, allow_unverified: bool = False,
-                 anchor: str | Path | None = None, cache: dict | None = None):
+                 anchor: str | Path | None = None, cache: dict | None = None, use_index: bool = True):
         """Verify the store first (its signed chain, and its anchor when one is found) and refuse a
         store that does not verify, unless ``allow_unverified`` - then ``self.verdict`` says so and
         every output must (``unverified_note``). ``cache``: a long-lived reader's verification
@@ -85,11 +132,19 @@ class Forensics:
         self.con = open_store(self.store, run, skip=set(self.left_out))
         self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
+        # the slot-level answers come from the exposure index where every run with a page ledger wrote
+        # one beside it (else, or asked to, from the as-of join over the whole ledger)
+        self.indexed = use_index and indexed(self.con)
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None) -> None:
         if name not in self._made:
-            (con or self.con).sql(sql(name)).to_table(name)
+            text = sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name)
+            (con or self.con).sql(text).to_table(name)
             self._made.add(name)
+
+    def verify_index(self) -> "IndexCheck":
+        """The exposure index against the as-of join over the ledger, slot row for slot row."""
+        return check_index(self.con)
 
     def materialise(self) -> None:
         """Run the as-of join once for this snapshot of the store; every query then reads its result.

@@ -77,6 +77,50 @@ CREATE TABLE page_reads (
     span_id         VARCHAR
 );
 
+-- The exposure index: the slot-level as-of join (forensics/sql/exposure_slots.sql) computed by the
+-- ledger writer as it folds each batch of steps, from the same rows it writes (the reads that
+-- failed the check, and the last write recorded before each read in each failing slot), flushed
+-- with the page_reads rows it derives from and chained and signed like every table. One row per
+-- (group of failing reads, write found in some of their failing slots): the reads of one (node,
+-- reader, page, generation, block column, found generation, failing slots, epoch) in one fold,
+-- and one write they found (its writer is the donor; -1: no write recorded in those slots). The
+-- read aggregates (n_reads .. span_id) are the group's, repeated on each of its rows (part 0
+-- carries them once). Derived, never trusted: `kvledger forensics verify-index` recomputes the
+-- join from the ledger and names any difference.
+-- clickhouse: ORDER BY (node, boot, page, reader, lclock_first) PARTITION BY toDate(ts_first) SHARD BY cityHash64(node, boot, page)
+CREATE TABLE exposure_index (
+    node            VARCHAR NOT NULL,
+    boot            VARCHAR NOT NULL,
+    reader          BIGINT NOT NULL,  -- the response (reader incarnation)
+    page            INTEGER NOT NULL,
+    generation      BIGINT NOT NULL,  -- generation the reader was granted
+    found_generation BIGINT NOT NULL,
+    block_index     INTEGER NOT NULL,
+    bad_mask        BIGINT NOT NULL,  -- the reads' failing slots
+    epoch           BIGINT NOT NULL,  -- clock of the last write to any failing slot at or before the reads (-1: none)
+    part            SMALLINT NOT NULL, -- the write's rank among the group's (0: the row that carries the aggregates)
+    slot_mask       BIGINT NOT NULL,  -- the failing slots where this write was found (the reader's own left out)
+    donor           BIGINT NOT NULL,  -- its writer (-1: no write recorded: unwritten)
+    donor_held      BOOLEAN,          -- the donor read this page in write_generation itself (a holder), as far
+                                      -- as the ledger had recorded by this fold
+    write_lclock    BIGINT,
+    write_generation BIGINT,
+    write_path      VARCHAR,
+    written_at      TIMESTAMP_NS,
+    position_offset INTEGER,          -- donor position of slot s: s + position_offset
+    slots_read      SMALLINT NOT NULL, -- the most slots one of the reads read
+    attention_mass  DOUBLE,           -- summed over the group's reads (NULL: a read unmeasured)
+    n_reads         INTEGER NOT NULL,
+    step_first      BIGINT NOT NULL,
+    step_last       BIGINT NOT NULL,
+    lclock_first    BIGINT NOT NULL,
+    lclock_last     BIGINT NOT NULL,
+    ts_first        TIMESTAMP_NS NOT NULL,
+    ts_last         TIMESTAMP_NS NOT NULL,
+    trace_id        VARCHAR,
+    span_id         VARCHAR
+);
+
 -- One row per KV transfer (disaggregated mode), written when it lands or fails.
 -- clickhouse: ORDER BY (src_node, boot, ts_submit, transfer_id) PARTITION BY toDate(ts_submit) SHARD BY cityHash64(incarnation)
 CREATE TABLE transfers (
@@ -153,7 +197,8 @@ CREATE TABLE config_snapshots (
     model           VARCHAR NOT NULL,
     kv_format_version VARCHAR NOT NULL,
     kvledger_version VARCHAR NOT NULL,
-    page_ledger     BOOLEAN               -- the run records page reads and writes (NULL: written before this column)
+    page_ledger     BOOLEAN,              -- the run records page reads and writes (NULL: written before this column)
+    exposure_index  BOOLEAN               -- its ledger writes the exposure index beside it (NULL: written before it)
 );
 
 -- Spans, modelled on the OpenTelemetry Collector's ClickHouse `otel_traces` table; attributes as
