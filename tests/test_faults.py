@@ -16,7 +16,7 @@ import pytest
 from telemetry.recorder import recording
 from engine.disagg.cluster import Guards
 from engine.replay.faults import FAULTS, run_fault
-from forensics.queries.duckdb import Forensics
+from forensics.queries.duckdb import Forensics, sql as fx_sql
 
 _CACHE: dict = {}
 
@@ -104,6 +104,11 @@ def test_forensics_from_the_store_equal_the_oracle(name, tmp_path_factory):
         exposed = {s for s in found if s[0] not in stopped}
         assert exposed == oracle_set(res), f"{policy}: precision and recall must be exactly 1.0"
         assert found - exposed == res.blocked_set, f"{policy}: blocked reads equal the oracle's too"
+        chk = fx.verify_index()         # the answers above came from the exposure index: the join agrees
+        assert fx.indexed and chk.ok and chk.join_rows == slots.height, (policy, chk)
+        fx.indexed = False
+        assert set(zip(*(fx.con.sql(fx_sql("exposure_slots")).pl()[c] for c in ("response", "donor", "node", "page",
+                                                                               "position")))) == found
 
 
 # ---- fix x fault: which single guard (or set) stops which fault -----------------------------------------

@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import shutil
+from pathlib import Path
 
 import polars as pl
 import pytest
@@ -232,13 +233,14 @@ def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulner
     shutil.copytree(store, old)
     for seg in (old / "segments" / "config_snapshots").glob("*.parquet"):
         t = pq.read_table(seg)
-        pq.write_table(t.drop_columns(["preflight_action", "advertised_context"]), seg)
+        pq.write_table(t.drop_columns(["preflight_action", "advertised_context", "exposure_index"]), seg)
     for seg in (old / "segments" / "transfers").glob("*.parquet"):
         t = pq.read_table(seg)
         pq.write_table(t.drop_columns(["n_reserved", "n_sent", "n_landed", "landed_is_reserved"]), seg)
     _relink(old)            # the chain names the rewritten files' hashes; its signatures are then stale
     fx = Forensics(old, allow_unverified=True)
     assert fx.unverified_note and "not signed by this store's key" in fx.unverified_note and not fx.left_out
+    assert not fx.indexed and Forensics(store).indexed      # no run says it wrote the index: the as-of join answers
     pre = fx.query("preflight")
     assert pre.height and pre["preflight_action"].is_null().all()
     assert set(zip(*(fx.exposure_slots()[c] for c in ('response', 'donor', 'node', 'page', 'position'))))\
@@ -528,3 +530,102 @@ def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path)
     # the umbrella request cut off mid-decode had already repeated a victim's text: surfaced, on
     # its streamed tokens alone (before, only a finished response's output was ever hashed)
     assert "surfaced" in ex.filter(pl.col("response").is_in(streamed))["evidence"].to_list()
+
+
+# ---- the exposure index: written by the ledger writer, verified against the as-of join ----------------
+@pytest.mark.parametrize("fixture", ["glm53_vulnerable", "glm53_hardened", "glm53_unified"])
+def test_the_exposure_index_equals_the_as_of_join(fixture, request, capsys):
+    res, store = request.getfixturevalue(fixture)
+    fx = Forensics(store)
+    chk = fx.verify_index()
+    assert fx.indexed and chk.ok, chk
+    assert chk.join_rows >= len(oracle_set(res)) and (chk.join_rows > 0) is (fixture == "glm53_vulnerable" or
+                                                                          bool(res.blocked_set))
+    assert main(["forensics", "verify-index", "--store", str(store)]) == 0
+    assert "exposure index == as-of join" in capsys.readouterr().out
+    assert main(["forensics", "verify-index", "--store", str(store), "--format", "json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["join_rows"] == out["index_rows"] == chk.join_rows and out["differences"] == []
+    # the index is small beside the ledger it answers for (what makes the readers fast)
+    n = lambda t: fx.con.sql(f"SELECT count(*) FROM {t}").fetchall()[0][0]  # noqa: E731
+    assert n("exposure_index") < n("page_reads")
+
+
+def _rewrite(src, dst, edit) -> None:
+    """Every table of ``src`` into a new store at ``dst`` through the real segment writer (signed and
+    chained by its own key), ``edit(table, arrow)`` applied first."""
+    from telemetry.store import SegmentWriter
+    from telemetry.store.schema import tables
+    con = open_store(src)
+    w = SegmentWriter(dst)
+    for t in tables():
+        data = edit(t, con.table(t).to_arrow_table())
+        if data.num_rows:
+            w.submit(t, data)
+    w.close()
+
+
+def test_verify_index_names_every_difference(glm53_vulnerable, tmp_path, capsys):
+    """A store whose index is wrong (one of its rows lost, one donor changed) verifies as a store - it
+    is signed as written - and verify-index names both differences (exit 1); readers told not to
+    trust it answer from the join."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    res, store = glm53_vulnerable
+
+    def edit(table, t):
+        if table != "exposure_index":
+            return t
+        t = t.sort_by([("reader", "ascending"), ("page", "ascending"), ("part", "ascending")])
+        donor = t["donor"].to_pylist()
+        donor[1] = 4242
+        return t.slice(1).set_column(t.schema.get_field_index("donor"), "donor", pa.array(donor[1:], pa.int64()))
+    bad = tmp_path / "bad-index"
+    _rewrite(store, bad, edit)
+    assert main(["forensics", "verify-index", "--store", str(bad)]) == 1
+    out = capsys.readouterr().out
+    assert "exposure index != as-of join" in out and "join only" in out and "index only" in out and "4242" in out
+    assert main(["forensics", "verify-index", "--store", str(bad), "--format", "json"]) == 1
+    diff = json.loads(capsys.readouterr().out)["differences"]
+    assert {d["side"] for d in diff} == {"join only", "index only"} and "4242" in {str(d["donor"]) for d in diff}
+    assert forensic_set(bad) != oracle_set(res)                          # the readers used the (wrong) index ...
+    fx = Forensics(bad, use_index=False)                                  # ... the join still has the truth
+    slots = fx.exposure_slots()
+    assert set(zip(slots["response"], slots["donor"], slots["node"], slots["page"], slots["position"])) == oracle_set(res)
+    # a store whose runs wrote no index: nothing to verify (exit 3), the join answers
+    _rewrite(store, tmp_path / "no-index", lambda table, t: t.filter(pc.scalar(False)) if table == "exposure_index"
+             else t.drop_columns(["exposure_index"]) if table == "config_snapshots" else t)
+    assert main(["forensics", "verify-index", "--store", str(tmp_path / "no-index")]) == 3
+    assert "without the exposure index" in capsys.readouterr().err
+    assert forensic_set(tmp_path / "no-index") == oracle_set(res)
+    assert main(["forensics", "verify-index", "--store", str(store), "--engine", "chdb"]) == 2
+    assert "reads the local store's ledger with DuckDB" in capsys.readouterr().err
+
+
+def test_a_replay_killed_mid_fold_leaves_an_index_equal_to_the_join(tmp_path):
+    """kill -9 while the ledger writer folds an incident's reads: whatever reached the store, the index
+    in it answers exactly what the join over the same ledger answers."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    store = tmp_path / "killed"
+    code = ("from engine.replay.glm53 import glm53\nfrom telemetry.recorder import recording\n"
+            f"glm53('vulnerable', 'disaggregated', recorder=recording({str(store)!r}, flush_interval=0.2), "
+            "context=1024, victims=2, background=8, max_tokens=160, seed=3)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parent.parent)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline:      # until some of the incident's reads are in the store
+            time.sleep(0.3)
+            segs = list((store / "segments" / "exposure_index").glob("*.parquet")) if store.exists() else []
+            if len(segs) >= 2:
+                break
+        assert proc.poll() is None, "the replay ended before it could be killed"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    fx = Forensics(store)
+    chk = fx.verify_index()
+    assert fx.indexed and chk.ok and chk.join_rows > 0, chk

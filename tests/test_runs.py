@@ -41,6 +41,10 @@ def test_a_store_of_several_runs_answers_the_union_of_each_runs_answer(mixed):
     for res in results:                                          # --run: each run alone, by its boot id
         alone, _ = split_blocked(Forensics(store, run=res.telemetry["boot"]))
         assert alone == res.exposure_set, res.scenario
+    for fx in (Forensics(store), Forensics(store, run=results[1].telemetry["boot"])):
+        chk = fx.verify_index()                                  # the index of four runs: the join's answer
+        assert fx.indexed and chk.ok and chk.join_rows > 0, chk
+    assert main(["forensics", "verify-index", "--store", str(store)]) == 0
 
 
 def test_forensics_runs_lists_each_run_with_its_policy(mixed, capsys):

@@ -15,6 +15,9 @@ from forensics.queries.catalog import FOLDED, QUERIES, SOURCES
 
 
 MAX_BUCKET = 10 * 365 * 86400
+VERIFY_INDEX = "verify-index"
+VERIFY_INDEX_HELP = ("recompute the exposure index from the ledger (the slot-level as-of join) and name every "
+                     "difference: exit 0 when they agree, 1 when not, 3 when a run has no index")
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +38,8 @@ class QueryConfig:
 
 
 def add_arguments(f) -> None:
-    f.add_argument("query", choices=list(QUERIES), help="; ".join(f"{k}: {v}" for k, v in QUERIES.items()))
+    f.add_argument("query", choices=list(QUERIES) + [VERIFY_INDEX],
+                   help="; ".join(f"{k}: {v}" for k, v in {**QUERIES, VERIFY_INDEX: VERIFY_INDEX_HELP}.items()))
     add_store(f, "the store to query")
     f.add_argument("--format", choices=["table", "csv", "json", "parquet"], default="table",
                    help="table (default), csv, json (one array of objects on stdout) or parquet (binary on stdout: "
@@ -59,6 +63,9 @@ def add_arguments(f) -> None:
 
 
 def make_config(a) -> QueryConfig:
+    if a.query == VERIFY_INDEX and a.engine != "duckdb":
+        raise InputError(f"{VERIFY_INDEX} reads the local store's ledger with DuckDB (got --engine {a.engine}); the "
+                         "ClickHouse copy is checked against the same store by `kvledger export`")
     if a.query not in FOLDED and a.source != "auto":
         raise InputError(f"--source applies to {', '.join(FOLDED)} only (their page-ledger and foreign-span views), "
                          f"not to {a.query}")
@@ -77,6 +84,8 @@ def run(c: QueryConfig) -> int:
 
     fx = open_forensics(c.store, c.run, allow_unverified=c.allow_unverified, anchor=c.anchor,
                         **c.engine.kwargs(spans=True))
+    if c.query == VERIFY_INDEX:
+        return verify_index(fx, c)
     df, answered, fold_note = folded(fx, c.query, c.source, c.start, c.end, bucket_s=c.bucket)
     note = fx.unverified_note
     if note:
@@ -95,3 +104,45 @@ def run(c: QueryConfig) -> int:
     rc = emit(df, c.format, title=f"{note} - {title}" if note else title, width=width)
     # no run in scope recorded a page ledger: the (empty) answer is unknown, not "none" (exit 3)
     return 3 if cover is not None and cover.none and answered != "runs" else rc
+
+
+def verify_index(fx, c: QueryConfig) -> int:
+    """The exposure index against the as-of join, slot row for slot row: every difference named."""
+    import json
+
+    import polars as pl
+
+    from forensics.output import emit
+    from forensics.queries.duckdb import indexed
+    note = fx.unverified_note
+    if note:
+        print(f"kvledger: warning: {note}", file=sys.stderr)
+    if not indexed(fx.con):
+        missing = fx.con.sql("SELECT DISTINCT boot FROM config_snapshots WHERE page_ledger IS NOT FALSE "
+                             "AND exposure_index IS NOT TRUE ORDER BY boot").fetchall()
+        print(f"kvledger: warning: {len(missing)} run(s) recorded a page ledger without the exposure index (written "
+              f"before it): {', '.join(repr(r[0]) for r in missing[:5])}; readers answer them from the as-of join, "
+              "and there is no index to verify", file=sys.stderr)
+        return 3
+    chk = fx.verify_index()
+    diff = pl.concat([chk.only_join.with_columns(side=pl.lit("join only")),
+                      chk.only_index.with_columns(side=pl.lit("index only"))], how="diagonal_relaxed")
+    summary = (f"exposure index {'==' if chk.ok else '!='} as-of join: {chk.join_rows} slot row(s) from the join, "
+               f"{chk.index_rows} from the index; {chk.only_join.height} only in the join, {chk.only_index.height} only "
+               f"in the index, {chk.mass_differs.height} with another attention mass")
+    if c.format == "json":
+        from forensics.output import json_rows
+        print(json.dumps({"ok": chk.ok, "join_rows": chk.join_rows, "index_rows": chk.index_rows,
+                          "differences": json.loads(json_rows(diff)),
+                          "mass_differs": json.loads(json_rows(chk.mass_differs))}))
+    else:
+        if not chk.ok:
+            if c.format == "table" and not c.wide:      # 80 columns: one line per (side, response, donor, page)
+                diff = (diff.group_by("side", "response", "donor", "node", "page", maintain_order=True)
+                        .agg(slots=pl.len())
+                        .select("side", "response", "donor", pl.format("{}:{}", "node", "page").alias("page"), "slots"))
+            emit(diff, c.format, title=f"kvledger forensics {VERIFY_INDEX} ({c.store}): differences")
+            if chk.mass_differs.height:
+                emit(chk.mass_differs, c.format, title="attention mass differs")
+        print(summary, file=sys.stdout if c.format == "table" else sys.stderr)
+    return 0 if chk.ok else 1
