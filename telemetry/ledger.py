@@ -347,7 +347,7 @@ class PageLedger:
         self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
         self.index: dict[str, NodeIndex] = {}   # writer thread only: the exposure index's state per node
         self._index_rows: list = []             # writer thread only: index rows not yet flushed
-        self._moved: deque = deque()            # (node, Writes) of transfer landings and reloads, not yet folded
+        self._moved: deque = deque()            # (node, page size, Writes) of landings and reloads, not yet folded
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -446,10 +446,12 @@ class PageLedger:
             by_node.setdefault(rec.node, []).append(rec)
             cells += rec.block_tables.numel()
         moved: dict[str, list[Writes]] = {}     # (after the steps: a landing queued before a step is here)
-        for node, w in _take_all(self._moved):
+        for node, page_size, w in _take_all(self._moved):
             moved.setdefault(node, []).append(w)
+            if node not in self.index:
+                self.index[node] = NodeIndex(node, page_size)
         for node in moved.keys() - by_node.keys():      # writes with no step: applied to the index's state
-            self._index(node, None, [], moved[node])
+            self._index(node, None, moved[node])
         # arrivals first: a request's arrival is in the same flush as (or one before) its first read
         out = self._arrival_rows() + [("page_writes", self._fold(node, recs, moved.get(node, [])))
                                       for node, recs in by_node.items()] \
@@ -486,8 +488,6 @@ class PageLedger:
         writes, then the fold's writes (the steps' and the landings' and reloads') applied."""
         ix = self.index.get(node)
         if ix is None:
-            if not recs:
-                return                  # a node with no step yet: its first fold starts from these writes
             ix = self.index[node] = NodeIndex(node, recs[0].page_size)
         reads = Reads()
         if recs:
@@ -535,7 +535,7 @@ class PageLedger:
         gen = engine.pool.generation[page_of] if gen is None else gen
         ts = _ts(n, time.time_ns())
         if node is None:            # a reload into the pool: the index sees it (an offload lands on the host tier)
-            self._moved.append((engine.cfg.node_id, Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers),
+            self._moved.append((engine.cfg.node_id, S, Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers),
                                                            _np(positions), PATH_CODE[path], ts)))
         self.writer.submit("page_writes", self._write_cols(node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs,
                                                            positions, writers, tags, np.zeros(n), [path],
@@ -546,7 +546,7 @@ class PageLedger:
         n = rec.landed.numel()
         if n:       # what landed, as it landed (generation, tags and writer captured by the link per call)
             ts = _ts(n, time.time_ns())
-            self._moved.append((engine.cfg.node_id, Writes(
+            self._moved.append((engine.cfg.node_id, engine.pool.page_size, Writes(
                 _np(rec.landed_lclock), _np(rec.landed_pages), _np(rec.landed_offsets), _np(rec.landed_gen),
                 _np(rec.landed_writers), _np(rec.landed), PATH_CODE["transfer_landing"], ts)))
             self.writer.submit("page_writes", self._write_cols(
