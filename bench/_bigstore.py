@@ -24,16 +24,17 @@ from engine.replay.glm53 import glm53  # noqa: E402
 from telemetry.store import SegmentWriter, open_store  # noqa: E402
 
 SHIFT = 1 << 40
-TABLES = ("page_reads", "page_writes", "config_snapshots", "spans", "transfers", "ngrams")
+TABLES = ("page_reads", "page_writes", "exposure_index", "config_snapshots", "spans", "transfers", "ngrams")
 ID_COLS = {"page_reads": ["reader"], "page_writes": ["writer"], "spans": ["incarnation"], "transfers": ["incarnation"],
-           "ngrams": ["incarnation"]}
+           "ngrams": ["incarnation"], "exposure_index": ["reader", "donor"]}
 NODE_COLS = {"page_reads": ["node"], "page_writes": ["node"], "config_snapshots": ["node"], "spans": ["node"],
-             "transfers": ["src_node", "dst_node"]}
+             "transfers": ["src_node", "dst_node"], "exposure_index": ["node"]}
 
 
 def _copy(t: pa.Table, table: str, k: int) -> pa.Table:
-    for c in ID_COLS.get(table, []):
-        t = t.set_column(t.schema.get_field_index(c), c, pc.add(t[c], pa.scalar(k * SHIFT, pa.int64())))
+    for c in ID_COLS.get(table, []):     # (-1: no one - an unwritten slot's donor - stays -1)
+        col = pc.if_else(pc.less(t[c], 0), t[c], pc.add(t[c], pa.scalar(k * SHIFT, pa.int64())))
+        t = t.set_column(t.schema.get_field_index(c), c, col)
     if table == "page_reads":
         fw = t["found_writers"].combine_chunks()
         vals = pc.if_else(pc.less(fw.values, 0), fw.values, pc.add(fw.values, pa.scalar(k * SHIFT, pa.int64())))

@@ -22,6 +22,52 @@ from forensics.queries.duckdb import Forensics, sql  # noqa: E402
 from telemetry.store import open_store, read_chain  # noqa: E402
 
 
+def duckdb_index(store: Path) -> tuple[int, int]:
+    """The same rows from the exposure index the ledger writer kept (exposure_slots_index.sql)."""
+    con = open_store(store)
+    con.sql(sql("exposure_slots_index")).to_table("exposure_slots")
+    rows = con.sql("SELECT count(*), count(DISTINCT (response, donor, node, page)) FROM exposure_slots").fetchall()
+    return rows[0]
+
+
+COMMANDS = ("exposures", "tenants", "scores")
+
+
+def commands(store: Path, repeats: int = 3) -> dict:
+    """What a user waits for: each of exposures, tenants and scores as a reader answers it (open the
+    store, verify it - the verification cache warm after the first - and answer from the index), in
+    this process and as the whole command from the shell (`kvledger forensics Q --format json`, the
+    interpreter's start included); medians of ``repeats``."""
+    import statistics
+    import subprocess
+    Forensics(store).close()                    # the verification cache filled once, as the first command would
+    out: dict = {"in_process_s": {}, "shell_s": {}, "rows": {}}
+    for q in COMMANDS:
+        t = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fx = Forensics(store)
+            df = fx.query(q)
+            t.append(time.perf_counter() - t0)
+            fx.close()
+        out["in_process_s"][q], out["rows"][q] = statistics.median(t), df.height
+        t = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            subprocess.run([str(Path(sys.executable).with_name("kvledger")), "forensics", q, "--store", str(store),
+                            "--format", "json"], check=True, capture_output=True)
+            t.append(time.perf_counter() - t0)
+        out["shell_s"][q] = statistics.median(t)
+    t0 = time.perf_counter()
+    fx = Forensics(store)
+    out["open_and_verify_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    fx.materialise()
+    out["materialise_s"] = time.perf_counter() - t0
+    fx.close()
+    return out
+
+
 def duckdb_join(store: Path) -> tuple[int, int]:
     con = open_store(store)          # the join alone: Forensics would verify (hash) every segment first
     con.sql(sql("exposure_slots")).to_table("exposure_slots")     # the shipped as-of join, alone
@@ -128,7 +174,8 @@ def run(rows: int, directory: str, engines: list[str], keep_mirror: bool = False
     failing = Forensics(root).con.sql("SELECT count(*), sum(bit_count(bad_mask) * n_reads) FROM page_reads "
                                       "WHERE bad_mask <> 0").fetchall()[0]
     want = (base_d[0] * k, base_d[1] * k)
-    fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb_export": chdb_export, "chdb": chdb_join}
+    fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb_export": chdb_export, "chdb": chdb_join,
+           "index": duckdb_index}
     status, seconds, answers = {}, {}, {}
     for name in [e for e in fns if e in engines or (e == "chdb_export" and "chdb" in engines)]:
         st, ans, sec = _isolated(fns[name], root)
@@ -145,7 +192,10 @@ def run(rows: int, directory: str, engines: list[str], keep_mirror: bool = False
             "chdb_export_rows_per_s": (answers["chdb_export"][1] / seconds["chdb_export"]
                                        if answers.get("chdb_export") and answers["chdb_export"][1] else None),
             **{f"{e}_equals_copies_x_base": tuple(answers[e]) == want if answers.get(e) else False
-               for e in ("duckdb", "polars", "chdb") if e in answers},
+               for e in ("duckdb", "polars", "chdb", "index") if e in answers},
+            "ratio_index_over_duckdb": (seconds["index"] / seconds["duckdb"]
+                                        if seconds.get("duckdb") and seconds.get("index") else None),
+            **({"commands": commands(root)} if "commands" in engines else {}),
             "goal_seconds": 10, "store_build_seconds": built}
 
 
@@ -153,7 +203,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--rows", type=int, default=100_000_000, help="page_reads rows to build (default 100M)")
     ap.add_argument("--dir", default="/tmp/kvledger-bench-store", help="where the big store lives (reused)")
-    ap.add_argument("--engines", default="duckdb,polars,chdb", help="which to run (default duckdb,polars,chdb)")
+    ap.add_argument("--engines", default="duckdb,polars,chdb,index,commands",
+                    help="which to run: duckdb, polars, chdb (the as-of join), index (the same rows from the exposure "
+                         "index), commands (exposures/tenants/scores as a reader answers them; default: all)")
     ap.add_argument("--scale", type=int, nargs="*", default=[], metavar="ROWS",
                     help="also run these smaller row counts (DuckDB and chdb) for the growth table")
     ap.add_argument("--keep-mirror", action="store_true",
@@ -161,16 +213,24 @@ def main() -> None:
     args = ap.parse_args()
     res = run(args.rows, args.dir, args.engines.split(","), args.keep_mirror)
     res["scaling"] = [{"read_rows": r["config"]["read_rows"], "write_rows": r["config"]["write_rows"],
-                       "seconds": r["seconds"], "exposure_slot_rows": r["exposure_slot_rows"]}
-                      for r in [run(n, args.dir, ["duckdb", "chdb"], args.keep_mirror) for n in args.scale]]
+                       "seconds": r["seconds"], "exposure_slot_rows": r["exposure_slot_rows"],
+                       "commands": r.get("commands")}
+                      for r in [run(n, args.dir, ["duckdb", "chdb", "index", "commands"], args.keep_mirror)
+                                for n in args.scale]]
     res["scaling"].append({"read_rows": res["config"]["read_rows"], "write_rows": res["config"]["write_rows"],
-                           "seconds": res["seconds"], "exposure_slot_rows": res["exposure_slot_rows"]})
+                           "seconds": res["seconds"], "exposure_slot_rows": res["exposure_slot_rows"],
+                           "commands": res.get("commands")})
     out = write("forensics", res)
     sec, st = res["seconds"], res["status"]
     print(f"as-of join over {res['config']['read_rows'] / 1e6:.0f} M read rows x {res['config']['write_rows'] / 1e6:.0f} "
           f"M write rows: " + ", ".join(f"{e} {st[e]} {sec[e]} s" for e in sec)
           + "; answers equal copies x the incident's: "
-          + ", ".join(f"{e} {res.get(e + '_equals_copies_x_base')}" for e in ("duckdb", "polars", "chdb")))
+          + ", ".join(f"{e} {res.get(e + '_equals_copies_x_base')}" for e in ("duckdb", "polars", "chdb", "index")))
+    if res.get("commands"):
+        c = res["commands"]
+        print("commands (from the index; open + verify with a warm cache " f"{c['open_and_verify_s']:.2f} s): "
+              + ", ".join(f"{q} {c['in_process_s'][q]:.2f} s in process, {c['shell_s'][q]:.2f} s from the shell"
+                          for q in COMMANDS))
     print(f"wrote {out}")
 
 

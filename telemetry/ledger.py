@@ -328,8 +328,11 @@ class ReadRuns:
 
 
 class PageLedger:
-    def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds, coalesce: bool = True):
+    def __init__(self, writer: SegmentWriter, keys: Keys, span_ids: SpanIds, coalesce: bool = True,
+                 exposure_index: bool = True):
         self.writer, self.keys, self.span_ids, self.coalesce = writer, keys, span_ids, coalesce
+        self.index_on = exposure_index          # keep the exposure index (telemetry/exposure_index.py)
+        self.index_cpu_s = 0.0                  # writer thread CPU spent on it (bench/telemetry.py)
         self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)
@@ -355,8 +358,10 @@ class PageLedger:
         out = self._take()
         out += [("page_reads", d) for r in self.runs.values() if (d := r.drain()) is not None]
         if self._index_rows:            # flushed with the page_reads rows it is derived from
+            t0 = time.thread_time()
             rows, self._index_rows = self._index_rows, []
             out.append(("exposure_index", index_table(concat_columns(rows))))
+            self.index_cpu_s += time.thread_time() - t0
         return out
 
     def _ids(self, incarnations: list[int], idx: np.ndarray) -> dict[str, Coded]:
@@ -486,6 +491,15 @@ class PageLedger:
         """Writer thread: the exposure index's part of a fold - every read of the steps held (who
         read which page in which generation), the failing ones answered against the slots' last
         writes, then the fold's writes (the steps' and the landings' and reloads') applied."""
+        if not self.index_on:
+            return
+        t0 = time.thread_time()
+        try:
+            self._index_fold(node, recs, writes)
+        finally:
+            self.index_cpu_s += time.thread_time() - t0
+
+    def _index_fold(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]") -> None:
         ix = self.index.get(node)
         if ix is None:
             ix = self.index[node] = NodeIndex(node, recs[0].page_size)
@@ -534,7 +548,7 @@ class PageLedger:
         n = positions.numel()
         gen = engine.pool.generation[page_of] if gen is None else gen
         ts = _ts(n, time.time_ns())
-        if node is None:            # a reload into the pool: the index sees it (an offload lands on the host tier)
+        if node is None and self.index_on:      # a reload into the pool: the index sees it (an offload: the host tier)
             self._moved.append((engine.cfg.node_id, S, Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers),
                                                            _np(positions), PATH_CODE[path], ts)))
         self.writer.submit("page_writes", self._write_cols(node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs,
@@ -546,9 +560,10 @@ class PageLedger:
         n = rec.landed.numel()
         if n:       # what landed, as it landed (generation, tags and writer captured by the link per call)
             ts = _ts(n, time.time_ns())
-            self._moved.append((engine.cfg.node_id, engine.pool.page_size, Writes(
-                _np(rec.landed_lclock), _np(rec.landed_pages), _np(rec.landed_offsets), _np(rec.landed_gen),
-                _np(rec.landed_writers), _np(rec.landed), PATH_CODE["transfer_landing"], ts)))
+            if self.index_on:
+                self._moved.append((engine.cfg.node_id, engine.pool.page_size, Writes(
+                    _np(rec.landed_lclock), _np(rec.landed_pages), _np(rec.landed_offsets), _np(rec.landed_gen),
+                    _np(rec.landed_writers), _np(rec.landed), PATH_CODE["transfer_landing"], ts)))
             self.writer.submit("page_writes", self._write_cols(
                 engine.cfg.node_id, n, rec.landed_lclock, rec.landed_pages, rec.landed_gen, rec.landed_offsets,
                 rec.landed, rec.landed_writers, rec.landed_tags, np.zeros(n), ["transfer_landing"],

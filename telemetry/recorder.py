@@ -42,7 +42,7 @@ class Telemetry(Recorder):
                  isolation_level: str = "tenant", model_name: str = "", service: str = "kvledger",
                  flush_interval: float | None = None, span_queue_size: int = 8192, metric_interval: float = 5.0,
                  record_ledger: bool = True, coalesce: bool = True, boot: str | None = None,
-                 writer_priority: str | None = None):
+                 writer_priority: str | None = None, exposure_index: bool = True):
         from importlib.metadata import PackageNotFoundError, version
         try:
             self.version = version("kvledger")
@@ -63,7 +63,9 @@ class Telemetry(Recorder):
         self.policy, self.guards, self.isolation_level = policy, guards, isolation_level
         self.model_name, self.service = model_name, service
         self.span_queue_size, self.metric_interval = span_queue_size, metric_interval
-        self.ledger = PageLedger(self.writer, self.keys, self.span_ids, coalesce) if record_ledger else None
+        # exposure_index: the ledger writer keeps the exposure index beside the ledger (readers answer from it;
+        # without it they run the as-of join over the whole ledger)
+        self.ledger = PageLedger(self.writer, self.keys, self.span_ids, coalesce, exposure_index) if record_ledger else None
         self.nodes: dict[str, NodeTelemetry] = {}
         self._roots: dict[int, trace.Span] = {}
         self._ids: dict[int, tuple[str, str]] = {}    # incarnation -> (trace id, span id), kept after the request
@@ -128,7 +130,8 @@ class Telemetry(Recorder):
             "guards": pa.array([list(guards.items())], pa.map_(pa.string(), pa.bool_())),
             "isolation_level": [cfg.isolation_level if cfg.prefix_cache else self.isolation_level], "model": [self._model(engine)],
             "kv_format_version": [cfg.kv_format_version], "kvledger_version": [self.version],
-            "page_ledger": [self.ledger is not None], "exposure_index": [self.ledger is not None]}))
+            "page_ledger": [self.ledger is not None],
+            "exposure_index": [self.ledger is not None and self.ledger.index_on]}))
 
     def request_arrived(self, engine, req) -> None:
         if self.ledger is not None:
@@ -287,7 +290,8 @@ class Telemetry(Recorder):
         return {"boot": self.boot, "spans_ended": self.spans_ended, "spans_exported": self.spans_exported,
                 "spans_dropped": self.spans_ended - self.spans_exported, "segments": self.writer.segments_written,
                 "rows": dict(self.writer.rows_written), "writer_priority": self.writer.priority,
-                "ledger_waited_s": self.ledger.waited_s if self.ledger is not None else 0.0}
+                "ledger_waited_s": self.ledger.waited_s if self.ledger is not None else 0.0,
+                "index_cpu_s": self.ledger.index_cpu_s if self.ledger is not None else 0.0}
 
 
 class _Inc:

@@ -66,6 +66,14 @@ def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
             rows[name] = a.height
         same(d.exposure_slots(), c.exposure_slots(), "exposure_slots", ordered=False)
         same(d.requests(), c.requests(), "requests", ordered=False)
+        assert d.indexed and c.indexed          # both answered from the exposure index; the join agrees on both
+        j = ClickHouseForensics(store, run, use_index=False)
+        try:
+            same(Forensics(store, run, use_index=False).exposure_slots(), j.exposure_slots(), "exposure_slots (join)",
+                 ordered=False)
+            same(d.exposure_slots(), j.exposure_slots(), "exposure_slots (index vs join)", ordered=False)
+        finally:
+            j.close()
         return rows
     finally:
         c.close()

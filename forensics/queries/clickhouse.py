@@ -112,7 +112,7 @@ class ClickHouseForensics:
     def __init__(self, store: str | Path | None = None, run: str | None = None, *, engine: str = "chdb",
                  dsn: str | None = None, chdb_path: str | Path | None = None, spans_table: str | None = None,
                  tenant_attribute: str = "tenant.id", allow_unverified: bool = False, anchor=None,
-                 cache: dict | None = None, progress=None):
+                 cache: dict | None = None, progress=None, use_index: bool = True):
         self.engine, self.run, self.spans_table = engine, run, spans_table
         self.uid = f"kvl{os.getpid()}_{next(_ids)}"
         if spans_table and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)?", spans_table):
@@ -161,6 +161,17 @@ class ClickHouseForensics:
             self.boot = resolve_boot(boots.to_pylist(), run)
         self._made: list[str] = []
         self._drop = weakref.finalize(self, _drop_temporary, self.target, self.uid, self._made)
+        # the slot-level answers from the exposure index where every ledger run wrote it (as DuckDB does)
+        self.indexed = use_index and self._indexed()
+
+    def _indexed(self) -> bool:
+        cols = self.target.query_arrow(f"SELECT name FROM system.columns WHERE database = '{self.db}' "
+                                       "AND table = 'config_snapshots'").column(0).to_pylist()
+        if "exposure_index" not in cols:
+            return False
+        text = self._bind("SELECT count() FROM config_snapshots WHERE ifNull(page_ledger, true) "
+                          "AND NOT ifNull(exposure_index, false)")
+        return self.target.query_arrow(text, self._params(text, None, None, {})).column(0)[0].as_py() == 0
 
     # ---- SQL binding ----
     def _source(self, table: str) -> str:
@@ -195,14 +206,15 @@ class ClickHouseForensics:
     def _ensure(self, name: str) -> None:
         if name in self._made:
             return
-        text = self._bind(ch_sql(name))
+        text = self._bind(ch_sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name))
         self.target.command_params(f"CREATE TEMPORARY TABLE {self.uid}_{name} ENGINE = Memory AS {text}",
                                    self._params(text, None, None, {}), SETTINGS)
         self._made.append(name)
 
     def materialise(self) -> None:
         for m in MATERIALISED:
-            self._ensure(m)
+            if not (m == "exposure_x" and self.indexed):     # the join's first half: not needed beside the index
+                self._ensure(m)
 
     def _prepare(self, text: str) -> None:
         if any(m in text for m in ("exposure_slots", "exposures_in", "scores_in", "exposure_ngrams")):
