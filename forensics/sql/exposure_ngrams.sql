@@ -13,11 +13,18 @@
 --     tenants (boilerplate, templates, system prompts; a tenant's secret is in its own prompts only).
 -- It does not depend on the window, so it is materialised once per snapshot, beside exposure_slots;
 -- ngrams is scanned for the pairs' incarnations, and again only for the candidate hashes.
-WITH pairs AS (
-    SELECT DISTINCT response, donor FROM exposure_slots WHERE donor <> -1
+-- A response the read check stopped (blocked: never an exposure) is not a pair: its evidence is
+-- 'blocked' whatever its output holds, so its n-grams are never read (in a hardened fleet most
+-- failing reads are blocked ones, and this keeps the ngrams scan to the real exposures).
+WITH blocked AS (
+    SELECT incarnation AS response FROM requests WHERE error_type = 'ReadCheckViolation'
+),
+pairs AS (
+    SELECT DISTINCT response, donor FROM exposure_slots ANTI JOIN blocked USING (response) WHERE donor <> -1
 ),
 read_pos AS (  -- the donor positions whose KV each response read
-    SELECT DISTINCT response, donor, donor_position FROM exposure_slots WHERE donor <> -1 AND donor_position IS NOT NULL
+    SELECT DISTINCT response, donor, donor_position FROM exposure_slots ANTI JOIN blocked USING (response)
+    WHERE donor <> -1 AND donor_position IS NOT NULL
 ),
 ng AS MATERIALIZED (
     SELECT incarnation, role, hash, n, pos FROM ngrams

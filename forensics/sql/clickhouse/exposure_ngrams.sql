@@ -1,11 +1,14 @@
 -- For every (response, donor) pair of exposure_slots: how many distinct keyed n-grams of the
 -- donor's prompt the response's output repeats that are evidence of the donor's data (see
 -- ../exposure_ngrams.sql for which count).
-WITH pairs AS (
-    SELECT DISTINCT response, donor FROM exposure_slots WHERE donor != -1
+WITH pairs AS (      -- blocked responses (the read check stopped them) are never exposures: not pairs
+    SELECT DISTINCT response, donor FROM exposure_slots
+    WHERE donor != -1 AND response NOT IN (SELECT incarnation FROM requests WHERE error_type = 'ReadCheckViolation')
 ),
 read_pos AS (
-    SELECT DISTINCT response, donor, donor_position FROM exposure_slots WHERE donor != -1 AND donor_position IS NOT NULL
+    SELECT DISTINCT response, donor, donor_position FROM exposure_slots
+    WHERE donor != -1 AND donor_position IS NOT NULL
+      AND response NOT IN (SELECT incarnation FROM requests WHERE error_type = 'ReadCheckViolation')
 ),
 ng AS (
     SELECT incarnation, role, hash, n, pos FROM ngrams
