@@ -30,15 +30,24 @@ ng AS MATERIALIZED (
     SELECT incarnation, role, hash, n, pos FROM ngrams
     WHERE incarnation IN (SELECT response FROM pairs UNION SELECT donor FROM pairs)
 ),
+dp AS MATERIALIZED (   -- each pair's donor prompt n-grams, where in the prompt (joined on the donor first:
+    SELECT m.response, m.donor, p.hash, p.pos, p.n  -- a hash common to many requests never fans out)
+    FROM pairs m JOIN ng p ON p.incarnation = m.donor AND p.role = 'prompt'
+),
+ro AS MATERIALIZED (   -- each response's output n-grams
+    SELECT DISTINCT incarnation AS response, hash FROM ng
+    WHERE role = 'output' AND incarnation IN (SELECT response FROM pairs)
+),
+matched AS MATERIALIZED (   -- the donor's prompt n-grams the response's output repeats
+    SELECT DISTINCT response, donor, hash, pos, n FROM dp SEMI JOIN ro USING (response, hash)
+),
 candidates AS MATERIALIZED (
     SELECT * FROM (
-        SELECT DISTINCT m.response, m.donor, o.hash
-        FROM pairs m
-        JOIN ng o ON o.incarnation = m.response AND o.role = 'output'
-        JOIN ng p ON p.incarnation = m.donor AND p.role = 'prompt' AND p.hash = o.hash
-        WHERE p.pos IS NULL OR EXISTS (
+        SELECT DISTINCT c.response, c.donor, c.hash
+        FROM matched c
+        WHERE c.pos IS NULL OR EXISTS (
             SELECT 1 FROM read_pos r
-            WHERE r.response = m.response AND r.donor = m.donor AND r.donor_position BETWEEN p.pos AND p.pos + p.n - 1)
+            WHERE r.response = c.response AND r.donor = c.donor AND r.donor_position BETWEEN c.pos AND c.pos + c.n - 1)
     ) c
     ANTI JOIN (SELECT incarnation AS response, hash FROM ng WHERE role = 'prompt') own USING (response, hash)
 ),
@@ -50,12 +59,18 @@ hits AS MATERIALIZED (   -- every request holding a candidate hash, with its ten
 common AS (
     SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING count(DISTINCT tenant_h) >= 2
 ),
+early AS (   -- per (hash, tenant): the two requests holding it that arrived first - enough to know whether
+    SELECT hash, tenant_h,     -- one other than the response and its donor arrived before the response
+           min_by({'i': incarnation, 't': arrived_at}, arrived_at, 2) AS first2
+    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits)
+    GROUP BY hash, tenant_h
+),
 tenant_own AS (  -- the response's tenant had the text in an earlier request of its own
     SELECT DISTINCT c.response, c.donor, c.hash
     FROM candidates c
     JOIN requests rr ON rr.incarnation = c.response
-    JOIN hits h ON h.hash = c.hash AND h.tenant_h = rr.tenant_h AND h.arrived_at < rr.arrived_at
-                AND h.incarnation <> c.response AND h.incarnation <> c.donor
+    JOIN early e ON e.hash = c.hash AND e.tenant_h = rr.tenant_h
+    WHERE len(list_filter(e.first2, lambda x: x.t < rr.arrived_at AND x.i <> c.response AND x.i <> c.donor)) > 0
 )
 SELECT response, donor, count(*) AS shared_ngrams
 FROM candidates
