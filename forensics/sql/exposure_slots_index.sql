@@ -26,8 +26,8 @@ found AS (      -- each write found in a run's failing slots, and where
     FROM exposure_index
     GROUP BY ALL
 ),
-slots AS (
-    SELECT * FROM (SELECT *, unnest(range(64)) AS slot FROM found) WHERE (slot_mask >> slot) & 1 = 1
+slots AS (     -- one row per set bit of the mask
+    SELECT *, unnest(list_filter(range(64), lambda s: (slot_mask >> s) & 1 = 1)) AS slot FROM found
 )
 SELECT r.node, r.boot, r.reader AS response, s.donor, r.page, r.generation, r.block_index, s.slot,
        r.block_index * c.page_size + s.slot AS position, s.slot + s.position_offset AS donor_position,
