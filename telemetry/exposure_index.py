@@ -187,8 +187,7 @@ class NodeIndex:
         np.bitwise_or.at(mask, winv, np.left_shift(1, slot, dtype=np.int64))
         wg = wk[:, 0]
         part = np.arange(len(wk)) - np.searchsorted(wg, wg)            # rank of the write within its group
-        wfound = wk[:, 1] >= 0
-        wfound &= wk[:, 2] >= 0
+        wfound = wk[:, 2] >= 0                                          # a write's clock (-1: none recorded)
         held = np.array([(int(p), int(ge), int(d)) in self.holds
                          for p, ge, d in zip(gk[wg, 1], wk[:, 3], wk[:, 1])], dtype=bool)
         fc = first_cell[wg]

@@ -332,7 +332,7 @@ class PageLedger:
                  exposure_index: bool = True):
         self.writer, self.keys, self.span_ids, self.coalesce = writer, keys, span_ids, coalesce
         self.index_on = exposure_index          # keep the exposure index (telemetry/exposure_index.py)
-        self.index_cpu_s = 0.0                  # writer thread CPU spent on it (bench/telemetry.py)
+        self.index_cpu_s = 0.0                  # writer thread CPU spent on it (bench/index.py)
         self.runs: dict[str, ReadRuns] = {}      # writer thread only: open read runs per node
         self.scopes = Scopes()
         self._pending: deque = deque()          # steps handed over by the engine, not yet folded (engine appends)

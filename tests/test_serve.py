@@ -295,8 +295,11 @@ def test_the_incident_live_and_prevented(tmp_path, policy):
             assert s.metric("kvledger_foreign_reads_total") == 0
     finally:
         assert s.stop() == 0
-    ex = Forensics(s.store).exposures()
+    fx = Forensics(s.store)
+    ex = fx.exposures()
     assert (ex.height > 0) is (policy == "vulnerable")
+    chk = fx.verify_index()                 # live traffic through the server: its exposure index = the join
+    assert fx.indexed and chk.ok and (chk.join_rows > 0 or policy == "hardened"), chk
 
 
 def test_kill_9_then_restart_on_the_same_store_continues_it(tmp_path):
