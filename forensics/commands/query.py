@@ -64,8 +64,8 @@ def add_arguments(f) -> None:
 
 def make_config(a) -> QueryConfig:
     if a.query == VERIFY_INDEX and a.engine != "duckdb":
-        raise InputError(f"{VERIFY_INDEX} reads the local store's ledger with DuckDB (got --engine {a.engine}); the "
-                         "ClickHouse copy is checked against the same store by `kvledger export`")
+        raise InputError(f"{VERIFY_INDEX} reads the local store's ledger with DuckDB (got --engine {a.engine}); run it "
+                         "on the store that was exported (`kvledger export` copies its verified segments as they are)")
     if a.query not in FOLDED and a.source != "auto":
         raise InputError(f"--source applies to {', '.join(FOLDED)} only (their page-ledger and foreign-span views), "
                          f"not to {a.query}")
