@@ -9,7 +9,7 @@ from pathlib import Path
 
 import polars as pl
 
-from forensics.queries.clickhouse import open_forensics
+from forensics.queries import open_forensics
 from forensics.queries.fleet import fleet_requests, fleet_tenants
 
 

@@ -423,7 +423,7 @@ def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
     """exposure_ngrams over the real store, its ``ngrams`` replaced by the view ``shadow`` (SQL over
     the stored rows) and ``extra_requests`` (SQL rows) added to its requests: the rule's own SQL."""
     from forensics.queries.duckdb import sql
-    fx = Forensics(store)
+    fx = Forensics(store, answer_cache=False)      # its tables are edited: built here, never read back
     fx._ensure("requests")
     fx._ensure("exposure_slots")
     fx.con.execute("CREATE TEMP TABLE stored_ngrams AS SELECT * FROM ngrams")
@@ -629,3 +629,125 @@ def test_a_replay_killed_mid_fold_leaves_an_index_equal_to_the_join(tmp_path):
     fx = Forensics(store)
     chk = fx.verify_index()
     assert fx.indexed and chk.ok and chk.join_rows > 0, chk
+
+
+# ---- the shared tables kept between commands (forensics/queries/answers.py) -----------------------
+def _own_copy(src, tmp_path, name: str = "store") -> Path:
+    """The store copied to a path of the test's own: the kept answers are per store path, so no other
+    test (nor another worker) reads or writes this copy's entries."""
+    store = tmp_path / name
+    shutil.copytree(src, store)
+    return store
+
+
+def _entries(store) -> list[Path]:
+    """The kept answers of this store path (state directory/answers/<hash of the path>)."""
+    import hashlib
+    from telemetry.store.keys import state_dir
+    return sorted((state_dir() / "answers" / hashlib.sha256(str(Path(store).resolve()).encode()).hexdigest()[:32])
+                  .glob("*.duckdb"))
+
+
+def _answered(store, **kw) -> tuple[Forensics, dict[str, pl.DataFrame]]:
+    fx = Forensics(store, **kw)
+    out = {q: fx.query(q) for q in ("exposures", "tenants", "scores")}
+    out["slots"] = fx.exposure_slots().sort(pl.all())
+    return fx, out
+
+
+def _same(a: dict, b: dict) -> None:
+    for q in a:
+        assert_frame_equal(a[q], b[q], check_exact=False, rel_tol=1e-12)
+
+
+def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_path):
+    """A second command on the same verified, idle store reads the shared tables back from the
+    state directory instead of building them, and every answer is the one building them gives."""
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    cold, built = _answered(store)
+    assert cold.from_cache == set() and cold.answers is not None
+    warm, read = _answered(store)
+    assert warm.from_cache == {"requests", "exposure_slots", "exposure_ngrams"}
+    _same(built, read)
+    assert read["exposures"].height and (read["exposures"]["evidence"] == "surfaced").any()
+    off, fresh = _answered(store, answer_cache=False)                    # and with the cache off
+    assert off.answers is None and off.from_cache == set()
+    _same(built, fresh)
+    join, _ = _answered(store, use_index=False)     # another source of the slots: another entry
+    assert join.from_cache == set() and join.answers.key != warm.answers.key
+    assert len(_entries(store)) == 2
+
+
+@pytest.mark.parametrize("case", ["garbage", "other-snapshot", "truncated"])
+def test_a_damaged_or_foreign_answers_entry_is_rebuilt(glm53_vulnerable, glm53_hardened, tmp_path, case):
+    """An entry that is not this snapshot's (garbage bytes, another store's entry under this key's
+    name, half a file) is never read: the tables are built again, the answers are right, no traceback."""
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    _, built = _answered(store)
+    entry = Forensics(store).answers.path
+    if case == "garbage":
+        entry.write_bytes(os.urandom(4096))
+    elif case == "truncated":
+        entry.write_bytes(entry.read_bytes()[: entry.stat().st_size // 3])
+    else:
+        other = Forensics(_own_copy(glm53_hardened[1], tmp_path, "other"))
+        other.materialise()
+        other.close()
+        shutil.copyfile(other.answers.path, entry)
+    fx, again = _answered(store)
+    assert fx.from_cache == set()
+    _same(built, again)
+    assert Forensics(store).materialise() is None       # rebuilt entry: read back next time
+    assert _answered(store)[0].from_cache == {"requests", "exposure_slots", "exposure_ngrams"}
+
+
+def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path):
+    """One more segment (here: each surfaced response's matched n-grams now in its own prompt, so
+    none is evidence any more) changes the chain head: the kept tables are not this snapshot's and
+    the answer changes with the store."""
+    import pyarrow as pa
+    from telemetry.store import SegmentWriter
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    fx, before = _answered(store)
+    surfaced = before["exposures"].filter(pl.col("evidence") == "surfaced")
+    assert surfaced.height
+    assert _answered(store)[0].from_cache              # unchanged: read back
+    own = fx.con.sql("SELECT DISTINCT n.incarnation, n.hash FROM ngrams n JOIN ngrams o ON o.hash = n.hash "
+                     "WHERE o.role = 'prompt' AND n.role = 'output' AND n.incarnation IN "
+                     f"({', '.join(str(r) for r in surfaced['response'].unique())})").arrow()
+    rows = pa.table({"incarnation": own["incarnation"], "role": pa.array(["prompt"] * own.num_rows),
+                     "n": pa.array([12] * own.num_rows, pa.int16()), "hash": own["hash"],
+                     "pos": pa.nulls(own.num_rows, pa.int32())})
+    w = SegmentWriter(store)
+    w.submit("ngrams", rows)
+    w.close()
+    grown, after = _answered(store)
+    assert grown.from_cache == set()
+    assert not (after["exposures"]["evidence"] == "surfaced").any()
+    assert after["exposures"].height == before["exposures"].height
+
+
+@pytest.mark.parametrize("case", ["unverified", "live writer", "turned off"])
+def test_answers_are_never_kept_for_a_store_that_can_change_or_does_not_verify(glm53_vulnerable, tmp_path,
+                                                                               monkeypatch, case):
+    from telemetry.store import SegmentWriter
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    writer = None
+    kw = {}
+    if case == "unverified":
+        seg = sorted((store / "segments" / "spans").glob("*.parquet"))[0]
+        seg.write_bytes(seg.read_bytes()[:-8] + b"tampered")
+        kw = {"allow_unverified": True}
+    elif case == "live writer":
+        writer = SegmentWriter(store)           # holds the store's lock, as serve does
+    else:
+        monkeypatch.setenv("KVLEDGER_ANSWER_CACHE", "0")
+    try:
+        for _ in range(2):
+            fx = Forensics(store, **kw)
+            fx.materialise()
+            assert fx.answers is None and fx.from_cache == set()
+    finally:
+        if writer is not None:
+            writer.close()
+    assert _entries(store) == []

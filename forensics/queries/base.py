@@ -42,6 +42,9 @@ class ForensicsBackend(Protocol):
     def requests(self) -> "pl.DataFrame":
         """One row per request, from its spans."""
 
+    def request_count(self) -> int:
+        """How many requests ``requests()`` holds (without moving them out of the engine)."""
+
     def rows(self, table: str) -> int:
         """Rows of a store table in this snapshot."""
 

@@ -253,6 +253,11 @@ class ClickHouseForensics:
         self._ensure("requests")
         return to_polars(self.target.query_arrow(f"SELECT * FROM {self.uid}_requests", None, SETTINGS))
 
+    def request_count(self) -> int:
+        self._ensure("requests")
+        return int(self.target.query_arrow(f"SELECT count() FROM {self.uid}_requests", None, SETTINGS)
+                   .column(0)[0].as_py())
+
     def rows(self, table: str) -> int:
         if table not in arrow_schemas():
             raise KeyError(f"no table {table!r} in the store schema")
@@ -295,7 +300,7 @@ def open_forensics(store, run=None, *, engine: str = "duckdb", dsn: str | None =
     if engine == "duckdb":
         if dsn:
             raise ClickHouseError("--dsn is for --engine clickhouse")
-        kw.pop("chdb_path", None), kw.pop("spans_table", None), kw.pop("tenant_attribute", None), kw.pop("progress", None)
+        from forensics.queries import CLICKHOUSE_ONLY
         from forensics.queries.duckdb import Forensics
-        return Forensics(store, run, **kw)
+        return Forensics(store, run, **{k: v for k, v in kw.items() if k not in CLICKHOUSE_ONLY})
     return ClickHouseForensics(store, run, engine=engine, dsn=dsn, **kw)

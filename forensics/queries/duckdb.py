@@ -18,8 +18,9 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
-from telemetry.store import StoreError, has_live_writer, open_store, verify
+from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, verify
 from telemetry.store.chain import HashCache, damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
@@ -113,7 +114,8 @@ class Forensics:
     source = "the local store"
 
     def __init__(self, store: str | Path, run: str | None = None, *, allow_unverified: bool = False,
-                 anchor: str | Path | None = None, cache: dict | None = None, use_index: bool = True):
+                 anchor: str | Path | None = None, cache: dict | None = None, use_index: bool = True,
+                 answer_cache: bool = True):
         """Verify the store first (its signed chain, and its anchor when one is found) and refuse a
         store that does not verify, unless ``allow_unverified`` - then ``self.verdict`` says so and
         every output must (``unverified_note``). ``cache``: a long-lived reader's verification
@@ -135,11 +137,30 @@ class Forensics:
         # the slot-level answers come from the exposure index where every run with a page ledger wrote
         # one beside it (else, or asked to, from the as-of join over the whole ledger)
         self.indexed = use_index and indexed(self.con)
+        # the shared tables of this snapshot, kept between commands (a store that verified, that no
+        # writer holds, whose chain is still the one verified: nothing can have been added since)
+        self.answers: Answers | None = None
+        self.from_cache: set[str] = set()      # the shared tables read back rather than built
+        if (answer_cache and answers_enabled() and self.verdict.ok and not self.live
+                and self._chain_head() == self.verdict.head):
+            self.answers = Answers(self.store, self.verdict, run, {t: self._text(t) for t in MATERIALISED})
 
-    def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None) -> None:
+    def _chain_head(self) -> str | None:
+        try:
+            links = read_chain(self.store)
+        except (OSError, ValueError):
+            return None
+        return links[-1].link if links else GENESIS
+
+    def _text(self, name: str) -> str:
+        return sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name)
+
+    def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None, cached: bool = True) -> None:
         if name not in self._made:
-            text = sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name)
-            (con or self.con).sql(text).to_table(name)
+            if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
+                self.from_cache.add(name)
+            else:
+                (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)
 
     def verify_index(self) -> "IndexCheck":
@@ -150,10 +171,17 @@ class Forensics:
         """Run the as-of join once for this snapshot of the store; every query then reads its result.
         requests and the as-of join do not depend on each other: they run side by side."""
         if "exposure_ngrams" not in self._made:
-            with ThreadPoolExecutor(2) as pool:
-                for f in [pool.submit(self._ensure, t, self.con.cursor()) for t in MATERIALISED[:2]]:
-                    f.result()
-            self._ensure(MATERIALISED[2])
+            todo = [t for t in MATERIALISED if t not in self._made]
+            if self.answers is not None and self.answers.load(self.con, todo):
+                self.from_cache.update(todo)
+                self._made.update(todo)
+            else:
+                with ThreadPoolExecutor(2) as pool:
+                    for f in [pool.submit(self._ensure, t, self.con.cursor(), False) for t in MATERIALISED[:2]]:
+                        f.result()
+                self._ensure(MATERIALISED[2], cached=False)
+                if self.answers is not None and len(self.from_cache) < len(MATERIALISED):
+                    self.answers.save(self.con)
             for m in MACROS:
                 self.con.execute(sql(m))
 
@@ -198,6 +226,10 @@ class Forensics:
     def requests(self) -> pl.DataFrame:
         self._ensure("requests")
         return self.con.table("requests").pl()
+
+    def request_count(self) -> int:
+        self._ensure("requests")
+        return self.con.table("requests").count("*").fetchall()[0][0]
 
     def rows(self, table: str) -> int:
         """Rows of one store table in this snapshot (e.g. whether the store has a page ledger at all)."""

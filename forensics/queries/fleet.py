@@ -59,7 +59,7 @@ def folded(fx, name: str, source: str = "auto", start: dt.datetime | None = None
     if source == "spans":
         return query(fx, twin, start, end, **params), twin, None
     own = query(fx, name, start, end, **params)
-    if fx.requests().height:
+    if fx.request_count():
         foreign = query(fx, twin, start, end, **params)
         note = (f"this store also holds a foreign fleet's request spans: `--source spans` shows them ({twin}, "
                 f"{foreign.height} row(s))") if foreign.height else None

@@ -14,7 +14,7 @@ import polars as pl
 
 import forensics.report.sentences as say
 from engine.errors import KvledgerError
-from forensics.queries.clickhouse import open_forensics
+from forensics.queries import open_forensics
 from forensics.queries.duckdb import SQL_DIR, query_hashes
 from forensics.report.evidence import Evidence, gather, rows
 

@@ -30,24 +30,25 @@ ng AS MATERIALIZED (
     SELECT incarnation, role, hash, n, pos FROM ngrams
     WHERE incarnation IN (SELECT response FROM pairs UNION SELECT donor FROM pairs)
 ),
-dp AS MATERIALIZED (   -- each pair's donor prompt n-grams, where in the prompt (joined on the donor first:
-    SELECT m.response, m.donor, p.hash, p.pos, p.n  -- a hash common to many requests never fans out)
-    FROM pairs m JOIN ng p ON p.incarnation = m.donor AND p.role = 'prompt'
+ro AS MATERIALIZED (   -- each pair's response output n-grams (joined on the response first: a pair
+    SELECT DISTINCT m.response, m.donor, o.hash      -- is a few hundred rows, never a hash's fan-out)
+    FROM pairs m JOIN ng o ON o.incarnation = m.response AND o.role = 'output'
 ),
-ro AS MATERIALIZED (   -- each response's output n-grams
-    SELECT DISTINCT incarnation AS response, hash FROM ng
-    WHERE role = 'output' AND incarnation IN (SELECT response FROM pairs)
+matched AS MATERIALIZED (   -- ... that are in the donor's prompt, and where in it
+    SELECT DISTINCT r.response, r.donor, r.hash, p.pos, p.n
+    FROM ro r JOIN ng p ON p.incarnation = r.donor AND p.hash = r.hash AND p.role = 'prompt'
 ),
-matched AS MATERIALIZED (   -- the donor's prompt n-grams the response's output repeats
-    SELECT DISTINCT response, donor, hash, pos, n FROM dp SEMI JOIN ro USING (response, hash)
+in_read AS (   -- the matched n-grams whose prompt positions meet a donor position the response read: each
+    SELECT DISTINCT m.response, m.donor, m.hash   -- window's n positions, then one equality join
+    FROM (SELECT response, donor, hash, unnest(range(pos, pos + n)) AS donor_position FROM matched
+          WHERE pos IS NOT NULL) m
+    SEMI JOIN read_pos USING (response, donor, donor_position)
 ),
 candidates AS MATERIALIZED (
     SELECT * FROM (
-        SELECT DISTINCT c.response, c.donor, c.hash
-        FROM matched c
-        WHERE c.pos IS NULL OR EXISTS (
-            SELECT 1 FROM read_pos r
-            WHERE r.response = c.response AND r.donor = c.donor AND r.donor_position BETWEEN c.pos AND c.pos + c.n - 1)
+        SELECT response, donor, hash FROM in_read
+        UNION   -- stores written before n-grams had positions: anywhere in the prompt
+        SELECT response, donor, hash FROM matched WHERE pos IS NULL
     ) c
     ANTI JOIN (SELECT incarnation AS response, hash FROM ng WHERE role = 'prompt') own USING (response, hash)
 ),

@@ -24,26 +24,29 @@ runs AS (   -- mass is per read run and page, not per slot: count each run once
 ),
 mass AS (
     SELECT response, donor, fsum(attention_mass) AS attention_mass FROM runs GROUP BY ALL
+),
+pair AS (   -- the slot rows folded to their pair first; the pair then meets its two requests (one row each)
+    SELECT response, donor, any_value(boot) AS boot,
+           list(DISTINCT kind ORDER BY kind) AS kinds,
+           count(DISTINCT (node, boot, page)) AS pages,
+           list_transform(list_sort(list(DISTINCT {'n': node, 'p': page})), lambda x: x.n || ':' || x.p::VARCHAR)
+               AS node_pages,     -- node:page, by node then page number
+           count(DISTINCT (node, boot, position)) AS foreign_tokens,
+           min(step_first) AS first_step, max(step_last) AS last_step,
+           min(ts_first) AS first_read, max(ts_last) AS last_read
+    FROM e GROUP BY response, donor
 )
-SELECT e.response, r.tenant_h AS response_tenant, e.donor, d.tenant_h AS donor_tenant,
+SELECT p.response, r.tenant_h AS response_tenant, p.donor, d.tenant_h AS donor_tenant,
        coalesce(r.tenant_h = d.tenant_h, false) AS same_tenant,
-       any_value(e.boot) AS boot,
-       list(DISTINCT e.kind ORDER BY e.kind) AS kinds,
-       count(DISTINCT (e.node, e.boot, e.page)) AS pages,
-       list_transform(list_sort(list(DISTINCT {'n': e.node, 'p': e.page})), lambda x: x.n || ':' || x.p::VARCHAR)
-           AS node_pages,     -- node:page, by node then page number
-       count(DISTINCT (e.node, e.boot, e.position)) AS foreign_tokens,
-       any_value(m.attention_mass) AS attention_mass,
-       CASE WHEN any_value(r.error_type) = 'ReadCheckViolation' THEN 'blocked'
-            WHEN any_value(s.shared_ngrams) > 0 THEN 'surfaced' ELSE 'read' END AS evidence,
-       coalesce(any_value(s.shared_ngrams), 0) AS shared_ngrams,
-       coalesce(any_value(r.finished), false) AS response_finished,
-       min(e.step_first) AS first_step, max(e.step_last) AS last_step,
-       min(e.ts_first) AS first_read, max(e.ts_last) AS last_read
-FROM e
+       p.boot, p.kinds, p.pages, p.node_pages, p.foreign_tokens, m.attention_mass,
+       CASE WHEN r.error_type = 'ReadCheckViolation' THEN 'blocked'
+            WHEN s.shared_ngrams > 0 THEN 'surfaced' ELSE 'read' END AS evidence,
+       coalesce(s.shared_ngrams, 0) AS shared_ngrams,
+       coalesce(r.finished, false) AS response_finished,
+       p.first_step, p.last_step, p.first_read, p.last_read
+FROM pair p
 JOIN mass m USING (response, donor)
 LEFT JOIN exposure_ngrams s USING (response, donor)
-LEFT JOIN requests r ON r.incarnation = e.response
-LEFT JOIN requests d ON d.incarnation = e.donor
-GROUP BY e.response, r.tenant_h, e.donor, d.tenant_h
-ORDER BY first_read, e.response, e.donor
+LEFT JOIN requests r ON r.incarnation = p.response
+LEFT JOIN requests d ON d.incarnation = p.donor
+ORDER BY p.first_read, p.response, p.donor

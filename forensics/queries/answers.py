@@ -1,0 +1,109 @@
+"""Answers that do not grow with history: the tables every query shares (``requests``,
+``exposure_slots``, ``exposure_ngrams``) of one verified snapshot, kept between commands outside
+the store, as the segment hashes are (``telemetry.store.chain.HashCache``).
+
+An investigation asks many questions of one store that no longer changes (``exposures``, then
+``tenants``, ``scores``, the report, the dashboard): the first command builds the shared tables
+(seconds at 100 M ledger rows), the next ones read them back (a fraction of a second). The key is
+the store's verified chain head - which commits to every segment's sha256 and their order - with
+the run asked for, which slot-level source answered (exposure index or join), the text of the SQL
+that built each table and the DuckDB version: any new segment, other SQL or other engine misses
+and builds again. Only a store that verified and that no writer holds is kept (a live store grows
+between two commands; a store that does not verify is never remembered). The cache lives in the
+state directory beside the keys and the anchors (the same custody: whoever can write there can
+already replace the anchor); it is speed only - an unreadable or damaged entry is rebuilt, an
+unwritable directory is no error. ``KVLEDGER_ANSWER_CACHE=0`` turns it off.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import duckdb
+
+from telemetry.store.keys import state_dir
+from telemetry.store.schema import SCHEMA_SQL
+
+ENV = "KVLEDGER_ANSWER_CACHE"
+KEEP = 3            # snapshots kept per store (the newest; older ones are removed when one is added)
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
+
+
+class Answers:
+    """The cache entry of one snapshot: a DuckDB file holding its shared tables."""
+
+    def __init__(self, store: str | Path, verdict, run: str | None, texts: dict[str, str]):
+        real = str(Path(store).resolve())
+        self.dir = state_dir() / "answers" / hashlib.sha256(real.encode()).hexdigest()[:32]
+        ident = [verdict.store_id, verdict.seq, verdict.head, run, duckdb.__version__,
+                 hashlib.sha256(SCHEMA_SQL.read_bytes()).hexdigest(), sorted(texts.items())]
+        self.key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()
+        self.path = self.dir / f"{self.key[:40]}.duckdb"
+        self.tables = list(texts)
+        self._attached = False
+
+    def load(self, con: duckdb.DuckDBPyConnection, tables: list[str]) -> bool:
+        """``tables`` (of this entry's) as views in ``con`` over the entry, attached read-only for
+        the connection's life (nothing is copied; a newer entry renamed over it later leaves this
+        one's open file as it was); False when there is no usable entry (nothing is left in ``con``)."""
+        if not self._attached:
+            if not self.path.is_file():
+                return False
+            try:
+                con.execute("ATTACH ? AS kvledger_answers (READ_ONLY)", [str(self.path)])
+            except duckdb.Error:
+                return False
+            try:
+                ok = self._key(con) == self.key
+            except duckdb.Error:
+                ok = False
+            if not ok:
+                con.execute("DETACH kvledger_answers")
+                return False
+            self._attached = True
+        made: list[str] = []
+        try:
+            for t in tables:
+                con.execute(f"CREATE VIEW main.{t} AS SELECT * FROM kvledger_answers.{t}")
+                made.append(t)
+            return True
+        except duckdb.Error:
+            for t in made:
+                con.execute(f"DROP VIEW IF EXISTS main.{t}")
+            return False
+
+    @staticmethod
+    def _key(con) -> str | None:
+        return con.execute("SELECT key FROM kvledger_answers.kvledger_key").fetchone()[0]
+
+    def save(self, con: duckdb.DuckDBPyConnection) -> None:
+        """Write the tables (a temporary file renamed into place: a reader sees a whole entry or
+        none), then keep only the newest KEEP entries of this store."""
+        tmp = self.dir / f".{self.key[:40]}.{os.getpid()}.tmp"
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            tmp.unlink(missing_ok=True)
+            con.execute("ATTACH ? AS kvledger_answers_out", [str(tmp)])
+            try:
+                for t in self.tables:
+                    con.execute(f"CREATE TABLE kvledger_answers_out.{t} AS SELECT * FROM main.{t}")
+                con.execute("CREATE TABLE kvledger_answers_out.kvledger_key AS SELECT ? AS key", [self.key])
+            finally:
+                con.execute("DETACH kvledger_answers_out")
+            os.replace(tmp, self.path)
+            entries = sorted(self.dir.glob("*.duckdb"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
+            for old in entries[KEEP:]:
+                old.unlink(missing_ok=True)
+        except (OSError, duckdb.Error):
+            pass
+        finally:
+            for leftover in (tmp, tmp.with_name(tmp.name + ".wal")):
+                try:
+                    leftover.unlink(missing_ok=True)
+                except OSError:
+                    pass
