@@ -714,7 +714,7 @@ def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path):
     assert _answered(store)[0].from_cache              # unchanged: read back
     own = fx.con.sql("SELECT DISTINCT n.incarnation, n.hash FROM ngrams n JOIN ngrams o ON o.hash = n.hash "
                      "WHERE o.role = 'prompt' AND n.role = 'output' AND n.incarnation IN "
-                     f"({', '.join(str(r) for r in surfaced['response'].unique())})").arrow()
+                     f"({', '.join(str(r) for r in surfaced['response'].unique())})").to_arrow_table()
     rows = pa.table({"incarnation": own["incarnation"], "role": pa.array(["prompt"] * own.num_rows),
                      "n": pa.array([12] * own.num_rows, pa.int16()), "hash": own["hash"],
                      "pos": pa.nulls(own.num_rows, pa.int32())})

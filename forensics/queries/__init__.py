@@ -14,13 +14,11 @@ if TYPE_CHECKING:
     from forensics.queries.base import ForensicsBackend
 
 
-CLICKHOUSE_ONLY = ("chdb_path", "spans_table", "tenant_attribute", "progress")   # options DuckDB has no use for
-
-
 def open_forensics(store, run=None, *, engine: str = "duckdb", dsn: str | None = None, **kw) -> "ForensicsBackend":
     """The backend for ``engine`` (duckdb, chdb, clickhouse), the store verified first. DuckDB over
     the local store does not import the ClickHouse client at all (a reader's start)."""
     if engine == "duckdb" and not dsn:
+        from forensics.queries.base import CLICKHOUSE_ONLY
         from forensics.queries.duckdb import Forensics
         return Forensics(store, run, **{k: v for k, v in kw.items() if k not in CLICKHOUSE_ONLY})
     from forensics.queries.clickhouse import open_forensics as open_

@@ -13,6 +13,9 @@ if TYPE_CHECKING:
     from telemetry.store import Verdict
 
 
+CLICKHOUSE_ONLY = ("chdb_path", "spans_table", "tenant_attribute", "progress")   # options DuckDB has no use for
+
+
 class ForensicsBackend(Protocol):
     engine: str                     # "duckdb" | "chdb" | "clickhouse"
     source: str                     # where it reads, for the reader ("the local store", a DSN)

@@ -30,7 +30,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
-from forensics.queries.base import ForensicsBackend, with_response_state
+from forensics.queries.base import CLICKHOUSE_ONLY, ForensicsBackend, with_response_state
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
 from telemetry.store import StoreError, has_live_writer, resolve_boot
@@ -300,7 +300,6 @@ def open_forensics(store, run=None, *, engine: str = "duckdb", dsn: str | None =
     if engine == "duckdb":
         if dsn:
             raise ClickHouseError("--dsn is for --engine clickhouse")
-        from forensics.queries import CLICKHOUSE_ONLY
         from forensics.queries.duckdb import Forensics
         return Forensics(store, run, **{k: v for k, v in kw.items() if k not in CLICKHOUSE_ONLY})
     return ClickHouseForensics(store, run, engine=engine, dsn=dsn, **kw)
