@@ -145,11 +145,14 @@ def filters(start: dt.datetime | None = None) -> Filters:
                    node=None if node == "all" else node, policy=None if policy == "all" else policy)
 
 
-def table(df: pl.DataFrame, red: str | None = None) -> None:
-    """A table whose rows turn red where column `red` is true; red rows first, at most ROWS of them."""
+def table(df: pl.DataFrame, red: str | None = None, shown_as=None) -> None:
+    """A table whose rows turn red where column `red` is true; red rows first, at most ROWS of them
+    (``shown_as``: how those rows are written for the eye, applied to them alone)."""
     if red is not None and df.height:
         df = df.sort(red, descending=True, maintain_order=True)
     shown = df.head(ROWS)
+    if shown_as is not None and shown.height:
+        shown = shown_as(shown)
     if red is not None and shown.height:
         pdf = shown.to_pandas().style.apply(
             lambda row: [f"background-color: {RED}33" if row[red] else ""] * len(row), axis=1)
@@ -315,9 +318,8 @@ def integrity_section(p: Panels) -> None:
 
     st.subheader("Preflight per node")
     pre = p.preflight()
-    if pre.height:
-        pre = pre.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String))
-    table(pre.with_columns(small=~pl.col("pool_fits_context")), "small")
+    table(pre.with_columns(small=~pl.col("pool_fits_context")), "small",
+          lambda shown: shown.with_columns(pl.col("guards").map_elements(_switches, return_dtype=pl.String)))
 
 
 def fleet_section(p: Panels) -> None:

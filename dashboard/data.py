@@ -40,6 +40,22 @@ class Protection:
 ONGOING = dt.timedelta(minutes=5)           # a foreign read newer than this: exposure "ongoing"
 
 
+def guard_switches(run: pl.DataFrame) -> pl.DataFrame:
+    """One row per (node row, guard): ``_row``, ``node``, ``guard``, ``on`` - from a preflight frame
+    whose ``guards`` is a map (a list of key/value structs, as DuckDB gives it) or a struct."""
+    if isinstance(run.schema["guards"], pl.Struct):
+        g = run.select("_row", "node", pl.col("guards").struct.unnest()).unpivot(index=["_row", "node"],
+                                                                               variable_name="key", value_name="value")
+    else:           # a map (polars' Map) or already its list of key/value structs
+        dt_ = run.schema["guards"]
+        col = pl.col("guards")
+        if not isinstance(dt_, pl.List):
+            col = col.cast(pl.List(pl.Struct({"key": getattr(dt_, "key", pl.String), "value": getattr(dt_, "value", pl.Boolean)})))
+        g = run.select("_row", "node", col).explode("guards").unnest("guards")
+    return (g.drop_nulls("key").select("_row", "node", guard=pl.col("key"), on=pl.col("value").fill_null(False)
+                                       .cast(pl.Boolean)))
+
+
 def _listed(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
@@ -248,18 +264,16 @@ class Panels:
             amber.append("no kvledger engine has written this store: its protection is unknown")
         else:
             boot = pre.sort("snapshot_at")["boot"][-1]
-            run = pre.filter(pl.col("boot") == boot)
-            no_check, small, off = [], [], {}
-            for r in run.iter_rows(named=True):
-                guards = dict(r["guards"].items() if isinstance(r["guards"], dict) else
-                              ((g["key"], g["value"]) for g in r["guards"]))
-                if not guards.get("read_check", False):
-                    no_check.append(r["node"])
-                if r["served_context"] > r["pool_tokens"]:
-                    small.append(f"{r['node']} ({r['pool_tokens']} < {r['served_context']} tokens)")
-                for g, on in guards.items():
-                    if not on and g != "read_check":
-                        off.setdefault(g, []).append(r["node"])
+            run = pre.filter(pl.col("boot") == boot).with_row_index("_row")
+            # in columns: a fleet's latest run has a row per node (thousands), never a Python loop over them
+            g = guard_switches(run)
+            checked = set(g.filter((pl.col("guard") == "read_check") & pl.col("on"))["_row"].to_list())
+            no_check = run.filter(~pl.col("_row").is_in(list(checked)))["node"].to_list()
+            small = (run.filter(pl.col("served_context") > pl.col("pool_tokens"))
+                     .select(pl.format("{} ({} < {} tokens)", "node", "pool_tokens", "served_context"))
+                     .to_series().to_list())
+            off = {k: v for k, v in g.filter(~pl.col("on") & (pl.col("guard") != "read_check"))
+                   .group_by("guard", maintain_order=True).agg(pl.col("node")).iter_rows()}
             if no_check:
                 red.append(f"read check off on {_listed(no_check)}")
             if small:

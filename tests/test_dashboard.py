@@ -223,6 +223,10 @@ def test_an_unprotected_run_is_red_before_any_exposure_and_a_hardened_one_green(
     assert m["Affected responses"] == 0 and m["Protection"] == "RED"
     unprotected = [e.value for e in at.error if e.value.startswith("UNPROTECTED")]
     assert unprotected and "read check off" in unprotected[0] and "KV pool smaller than the context" in unprotected[0]
+    # every node named, in the run's order, with its numbers (computed in columns, not row by row)
+    assert ("read check off on prefill0, decode0, prefill1-canary; KV pool smaller than the context it serves on "
+            "prefill0 (656 < 1024 tokens); 10 guard(s) off (cancel_both_halves, checksum, deferred_release, "
+            "double_free_check and 6 more)") in unprotected[0]
     assert not any("Protected and clean" in s.value for s in at.success)
     assert m["Last foreign read"].endswith("ago")         # the clock is the whole store's, not the window's
     _, hard = glm53_hardened
