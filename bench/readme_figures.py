@@ -255,6 +255,10 @@ def dashboard_table(r: dict) -> str:
     kept = (f" A store no writer holds any more (after the incident): its later renders read the snapshot's shared "
             f"tables back instead of building them (`forensics/queries/answers.py`): {r['kept_render_s']:.1f} s "
             f"(the script itself {r['kept_script_s']:.1f} s)." if "kept_render_s" in r else "")
+    if "kept_banner_s" in r:
+        kept += (f" The banner and the tiles are drawn before the sections' queries run: {r['first_banner_s']:.1f} s "
+                 f"into the script first, {r['warm_banner_s']:.1f} s warm, {r['kept_banner_s']:.1f} s with the shared "
+                 f"tables kept (goal <= {r['goal_banner_s']:.0f} s).")
     sparse = ROOT / "bench" / "results" / "dashboard_sparse.json"
     more = ("\n\n" + dashboard_table(json.loads(sparse.read_text()))
             if sparse.exists() and not r.get("store", "").startswith("sparse") else "")

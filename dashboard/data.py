@@ -63,6 +63,9 @@ def _listed(items: list[str], n: int = 3) -> str:
 # what this dashboard process has verified (segment hashes, signatures, anchor lines): verify's cache
 VERIFIED: dict = {}
 
+# the queries the state line (banner and tiles) needs: run first, so the page's state is drawn
+# before the sections' own queries run
+BANNER = ("exposures", "scores", "ttft", "guards", "preflight", "gaps")
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
         "fleet_ttft", "fleet_impact", "canary", "gaps")
