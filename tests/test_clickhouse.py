@@ -12,6 +12,8 @@ from pathlib import Path
 
 import polars as pl
 import pyarrow as pa
+import shutil
+
 import pytest
 from polars.testing import assert_frame_equal
 
@@ -24,7 +26,7 @@ from forensics.queries.clickhouse import ClickHouseForensics
 from telemetry.store.chain import read_chain
 from telemetry.clickhouse import ClickHouseError, columns, connect, ddl, export, follow, layouts
 from telemetry.store.schema import arrow_schemas
-from telemetry.store import SegmentWriter
+from telemetry.store import SegmentWriter, open_store
 
 CHDB = os.environ["KVLEDGER_CHDB_PATH"]          # this test process's embedded ClickHouse (conftest)
 ALL = list(FORENSIC_QUERIES)
@@ -493,3 +495,50 @@ def test_a_stale_chdb_mirror_is_rebuilt_from_the_store_in_hand(fleet):
         assert again.rows("capacity") == Forensics(store).rows("capacity")
     finally:
         again.close()
+
+
+@pytest.mark.xdist_group("glm53")
+def test_text_the_recipients_tenant_had_earlier_is_not_surfaced_on_either_engine(glm53_vulnerable, tmp_path):
+    """The evidence rules, not just the rows: a surfaced response's output n-grams added (through the
+    real segment writer) to the output of another request - one of its own tenant that arrived
+    before it cancels the evidence (the text may have come through the tenant's own traffic), one
+    of another tenant cancels nothing (an output is not a prompt: not "common") - and chdb says
+    what DuckDB says. (The rule's time side: tests/test_forensics.py, on DuckDB.)"""
+    _, src = glm53_vulnerable
+    fx = Forensics(src, answer_cache=False)
+    ex = fx.query("exposures")
+    req = fx.requests()
+    for which, cancelled in (("own-tenant-earlier", True), ("other-tenant", False)):
+        pick = None
+        for row in ex.filter(pl.col("evidence") == "surfaced").iter_rows(named=True):
+            me = req.filter(pl.col("incarnation") == row["response"]).row(0, named=True)
+            who = ((pl.col("tenant_h") == me["tenant_h"]) & (pl.col("arrived_at") < me["arrived_at"]) if cancelled
+                   else pl.col("tenant_h") != me["tenant_h"])
+            mates = req.filter(who & ~pl.col("incarnation").is_in([row["response"], row["donor"]]))
+            if mates.height:
+                pick = row, mates["incarnation"][0]
+                break
+        assert pick is not None, f"the incident has a surfaced response and a request for the {which} case"
+        row, mate = pick
+        out = fx.con.sql(f"SELECT n, hash FROM ngrams WHERE incarnation = {row['response']} AND role = 'output'").pl()
+        store = tmp_path / which        # a store of its own (own key and anchor) with those rows added
+        con = open_store(src)
+        w = SegmentWriter(store)
+        for t in arrow_schemas():
+            data = con.table(t).to_arrow_table()
+            if t == "ngrams":
+                data = pa.concat_tables([data, pa.table({
+                    "incarnation": pa.array([mate] * out.height, pa.int64()), "role": pa.array(["output"] * out.height),
+                    "n": out["n"].to_arrow(), "hash": out["hash"].to_arrow(),
+                    "pos": pa.array(range(out.height), pa.int32())}).cast(data.schema)])
+            if data.num_rows:
+                w.submit(t, data)
+        w.close()
+        d, c = Forensics(store, answer_cache=False), ClickHouseForensics(store)
+        try:
+            a, b = d.query("exposures"), c.query("exposures")
+            same(a, b, f"exposures, the text in the output of an {which} request")
+            now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
+            assert now["evidence"].to_list() == (["read"] if cancelled else ["surfaced"]), which
+        finally:
+            c.close()

@@ -632,11 +632,16 @@ def test_a_replay_killed_mid_fold_leaves_an_index_equal_to_the_join(tmp_path):
 
 
 # ---- the shared tables kept between commands (forensics/queries/answers.py) -----------------------
-def _own_copy(src, tmp_path, name: str = "store") -> Path:
+def _own_copy(src, tmp_path, name: str = "store", writable: bool = False) -> Path:
     """The store copied to a path of the test's own: the kept answers are per store path, so no other
-    test (nor another worker) reads or writes this copy's entries."""
+    test (nor another worker) reads or writes this copy's entries. ``writable``: a store of its own
+    identity (rewritten through the real segment writer, its own key and anchor) - a copy that is
+    appended to would move the anchor of the store it was copied from (one store id)."""
     store = tmp_path / name
-    shutil.copytree(src, store)
+    if writable:
+        _rewrite(src, store, lambda table, t: t)
+    else:
+        shutil.copytree(src, store)
     return store
 
 
@@ -707,7 +712,7 @@ def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path):
     the answer changes with the store."""
     import pyarrow as pa
     from telemetry.store import SegmentWriter
-    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    store = _own_copy(glm53_vulnerable[1], tmp_path, writable=True)
     fx, before = _answered(store)
     surfaced = before["exposures"].filter(pl.col("evidence") == "surfaced")
     assert surfaced.height
@@ -731,7 +736,7 @@ def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path):
 def test_answers_are_never_kept_for_a_store_that_can_change_or_does_not_verify(glm53_vulnerable, tmp_path,
                                                                                monkeypatch, case):
     from telemetry.store import SegmentWriter
-    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    store = _own_copy(glm53_vulnerable[1], tmp_path, writable=True)
     writer = None
     kw = {}
     if case == "unverified":

@@ -36,12 +36,18 @@ hits AS (
 common AS (
     SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING uniqExact(tenant_h) >= 2
 ),
+early AS (   -- per (hash, tenant): the two requests holding it that arrived first - enough to know whether one
+    SELECT hash, tenant_h,     -- other than the response and its donor arrived before the response (a hash
+           groupArraySorted(2)((arrived_at, incarnation)) AS first2   -- common to many requests never fans out)
+    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits)
+    GROUP BY hash, tenant_h
+),
 tenant_own AS (
     SELECT DISTINCT c.response AS response, c.donor AS donor, c.hash AS hash
     FROM candidates AS c
     JOIN requests AS rr ON rr.incarnation = c.response
-    JOIN hits AS h ON h.hash = c.hash AND h.tenant_h = rr.tenant_h
-    WHERE h.arrived_at < rr.arrived_at AND h.incarnation != c.response AND h.incarnation != c.donor
+    JOIN early AS e ON e.hash = c.hash AND e.tenant_h = rr.tenant_h
+    WHERE arrayExists(x -> x.1 < rr.arrived_at AND x.2 != c.response AND x.2 != c.donor, e.first2)
 )
 SELECT response, donor, count() AS shared_ngrams
 FROM candidates
