@@ -239,7 +239,24 @@ def main() -> None:
     ap.add_argument("--commands-only", action="store_true",
                     help="re-measure only the commands on the existing --rows and --scale stores and update bench/results/forensics.json "
                          "in place (the joins' and the export's figures kept, with when the commands were measured)")
+    ap.add_argument("--add-scale", type=int, metavar="ROWS",
+                    help="build (or reuse) a store of ROWS page_reads rows, run --engines on it and add it to the growth "
+                         "table of bench/results/forensics.json (the main figures kept)")
     args = ap.parse_args()
+    if args.add_scale:
+        path = Path(__file__).parent / "results" / "forensics.json"
+        r = run(args.add_scale, args.dir, args.engines.split(","), args.keep_mirror)
+        res = json.loads(path.read_text())
+        entry = {"read_rows": r["config"]["read_rows"], "write_rows": r["config"]["write_rows"], "seconds": r["seconds"],
+                 "exposure_slot_rows": r["exposure_slot_rows"], "commands": r.get("commands"),
+                 "store_build_seconds": r["store_build_seconds"], "measured_unix_time": int(time.time()),
+                 **{k: v for k, v in r.items() if k.endswith("_equals_copies_x_base")}}
+        res["scaling"] = sorted([x for x in res.get("scaling", []) if x["read_rows"] != entry["read_rows"]] + [entry],
+                                key=lambda x: x["read_rows"])
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"added {entry['read_rows'] / 1e6:.0f} M rows to the growth table: {entry['seconds']}; "
+              f"commands {entry['commands']}")
+        return
     if args.commands_only:
         path = Path(__file__).parent / "results" / "forensics.json"
         res = update_commands(path, [Path(args.dir) / f"sparse-{n}" for n in [*args.scale, args.rows]])
