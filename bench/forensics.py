@@ -101,6 +101,13 @@ def update_commands(path: Path, stores: list[Path]) -> dict:
     return res
 
 
+def duckdb_join(store: Path) -> tuple[int, int]:
+    con = open_store(store)          # the join alone: Forensics would verify (hash) every segment first
+    con.sql(sql("exposure_slots")).to_table("exposure_slots")     # the shipped as-of join, alone
+    rows = con.sql("SELECT count(*), count(DISTINCT (response, donor, node, page)) FROM exposure_slots").fetchall()
+    return rows[0]
+
+
 GROUP = ["node", "reader", "page", "generation", "block_index", "found_generation", "bad_mask"]
 
 

@@ -185,8 +185,10 @@ def forensics_table(r: dict) -> str:
            f"({r['chdb_export_rows_per_s'] / 1e6:.2f} M rows/s, the chain verified first; "
            f"{(c['read_rows'] + c['write_rows']) / 1e6:.0f} M of them the page ledger, most of the rest n-gram "
            f"hashes), once; later exports copy only new segments."] if sec.get("chdb_export") else []),
-        *(["", "How the cost grows with the store (same machine, same run; `exposures` from the shell, the "
-           "verification cache warm: the first command after the store changed / a later one on the same snapshot):", "",
+        *(["", "How the cost grows with the store (same machine; `exposures` in this process / from the shell, the "
+           "verification cache warm, the first command after the store changed and a later one on the same snapshot; "
+           "a size added later with `--add-scale` ran without chdb, whose export alone takes about 2 minutes per "
+           "100 M rows here: -):", "",
            "| page_reads rows | page_writes rows | exposure slot rows | join: DuckDB | join: chdb | index | "
            "`exposures` first | `exposures` later |",
            "| --- | --- | --- | --- | --- | --- | --- | --- |"]
