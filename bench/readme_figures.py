@@ -187,7 +187,7 @@ def forensics_table(r: dict) -> str:
            f"hashes), once; later exports copy only new segments."] if sec.get("chdb_export") else []),
         *(["", "How the cost grows with the store (same machine; `exposures` in this process / from the shell, the "
            "verification cache warm, the first command after the store changed and a later one on the same snapshot; "
-           "a size added later with `--add-scale` ran without chdb, whose export alone takes about 2 minutes per "
+           "a size added later with `--add-scale` ran without chdb, whose export alone takes about 3 minutes per "
            "100 M rows here: -):", "",
            "| page_reads rows | page_writes rows | exposure slot rows | join: DuckDB | join: chdb | index | "
            "`exposures` first | `exposures` later |",
