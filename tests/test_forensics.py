@@ -646,11 +646,9 @@ def _own_copy(src, tmp_path, name: str = "store", writable: bool = False) -> Pat
 
 
 def _entries(store) -> list[Path]:
-    """The kept answers of this store path (state directory/answers/<hash of the path>)."""
-    import hashlib
-    from telemetry.store.keys import state_dir
-    return sorted((state_dir() / "answers" / hashlib.sha256(str(Path(store).resolve()).encode()).hexdigest()[:32])
-                  .glob("*.duckdb"))
+    """The kept answers of this store path."""
+    from forensics.queries.answers import answers_dir
+    return sorted(answers_dir(store).glob("*.duckdb"))
 
 
 def _answered(store, **kw) -> tuple[Forensics, dict[str, pl.DataFrame]]:

@@ -34,12 +34,16 @@ def enabled() -> bool:
     return os.environ.get(ENV, "1") not in ("0", "false", "no", "off")
 
 
+def answers_dir(store: str | Path) -> Path:
+    """Where the kept answers of the store at this path live (one directory per resolved path)."""
+    return state_dir() / "answers" / hashlib.sha256(str(Path(store).resolve()).encode()).hexdigest()[:32]
+
+
 class Answers:
     """The cache entry of one snapshot: a DuckDB file holding its shared tables."""
 
     def __init__(self, store: str | Path, verdict, run: str | None, texts: dict[str, str]):
-        real = str(Path(store).resolve())
-        self.dir = state_dir() / "answers" / hashlib.sha256(real.encode()).hexdigest()[:32]
+        self.dir = answers_dir(store)
         ident = [verdict.store_id, verdict.seq, verdict.head, run, duckdb.__version__,
                  hashlib.sha256(SCHEMA_SQL.read_bytes()).hexdigest(), sorted(texts.items())]
         self.key = hashlib.sha256(json.dumps(ident).encode()).hexdigest()
