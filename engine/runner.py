@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from engine.attention import BatchLayout, ReadCheck
@@ -54,7 +55,7 @@ class ModelRunner:
             writers.append(req.incarnation)
             if end == req.seq_len:
                 sampling.append(b)
-        new_writers = torch.repeat_interleave(torch.tensor(writers, dtype=torch.long), torch.tensor(q_lens))
+        new_writers = torch.from_numpy(np.repeat(np.asarray(writers, dtype=np.int64), q_lens))
         lay = BatchLayout.build(bt, seq_lens, q_lens, gens, exp_tags)
         slot_pages = bt[lay.tok_batch, lay.positions // S]
         slot_offsets = lay.positions % S

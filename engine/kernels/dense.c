@@ -5,7 +5,9 @@
 
    kvl_add_rms_norm_f32  residual += x (when residual is given), out = rms_norm(residual or x) * w
    kvl_silu_mul_f32      out[t, i] = silu(gu[t, i]) * gu[t, I + i]       (gate and up in one row)
-   kvl_rope_f32          rotate-half RoPE in place on H heads of D per token, cos/sin [T, D/2] */
+   kvl_rope_f32          rotate-half RoPE in place on H heads of D per token, cos/sin [T, D/2]
+   kvl_linear_f32        out = x @ w.T + b for few rows of x (a decode step's projections), w packed
+                         at load in blocks of 16 output columns */
 #include <math.h>
 #include <stdint.h>
 
@@ -70,6 +72,58 @@ int kvl_scatter_rows_f32(float *pool, const int64_t *pages, const int64_t *offs,
         float *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
         const float *s = src + r * src_stride;
         for (int64_t i = 0; i < width; i++) d[i] = s[i];
+    }
+    return 0;
+}
+
+/* x @ w.T + b for few rows of x: a decode step's projections, where oneDNN's per-call cost is
+   most of the time (bench/engine.py). w is packed at load (engine.kernels.pack_rows) as blocks of
+   NB output columns, each block [K][NB] contiguous: zero-padded past N. A tile is R <= 4 rows of x
+   against one block, 2 x R vector accumulators over k (each weight block read once per 4 rows,
+   from L1/L2); blocks run in parallel when the product is large enough to pay for the threads.
+   Each output is sum_k x[m, k] * w[n, k] summed in k order (then + b): torch's product up to float
+   rounding order. */
+typedef float v8 __attribute__((vector_size(32)));
+#define NB 16
+
+static inline __attribute__((always_inline)) void linear_tile(int R, const float *x, int64_t xs, const float *wb,
+                                                              int64_t K, const float *bias, float *out, int64_t os,
+                                                              int64_t ncols) {
+    v8 acc[8] = {{0}};
+    for (int64_t k = 0; k < K; k++) {
+        v8 w0, w1;
+        __builtin_memcpy(&w0, wb + k * NB, sizeof w0);
+        __builtin_memcpy(&w1, wb + k * NB + 8, sizeof w1);
+        for (int r = 0; r < R; r++) {       /* R is a constant at each call site: unrolled */
+            const v8 s = (v8){0} + x[r * xs + k];
+            acc[2 * r] += s * w0;
+            acc[2 * r + 1] += s * w1;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float tmp[NB];
+        __builtin_memcpy(tmp, &acc[2 * r], sizeof acc[0]);
+        __builtin_memcpy(tmp + 8, &acc[2 * r + 1], sizeof acc[0]);
+        float *o = out + r * os;
+        for (int64_t j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];
+    }
+}
+
+int kvl_linear_f32(const float *x, int64_t xs, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                   float *out, int64_t os, int nthreads) {
+    const int64_t blocks = (N + NB - 1) / NB;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N * K >= (1 << 18))
+    for (int64_t b = 0; b < blocks; b++) {
+        const float *wb = wp + b * K * NB, *bb = bias ? bias + b * NB : 0;
+        const int64_t ncols = N - b * NB < NB ? N - b * NB : NB;
+        float *ob = out + b * NB;
+        int64_t m = 0;
+        for (; m + 4 <= M; m += 4) linear_tile(4, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols);
+        switch (M - m) {
+            case 3: linear_tile(3, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
+            case 2: linear_tile(2, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
+            case 1: linear_tile(1, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
+        }
     }
     return 0;
 }

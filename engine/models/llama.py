@@ -121,6 +121,44 @@ def packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+def few_rows(m: int, n: int, k: int) -> bool:
+    """Whether an [m, k] x [k, n] product goes to the native few-rows kernel rather than oneDNN: at
+    decode sizes oneDNN's per-call cost dominates (1.4-4x the kernel's time at m <= 8 on the tiny
+    model's shapes); from 16 rows on a wide weight oneDNN's blocking wins (bench figures in
+    engine/kernels/dense.c's kvl_linear_f32 note)."""
+    return m <= 8 or (m <= 16 and n * k <= 1 << 20)
+
+
+class Linear:
+    """One projection x @ w.T + b with its weight laid out at load for what runs it: a few rows (a
+    decode step) through the native kernel (engine.kernels.linear), more through oneDNN with the
+    weight prepacked (vLLM-CPU does the same), else F.linear. With both layouts present the weight
+    as loaded is dropped (it would be a third copy); each path falls back to the next."""
+    __slots__ = ("weight", "bias", "onednn", "rows", "n", "k")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
+        self.n, self.k = weight.shape
+        self.bias = bias.contiguous() if bias is not None else None
+        fp32 = weight.dtype == torch.float32
+        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if onednn and fp32 else None
+        self.rows = kernels.pack_rows(weight) if fp32 else None
+        self.weight = None if self.onednn is not None and self.rows is not None else weight
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 or not x.is_contiguous():
+            if self.weight is not None:
+                return F.linear(x, self.weight, self.bias)
+            lead = x.shape[:-1]
+            return self(x.reshape(-1, self.k).contiguous()).view(*lead, self.n)
+        if self.rows is not None and few_rows(x.shape[0], self.n, self.k):
+            out = kernels.linear(x, self.rows, self.n, self.bias)
+            if out is not None:
+                return out
+        if self.weight is None or self.onednn is not None and x.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
 class LlamaModel(nn.Module):
     def __init__(self, cfg: LlamaConfig, weights: dict[str, torch.Tensor]):
         super().__init__()
@@ -130,28 +168,20 @@ class LlamaModel(nn.Module):
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.eos_token_id = cfg.eos_token_id
         self.name = cfg.model_type
-        # q/k/v and gate/up as one matmul each (fewer, larger GEMMs; the originals are dropped)
-        self.qkv, self.qkv_bias, self.gate_up = [], [], []
+        # q/k/v and gate/up as one matmul each (fewer, larger GEMMs); every projection's weight moves
+        # out of ``weights`` into its Linear (laid out there, the loaded copy dropped where unneeded)
+        onednn = packing_available()
+        self.qkv, self.o, self.gate_up, self.down = [], [], [], []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
-            self.qkv.append(torch.cat([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-            self.qkv_bias.append(torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-                                 if cfg.qkv_bias else None)
-            self.gate_up.append(torch.cat([weights.pop(p + "mlp.gate_proj.weight"), weights.pop(p + "mlp.up_proj.weight")]))
-        self._packed: dict[int, torch.Tensor] = {}      # id(weight) -> its oneDNN-packed copy (see linear)
-        if packing_available() and all(t.dtype == torch.float32 for t in self.qkv):
-            for t in [*self.qkv, *self.gate_up, weights["lm_head.weight"],
-                      *(weights[f"model.layers.{i}.{n}.weight"] for i in range(cfg.num_layers)
-                        for n in ("self_attn.o_proj", "mlp.down_proj"))]:
-                self._packed[id(t)] = torch.ops.mkldnn._reorder_linear_weight(t, PACK_ROWS)
-
-    def linear(self, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-        """x @ w.T + b through oneDNN with w prepacked at load (vLLM-CPU does the same with its linear
-        layers), else F.linear: the same product, summed in another order."""
-        packed = self._packed.get(id(w))
-        if packed is None or x.dim() != 2 or not x.is_contiguous() or x.dtype != torch.float32:
-            return F.linear(x, w, b)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, b, "none", [], "")
+            self.qkv.append(Linear(torch.cat([weights.pop(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                                   torch.cat([weights.pop(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+                                   if cfg.qkv_bias else None, onednn))
+            self.o.append(Linear(weights.pop(p + "self_attn.o_proj.weight"), None, onednn))
+            self.gate_up.append(Linear(torch.cat([weights.pop(p + "mlp.gate_proj.weight"),
+                                                  weights.pop(p + "mlp.up_proj.weight")]), None, onednn))
+            self.down.append(Linear(weights.pop(p + "mlp.down_proj.weight"), None, onednn))
+        self.lm_head = Linear(weights.pop("lm_head.weight"), None, onednn)
 
     @staticmethod
     def expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
@@ -212,19 +242,18 @@ class LlamaModel(nn.Module):
         h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps)
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = self.linear(h, self.qkv[i], self.qkv_bias[i])
+            qkv = self.qkv[i](h)
             if not kernels.rope(qkv, Hq + Hkv, D, *half):             # q and k rotated in one pass
                 full = full or rope_full(freqs, x.dtype)
                 qkv[:, :(Hq + Hkv) * D] = rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *full).view(T, -1)
             qkv = qkv.view(T, Hq + 2 * Hkv, D)
             q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
-            h = add_rms_norm(self.linear(a, w[p + "self_attn.o_proj.weight"]), w[p + "post_attention_layernorm.weight"],
-                             eps, residual=x)
-            down = self.linear(silu_mul(self.linear(h, self.gate_up[i])), w[p + "mlp.down_proj.weight"])
+            h = add_rms_norm(self.o[i](a), w[p + "post_attention_layernorm.weight"], eps, residual=x)
+            down = self.down[i](silu_mul(self.gate_up[i](h)))
             if i + 1 < c.num_layers:
                 h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
             else:
                 x += down
         x = add_rms_norm(x[logits_rows], w["model.norm.weight"], eps)
-        return self.linear(x, w["lm_head.weight"]).float()
+        return self.lm_head(x).float()
