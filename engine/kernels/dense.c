@@ -7,7 +7,8 @@
    kvl_silu_mul_f32      out[t, i] = silu(gu[t, i]) * gu[t, I + i]       (gate and up in one row)
    kvl_rope_f32          rotate-half RoPE in place on H heads of D per token, cos/sin [T, D/2]
    kvl_linear_f32        out = x @ w.T + b for few rows of x (a decode step's projections), w packed
-                         at load in blocks of 16 output columns */
+                         at load in blocks of 16 output columns
+   kvl_read_check        the read check of engine/attention.py over a step's block tables, one pass */
 #include <math.h>
 #include <stdint.h>
 
@@ -126,4 +127,41 @@ int kvl_linear_f32(const float *x, int64_t xs, int64_t M, int64_t K, const float
         }
     }
     return 0;
+}
+
+/* The read check (engine/attention.py read_check, whose docstring states the rule) in one pass
+   over the step's block tables [B, C]: for each slot s of column c that the attention reads
+   (position c * S + s < seq[b]), bad when the page's generation is not the one granted or the
+   slot's tag is not the request's own tag at that position. The pool's int64 planes: generation
+   of page p at buf[p * pw], tag of slot s at buf[p * pw + s * rw + tag_off], writer at + wr_off.
+   Writes bad_slots, slots (read), found_gen, mask (bit s: slot s failed) [B, C] and the writers
+   found [B, C, S] (every slot, read or not, as the numpy path); returns the failed slot count. */
+int64_t kvl_read_check(const int64_t *buf, int64_t pw, int64_t rw, int64_t tag_off, int64_t wr_off,
+                       const int64_t *bt, const int64_t *seq, const int64_t *exp_gen, const int64_t *exp_tags,
+                       int64_t B, int64_t C, int64_t S, int64_t *bad_slots, int64_t *slots, int64_t *found_gen,
+                       int64_t *mask, int64_t *found_writers) {
+    int64_t failed = 0;
+    for (int64_t b = 0; b < B; b++) {
+        for (int64_t c = 0; c < C; c++) {
+            const int64_t i = b * C + c, page = bt[i] < 0 ? 0 : bt[i];
+            const int64_t *hdr = buf + page * pw, *want = exp_tags + b * C * S + c * S;
+            int64_t n = seq[b] - c * S;
+            n = n < 0 ? 0 : n > S ? S : n;
+            const int gen_bad = hdr[0] != exp_gen[i];
+            int64_t bad = 0, m = 0;
+            for (int64_t s = 0; s < S; s++) {
+                found_writers[i * S + s] = hdr[s * rw + wr_off];
+                if (s < n && (gen_bad || hdr[s * rw + tag_off] != want[s])) {
+                    bad++;
+                    m |= (int64_t)1 << s;
+                }
+            }
+            found_gen[i] = hdr[0];
+            slots[i] = n;
+            bad_slots[i] = bad;
+            mask[i] = m;
+            failed += bad;
+        }
+    }
+    return failed;
 }
