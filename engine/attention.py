@@ -76,7 +76,7 @@ class BatchLayout(NamedTuple):
         positions = (sl - ql)[tok_batch] + tok_row
         B, C = block_tables.shape
         S = expected_tags.shape[1] // max(C, 1)
-        bt = block_tables.clamp(min=0)
+        bt = np.maximum(_int64(block_tables), 0)
         pages_of = (sl + S - 1) // S
         dec_b = np.flatnonzero(ql == 1)
         Cd = int(pages_of[dec_b].max()) if len(dec_b) else 0
@@ -88,9 +88,9 @@ class BatchLayout(NamedTuple):
             q, n, cb = int(ql[b]), int(sl[b]), int(pages_of[b])
             kpos = np.arange(cb * S)
             mask = (kpos[None, :] <= np.arange(n - q, n)[:, None]) & (kpos[None, :] < n)
-            pre.append((b, int(starts[b]), q, bt[b, :cb], t(mask)))
-        dec = t(dec_b)
-        plan = VarlenPlan(dec, t(starts[dec_b]), bt[dec, :Cd], t(dec_bias), t(sl[dec_b]), tuple(pre))
+            pre.append((b, int(starts[b]), q, t(bt[b, :cb]), t(mask)))
+        plan = VarlenPlan(t(dec_b), t(starts[dec_b]), t(np.ascontiguousarray(bt[dec_b, :Cd])), t(dec_bias),
+                          t(sl[dec_b]), tuple(pre))
         return BatchLayout(block_tables, t(sl), t(ql), t(positions), t(tok_batch), t(tok_row),
                            expected_gen, expected_tags, plan)
 

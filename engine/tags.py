@@ -70,6 +70,10 @@ class TagChain:
     def tags(self) -> torch.Tensor:
         return self._tags[: self._len]
 
+    def array(self):
+        """The chain as a numpy int64 array (the same memory: valid until the chain next grows)."""
+        return self._tags.numpy()[: self._len]
+
 
 def chain(key: bytes, tokens, kv_format_version: str = "kvledger-kv-v1") -> torch.Tensor:
     c = TagChain(key, kv_format_version)

@@ -681,6 +681,34 @@ def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_pa
     assert len(_entries(store)) == 2
 
 
+def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulnerable, tmp_path, monkeypatch):
+    """A query asked of the whole store is kept beside its snapshot's tables and read back by the
+    next command without running it (nor building the shared tables); a damaged kept answer is run
+    again; a windowed query is never kept."""
+    from forensics.queries.answers import answers_dir
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    first, built = _answered(store)
+    kept = sorted(answers_dir(store).glob("*.arrow"))
+    assert len(kept) == 3                                    # exposures, tenants, scores
+    ran: list[str] = []
+    real_run = Forensics._run
+    monkeypatch.setattr(Forensics, "_run", staticmethod(lambda con, text, *a: ran.append(text) or real_run(con, text, *a)))
+    again = Forensics(store)
+    for q in ("exposures", "tenants", "scores"):
+        assert_frame_equal(again.query(q), built[q])
+    assert ran == [] and again.from_cache == set()            # read back: nothing run, nothing built
+    kept[0].write_bytes(b"not arrow")                         # damaged: that one runs again, right answer
+    shutil.copyfile(kept[2], kept[1])                         # another query's answer under this one's name
+    third = Forensics(store)
+    for q in ("exposures", "tenants", "scores"):
+        assert_frame_equal(third.query(q), built[q])
+    assert len(ran) == 2
+    t0 = built["exposures"]["first_read"].min()
+    windowed = Forensics(store).query("exposures", start=t0)
+    assert len(ran) == 3 and windowed.height                  # a window: run, and not kept
+    assert sorted(answers_dir(store).glob("*.arrow")) == kept
+
+
 @pytest.mark.parametrize("case", ["garbage", "other-snapshot", "truncated"])
 def test_a_damaged_or_foreign_answers_entry_is_rebuilt(glm53_vulnerable, glm53_hardened, tmp_path, case):
     """An entry that is not this snapshot's (garbage bytes, another store's entry under this key's

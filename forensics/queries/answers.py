@@ -13,6 +13,11 @@ between two commands; a store that does not verify is never remembered). The cac
 state directory beside the keys and the anchors (the same custody: whoever can write there can
 already replace the anchor); it is speed only - an unreadable or damaged entry is rebuilt, an
 unwritable directory is no error. ``KVLEDGER_ANSWER_CACHE=0`` turns it off.
+
+A named query asked of the whole store (no window) is kept the same way beside its snapshot's
+tables, as an Arrow IPC file named by the snapshot key and a hash of the query's SQL text and
+parameters: the next command, or the dashboard's next render of an idle store, reads the answer
+back instead of running it (a windowed query always runs).
 """
 from __future__ import annotations
 
@@ -22,6 +27,9 @@ import os
 from pathlib import Path
 
 import duckdb
+import polars as pl
+import pyarrow as pa
+import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
 from telemetry.store.keys import state_dir
 from telemetry.store.schema import SCHEMA_SQL
@@ -81,6 +89,41 @@ class Answers:
                 con.execute(f"DROP VIEW IF EXISTS main.{t}")
             return False
 
+    def _result_path(self, name: str, text: str, params: dict) -> tuple[Path, bytes]:
+        """Where a kept answer lives, and the key it carries inside (a file renamed from another
+        snapshot or query under this name is refused, as a foreign tables entry is)."""
+        h = hashlib.sha256(json.dumps([self.key, name, text, sorted((k, str(v)) for k, v in params.items())]).encode())
+        return self.dir / f"{self.key[:40]}.{h.hexdigest()[:24]}.arrow", h.hexdigest().encode()
+
+    def result(self, name: str, text: str, params: dict) -> pl.DataFrame | None:
+        """A kept whole-store answer of query ``name`` (its SQL ``text`` and ``params``), or None."""
+        path, key = self._result_path(name, text, params)
+        try:
+            with pa.OSFile(str(path), "rb") as f:
+                table = pa.ipc.open_file(f).read_all()
+        except (OSError, pa.ArrowException):        # absent, truncated, not Arrow: run the query instead
+            return None
+        if (table.schema.metadata or {}).get(b"kvledger_key") != key:
+            return None
+        return pl.from_arrow(table.replace_schema_metadata(None))
+
+    def keep_result(self, name: str, text: str, params: dict, df: pl.DataFrame) -> None:
+        """Keep a whole-store answer (written to a temporary name, renamed into place)."""
+        path, key = self._result_path(name, text, params)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            table = df.to_arrow()
+            table = table.replace_schema_metadata({**(table.schema.metadata or {}), b"kvledger_key": key})
+            with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+            os.replace(tmp, path)
+        except (OSError, pa.ArrowException):        # an unwritable state directory: no error
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
+
     @staticmethod
     def _key(con) -> str | None:
         return con.execute("SELECT key FROM kvledger_answers.kvledger_key").fetchone()[0]
@@ -103,6 +146,10 @@ class Answers:
             entries = sorted(self.dir.glob("*.duckdb"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
             for old in entries[KEEP:]:
                 old.unlink(missing_ok=True)
+            kept = {p.stem for p in entries[:KEEP]}
+            for res in self.dir.glob("*.arrow"):      # kept answers of snapshots no longer kept
+                if res.name.split(".", 1)[0] not in kept:
+                    res.unlink(missing_ok=True)
         except (OSError, duckdb.Error):
             pass
         finally:

@@ -187,12 +187,13 @@ class Forensics:
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
-        text = sql(name)
-        if any(m in text for m in MATERIALISED[1:] + MACROS):
-            self.materialise()
-        elif "requests" in text:
-            self._ensure("requests")
-        return with_response_state(self._run(self.con, text, start, end, params), self.live)
+        return self.queries([name], start, end, workers=1, **params)[name]
+
+    def _kept(self, name: str, text: str, start, end, params: dict) -> pl.DataFrame | None:
+        """A whole-store answer kept for this snapshot (answers.py), or None."""
+        if self.answers is None or start is not None or end is not None:
+            return None
+        return self.answers.result(name, text, params)
 
     @staticmethod
     def _run(con, text: str, start, end, params: dict) -> pl.DataFrame:
@@ -202,15 +203,26 @@ class Forensics:
     def queries(self, names: list[str], start: dt.datetime | None = None, end: dt.datetime | None = None,
                 workers: int = 3, **params) -> dict[str, pl.DataFrame]:
         """Several named queries over this snapshot at once, each on its own cursor (same database,
-        same snapshot): what a dashboard page needs, in the time of the slowest few instead of the sum."""
+        same snapshot): what a dashboard page needs, in the time of the slowest few instead of the sum.
+        A whole-store answer kept for this snapshot is read back instead of run (answers.py)."""
         texts = {n: sql(n) for n in names}
-        if any(m in t for t in texts.values() for m in MATERIALISED[1:] + MACROS):
+        out = {n: df for n, t in texts.items() if (df := self._kept(n, t, start, end, params)) is not None}
+        todo = {n: t for n, t in texts.items() if n not in out}
+        if any(m in t for t in todo.values() for m in MATERIALISED[1:] + MACROS):
             self.materialise()
-        elif any("requests" in t for t in texts.values()):
+        elif any("requests" in t for t in todo.values()):
             self._ensure("requests")
-        with ThreadPoolExecutor(workers) as pool:
-            futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params) for n, t in texts.items()}
-            return {n: with_response_state(f.result(), self.live) for n, f in futs.items()}
+        if len(todo) == 1:
+            (n, t), = todo.items()
+            out[n] = self._run(self.con, t, start, end, params)
+        elif todo:
+            with ThreadPoolExecutor(workers) as pool:
+                futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params) for n, t in todo.items()}
+                out |= {n: f.result() for n, f in futs.items()}
+        if self.answers is not None and start is None and end is None:
+            for n in todo:
+                self.answers.keep_result(n, todo[n], params, out[n])
+        return {n: with_response_state(out[n], self.live) for n in names}
 
     @property
     def unverified_note(self) -> str | None:
