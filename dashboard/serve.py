@@ -32,11 +32,13 @@ def preload() -> None:
         duckdb.connect().read_parquet([str(Path(d) / "warm.parquet")], union_by_name=True).fetchall()
     import os
 
-    from dashboard.data import VERIFIED
+    from dashboard.data import verified
     from telemetry.store import verify
     store = os.environ.get("KVLEDGER_STORE")
     if store and (Path(store) / "chain").is_dir():  # hash the store's segments now, not on the first page load
-        verify(store, cache=VERIFIED)
+        cache = verified(store)
+        verify(store, cache=cache)
+        cache.save()
 
 
 def main(argv: list[str]) -> None:
