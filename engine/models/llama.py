@@ -123,10 +123,12 @@ def packing_available() -> bool:
 
 def few_rows(m: int, n: int, k: int) -> bool:
     """Whether an [m, k] x [k, n] product goes to the native few-rows kernel rather than oneDNN: at
-    decode sizes oneDNN's per-call cost dominates (1.4-4x the kernel's time at m <= 8 on the tiny
-    model's shapes); from 16 rows on a wide weight oneDNN's blocking wins (bench figures in
-    engine/kernels/dense.c's kvl_linear_f32 note)."""
-    return m <= 8 or (m <= 16 and n * k <= 1 << 20)
+    decode sizes on a small weight oneDNN's per-call cost is most of the call (bench/engine.py's
+    ``decode_projections``: the tiny model's projections at 8 rows took ~0.6-0.9x oneDNN's time
+    through the kernel); on a weight of millions of values the weight's memory traffic sets both and
+    oneDNN is as fast or a little faster (the big shape's gate_up, down, lm_head); from 16 rows up
+    oneDNN's blocking wins."""
+    return m <= 16 and n * k <= 1 << 21
 
 
 class Linear:
