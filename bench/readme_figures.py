@@ -214,8 +214,9 @@ def forensics_table(r: dict) -> str:
              f"{r['commands']['open_and_verify_s']:.1f} s; build the snapshot's shared tables (requests from the "
              f"spans, exposure_slots from the index, the n-gram evidence) {r['commands']['materialise_s']:.1f} s the "
              f"first time, read them back later {r['commands'].get('read_back_s', 0):.2f} s (they are kept in the "
-             f"state directory, keyed by the verified chain head: `forensics/queries/answers.py`); the rest is the "
-             f"query itself and, from the shell, Python's start."] if r.get("commands", {}).get("first_shell_s") else []),
+             f"state directory, keyed by the verified chain head: `forensics/queries/answers.py`); a later command's "
+             f"whole-store answer is itself kept there and read back (no query runs); the rest is, from the shell, "
+             f"Python's start and imports."] if r.get("commands", {}).get("first_shell_s") else []),
     ])
 
 
@@ -262,12 +263,13 @@ def dashboard_table(r: dict) -> str:
     how = ("one page_reads row per read step: the forensics bench's store" if r.get("store", "").startswith("sparse")
            else "read runs coalesced as stored by default")
     kept = (f" A store no writer holds any more (after the incident): its later renders read the snapshot's shared "
-            f"tables back instead of building them (`forensics/queries/answers.py`): {r['kept_render_s']:.1f} s "
+            f"tables and whole-store answers back instead of building them (`forensics/queries/answers.py`): "
+            f"{r['kept_render_s']:.1f} s "
             f"(the script itself {r['kept_script_s']:.1f} s)." if "kept_render_s" in r else "")
     if "kept_banner_s" in r:
         kept += (f" The banner and the tiles are drawn before the sections' queries run: {r['first_banner_s']:.1f} s "
-                 f"into the script first, {r['warm_banner_s']:.1f} s warm, {r['kept_banner_s']:.1f} s with the shared "
-                 f"tables kept (goal <= {r['goal_banner_s']:.0f} s).")
+                 f"into the script first, {r['warm_banner_s']:.1f} s warm, {r['kept_banner_s']:.1f} s with the answers "
+                 f"kept (goal <= {r['goal_banner_s']:.0f} s).")
     sparse = ROOT / "bench" / "results" / "dashboard_sparse.json"
     more = ("\n\n" + dashboard_table(json.loads(sparse.read_text()))
             if sparse.exists() and not r.get("store", "").startswith("sparse") else "")
