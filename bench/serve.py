@@ -94,8 +94,9 @@ def start_vllm(model: Path, port: int, work: Path):
     env = peer_env()
     env.pop("OMP_NUM_THREADS", None)          # the server's own thread defaults, as a user runs it
     log = work / "vllm-serve.log"
+    max_len = min(1024, json.loads((model / "config.json").read_text()).get("max_position_embeddings", 1024))
     proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--dtype", "float32", "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+                             "--dtype", "float32", "--max-model-len", str(max_len), "--host", "127.0.0.1", "--port", str(port),
                              "--served-model-name", "tiny", "--no-enable-prefix-caching", "--seed", "0"],
                             cwd=work, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT, start_new_session=True)
     return proc, log
@@ -123,6 +124,8 @@ def main() -> None:
                          "tail were a large part of it)")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--torch-threads", type=int, default=None,
+                    help="the server's --torch-threads (default: its own default, one fewer than the cores)")
     ap.add_argument("--no-vllm", action="store_true", help="leave `vllm serve` out (default: in, where the peers' "
                     "venv is: tests/interop/peers.sh)")
     args = ap.parse_args()
@@ -147,7 +150,8 @@ def main() -> None:
     port = _port()
     server = subprocess.Popen([sys.executable, "-m", "engine.commands", "serve", "--model", str(tmp / "tiny"),
                                "--keys", str(tmp / "keys.json"), "--config", str(tmp / "cluster.toml"),
-                               "--store", str(tmp / "store"), "--port", str(port)], cwd=ROOT,
+                               "--store", str(tmp / "store"), "--port", str(port),
+                               *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     base = f"http://127.0.0.1:{port}"
     while True:
@@ -170,7 +174,7 @@ def main() -> None:
     engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), ApiKeys(None), tel)
     sp = SamplingParams(max_tokens=args.new_tokens)
     served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
-    server_threads = max(1, (os.cpu_count() or 1) - 1)        # `kvledger serve --torch-threads` default
+    server_threads = args.torch_threads or max(1, (os.cpu_count() or 1) - 1)   # `kvledger serve --torch-threads`
     try:
         for _ in range(2):                                                             # warm-up, every side
             asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
@@ -270,7 +274,7 @@ def main() -> None:
             "kvledger_ttft_p50_s": _pct(http_ttft, 0.5), "kvledger_ttft_p99_s": _pct(http_ttft, 0.99),
             "vllm_ttft_p50_s": _pct(vllm_ttft, 0.5), "vllm_ttft_p99_s": _pct(vllm_ttft, 0.99),
             "streamed_requests_each": len(http_ttft)}
-    out = write("serve", res)
+    out = write(f"serve_{args.torch_threads}t" if args.torch_threads else "serve", res)
     print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
           f"{res['ratio_served_vs_engine']:.2f}x; soak TTFT p50 {res['soak']['ttft_p50_s'] * 1e3:.0f} ms, "
           f"p99 {res['soak']['ttft_p99_s'] * 1e3:.0f} ms; after: {res['after']}")
