@@ -240,6 +240,10 @@ def main() -> None:
     ap.add_argument("--projections-only", action="store_true",
                     help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
+    if not 1 <= args.threads <= 1024:
+        ap.error(f"--threads must be in [1, 1024], got {args.threads}")
+    if args.repeats is not None and args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
     names = args.workloads.split(",")
     bad = [n for n in names if n not in WORKLOADS]
     if bad:
@@ -251,7 +255,11 @@ def main() -> None:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     name = "engine" if args.threads == 2 else f"engine_{args.threads}t"     # one results file per thread count
     if args.projections_only:
-        res = json.loads((Path(__file__).resolve().parent / "results" / f"{name}.json").read_text())
+        prev = Path(__file__).resolve().parent / "results" / f"{name}.json"
+        if not prev.exists():
+            ap.error(f"--projections-only updates {prev}, which does not exist: run the bench at --threads "
+                     f"{args.threads} first")
+        res = json.loads(prev.read_text())
         for n in names:
             if n in res["workloads"]:
                 res["workloads"][n]["decode_projections"] = projection_calls(WORKLOADS[n][0], WORKLOADS[n][1])

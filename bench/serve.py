@@ -129,6 +129,8 @@ def main() -> None:
     ap.add_argument("--no-vllm", action="store_true", help="leave `vllm serve` out (default: in, where the peers' "
                     "venv is: tests/interop/peers.sh)")
     args = ap.parse_args()
+    if args.torch_threads is not None and not 1 <= args.torch_threads <= 1024:
+        ap.error(f"--torch-threads must be in [1, 1024], got {args.torch_threads}")
 
     import httpx
     import torch

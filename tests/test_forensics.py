@@ -6,6 +6,7 @@ import datetime as dt
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import polars as pl
@@ -707,6 +708,22 @@ def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulne
     windowed = Forensics(store).query("exposures", start=t0)
     assert len(ran) == 3 and windowed.height                  # a window: run, and not kept
     assert sorted(answers_dir(store).glob("*.arrow")) == kept
+
+
+def test_kept_answers_of_old_snapshots_are_removed(tmp_path):
+    """A store that grows snapshot after snapshot, asked only queries that build no table, keeps the
+    answers of its newest KEEP snapshots and no more."""
+    from types import SimpleNamespace
+
+    from forensics.queries.answers import KEEP, Answers, answers_dir
+    store = tmp_path / "store"
+    for seq in range(KEEP + 3):
+        a = Answers(store, SimpleNamespace(store_id="s", seq=seq, head=f"h{seq}"), None, {})
+        a.keep_result("guards", "SELECT 1", {}, pl.DataFrame({"x": [seq]}))
+        time.sleep(0.01)                        # distinct modification times
+    left = sorted(answers_dir(store).glob("*.arrow"))
+    assert len(left) == KEEP
+    assert a.result("guards", "SELECT 1", {})["x"].to_list() == [KEEP + 2]
 
 
 @pytest.mark.parametrize("case", ["garbage", "other-snapshot", "truncated"])

@@ -118,11 +118,27 @@ class Answers:
             with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
                 w.write_table(table)
             os.replace(tmp, path)
+            self._prune()
         except (OSError, pa.ArrowException):        # an unwritable state directory: no error
             try:
                 tmp.unlink(missing_ok=True)
             except OSError:
                 pass
+
+    def _prune(self) -> None:
+        """Keep the entries of the newest KEEP snapshots of this store (tables and answers), remove
+        the rest: a growing store asked only queries that build no table leaves no trail either."""
+        snaps: dict[str, int] = {}
+        for p in [*self.dir.glob("*.duckdb"), *self.dir.glob("*.arrow")]:
+            try:
+                k = p.name.split(".", 1)[0]
+                snaps[k] = max(snaps.get(k, 0), p.stat().st_mtime_ns)
+            except OSError:
+                pass
+        kept = set(sorted(snaps, key=snaps.get, reverse=True)[:KEEP])
+        for p in [*self.dir.glob("*.duckdb"), *self.dir.glob("*.arrow")]:
+            if p.name.split(".", 1)[0] not in kept:
+                p.unlink(missing_ok=True)
 
     @staticmethod
     def _key(con) -> str | None:
@@ -130,7 +146,7 @@ class Answers:
 
     def save(self, con: duckdb.DuckDBPyConnection) -> None:
         """Write the tables (a temporary file renamed into place: a reader sees a whole entry or
-        none), then keep only the newest KEEP entries of this store."""
+        none), then keep only the newest KEEP snapshots' entries of this store."""
         tmp = self.dir / f".{self.key[:40]}.{os.getpid()}.tmp"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -143,13 +159,7 @@ class Answers:
             finally:
                 con.execute("DETACH kvledger_answers_out")
             os.replace(tmp, self.path)
-            entries = sorted(self.dir.glob("*.duckdb"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
-            for old in entries[KEEP:]:
-                old.unlink(missing_ok=True)
-            kept = {p.stem for p in entries[:KEEP]}
-            for res in self.dir.glob("*.arrow"):      # kept answers of snapshots no longer kept
-                if res.name.split(".", 1)[0] not in kept:
-                    res.unlink(missing_ok=True)
+            self._prune()
         except (OSError, duckdb.Error):
             pass
         finally:
