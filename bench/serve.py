@@ -34,7 +34,9 @@ sys.path.insert(0, str(ROOT))
 from bench._common import write  # noqa: E402
 
 SERVER_ENV: dict = {}
-CONFIG = "context_length = 1024\n[unified]\npool_tokens = 8192\n"
+# a pool every running request fits in (128 x 17 pages of 16 tokens), as vLLM's 1 GiB KV cache space
+# holds them all (262,144 tokens): with 8,192 tokens, admissions waited for pages, not for the engine
+CONFIG = "context_length = 1024\n[unified]\npool_tokens = 40960\n"
 
 
 def _cpu_s(pid: int) -> float:
@@ -126,11 +128,21 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="the server's --torch-threads (default: its own default, one fewer than the cores)")
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="the server's --max-num-seqs, and the reference engine's (default: serve's own default)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the server's --max-num-batched-tokens, and the reference engine's (default: serve's own)")
     ap.add_argument("--no-vllm", action="store_true", help="leave `vllm serve` out (default: in, where the peers' "
                     "venv is: tests/interop/peers.sh)")
     args = ap.parse_args()
     if args.torch_threads is not None and not 1 <= args.torch_threads <= 1024:
         ap.error(f"--torch-threads must be in [1, 1024], got {args.torch_threads}")
+    for flag, hi in (("max_num_seqs", 4096), ("max_num_batched_tokens", 1 << 20)):
+        if getattr(args, flag) is not None and not 1 <= getattr(args, flag) <= hi:
+            ap.error(f"--{flag.replace('_', '-')} must be in [1, {hi}], got {getattr(args, flag)}")
+    from engine.server.config import ServeConfig
+    limits = {"max_num_seqs": args.max_num_seqs or ServeConfig().max_num_seqs,
+              "max_num_batched_tokens": args.max_num_batched_tokens or ServeConfig().max_num_batched_tokens}
 
     import httpx
     import torch
@@ -153,10 +165,14 @@ def main() -> None:
     server = subprocess.Popen([sys.executable, "-m", "engine.commands", "serve", "--model", str(tmp / "tiny"),
                                "--keys", str(tmp / "keys.json"), "--config", str(tmp / "cluster.toml"),
                                "--store", str(tmp / "store"), "--port", str(port),
+                               "--max-num-seqs", str(limits["max_num_seqs"]),
+                               "--max-num-batched-tokens", str(limits["max_num_batched_tokens"]),
                                *(["--torch-threads", str(args.torch_threads)] if args.torch_threads else [])], cwd=ROOT,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, **SERVER_ENV})
     base = f"http://127.0.0.1:{port}"
     while True:
+        if server.poll() is not None:
+            sys.exit(f"error: kvledger serve exited with {server.returncode} before it answered /health")
         try:
             if httpx.get(base + "/health", timeout=1).status_code == 200:
                 break
@@ -173,7 +189,8 @@ def main() -> None:
     # the ratio is what the HTTP layer costs, not what recording costs (bench/telemetry.py measures that)
     from telemetry import Telemetry
     tel = Telemetry(tmp / "engine-store", policy="hardened", model_name="tiny")
-    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), ApiKeys(None), tel)
+    engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), ApiKeys(None), tel,
+                           **limits)
     sp = SamplingParams(max_tokens=args.new_tokens)
     served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
     server_threads = args.torch_threads or max(1, (os.cpu_count() or 1) - 1)   # `kvledger serve --torch-threads`
@@ -247,7 +264,7 @@ def main() -> None:
     tpot = sorted(o["tpot"] for o in soak if o.get("tpot") is not None)
     fx = Forensics(tmp / "store")
     res = {"config": {"model": "tiny llama (hidden 256, 4 layers)", "tenants": args.tenants, "requests": args.requests,
-                      "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified"},
+                      "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified", **limits},
            "served_tokens_per_s": statistics.median(served), "engine_tokens_per_s": statistics.median(direct),
            "ratio_served_vs_engine": statistics.median(served) / statistics.median(direct),
            "server_torch_threads": server_threads,
@@ -276,7 +293,10 @@ def main() -> None:
             "kvledger_ttft_p50_s": _pct(http_ttft, 0.5), "kvledger_ttft_p99_s": _pct(http_ttft, 0.99),
             "vllm_ttft_p50_s": _pct(vllm_ttft, 0.5), "vllm_ttft_p99_s": _pct(vllm_ttft, 0.99),
             "streamed_requests_each": len(http_ttft)}
-    out = write(f"serve_{args.torch_threads}t" if args.torch_threads else "serve", res)
+    name = "serve" + (f"_{args.torch_threads}t" if args.torch_threads else "")
+    if args.max_num_seqs or args.max_num_batched_tokens:     # not serve's defaults: a file of its own
+        name += f"_{limits['max_num_seqs']}seqs_{limits['max_num_batched_tokens']}tok"
+    out = write(name, res)
     print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
           f"{res['ratio_served_vs_engine']:.2f}x; soak TTFT p50 {res['soak']['ttft_p50_s'] * 1e3:.0f} ms, "
           f"p99 {res['soak']['ttft_p99_s'] * 1e3:.0f} ms; after: {res['after']}")

@@ -8,8 +8,11 @@ knows its policy, guards and model.
 """
 from __future__ import annotations
 
+import collections
 import functools
+import logging
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -27,6 +30,8 @@ from telemetry.ledger import PageLedger, forget_oldest_half, perf_to_unix_ns
 from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, otlp_processor
 from telemetry.store import FLUSH_INTERVAL, SegmentWriter
 from telemetry.store.keys import Keys
+
+log = logging.getLogger("kvledger.telemetry")
 
 
 def recording(store: str | Path, **options) -> RecorderFactory:
@@ -72,6 +77,10 @@ class Telemetry(Recorder):
         self.ids_cap = 1 << 20                          # ends (late ledger rows still name its trace), bounded
         self._rejections: dict[int, tuple[str, BaseException]] = {}
         self._transfers: dict[int, TransferRecord] = {}
+        # finished requests whose spans the store writer's thread ends (request_finished)
+        self._finishing: collections.deque = collections.deque()
+        self._finish_lock = threading.Lock()
+        self._finish_queued = False
         # every signed chain head also leaves as telemetry - a span `kvledger.anchor` to the OTLP
         # collector when one is configured, so a collector or SIEM keeps a copy outside the machine.
         # Not into the store itself: it holds the chain already, and a span per flush would make
@@ -105,8 +114,8 @@ class Telemetry(Recorder):
     def _model(self, engine) -> str:
         return self.model_name or getattr(engine.model, "name", type(engine.model).__name__)
 
-    def _child(self, engine, req, name: str, start: float | None, end: float | None, **attrs) -> None:
-        root = self._roots.get(req.incarnation)
+    def _child(self, engine, req, name: str, start: float | None, end: float | None, root=None, **attrs) -> None:
+        root = root or self._roots.get(req.incarnation)
         if root is None or start is None or end is None:
             return
         span = self._node(engine).tracer.start_span(
@@ -202,16 +211,42 @@ class Telemetry(Recorder):
         self._rejections[req.incarnation] = (where, error)
 
     def request_finished(self, engine, req) -> None:
-        rec = self._transfers.pop(req.incarnation, None)        # used by the root span below, then dropped
+        """Engine thread: the request's fields copied (``_Ended``), the ledger's copies of its token
+        lists taken, and the rest - the root span's attributes, its children, the histograms, about
+        0.4 ms a request in the SDK - handed to the store writer's thread (idle priority: it runs in
+        the engine's gaps), in batches. ``close`` finishes what is still queued before the SDK's
+        providers shut down, so no span is lost to the hand-over."""
+        rec = self._transfers.pop(req.incarnation, None)        # used by the root span, then dropped
         rejection = self._rejections.pop(req.incarnation, None)
-        root = self._roots.get(req.incarnation)
+        root = self._roots.pop(req.incarnation, None)           # ids stay: late ledger rows still name the trace
         if root is None:
             return
         if self.ledger is not None:
             self.ledger.on_finished(req, getattr(engine, "tokenizer", None))
+        self._finishing.append((engine, root, rec, rejection, _Ended(req)))
+        if not self.writer.accepting:          # closed or failed: nothing would run the queue - finish here
+            self._finish_spans()
+        elif not self._finish_queued:
+            self._finish_queued = True
+            self.writer.submit_lazy(self._finish_spans)
+
+    def _finish_spans(self) -> list:
+        """The store writer's thread (or ``close``): end every queued request's spans. A failure is
+        logged and the rest go on - it must not fail the writer, which holds the ledger too."""
+        with self._finish_lock:
+            self._finish_queued = False         # before draining: a request queued from now on queues a new call
+            while self._finishing:
+                item = self._finishing.popleft()
+                try:
+                    self._end_request(*item)
+                except Exception:               # noqa: BLE001 - one request's spans, not the store
+                    log.exception("ending request %s's spans failed", item[4].incarnation)
+        return []                               # no rows: the writer's lazy-build contract
+
+    def _end_request(self, engine, root, rec: TransferRecord | None, rejection, req: "_Ended") -> None:
         node = self._node(engine)
         end = req.finished_at
-        a: dict = {GA.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens_billed, GA.GEN_AI_USAGE_OUTPUT_TOKENS: len(req.output_ids),
+        a: dict = {GA.GEN_AI_USAGE_INPUT_TOKENS: req.prompt_tokens_billed, GA.GEN_AI_USAGE_OUTPUT_TOKENS: req.output_tokens,
                    "gen_ai.usage.cache_read.input_tokens": req.cached_tokens, GA.GEN_AI_RESPONSE_FINISH_REASONS: [req.finish_reason],
                    "kvledger.prompt_tokens.prefilled": req.prefilled_tokens,
                    "kvledger.preemptions": req.preemptions}
@@ -230,19 +265,18 @@ class Telemetry(Recorder):
                 root.add_event("rejected", {"kvledger.rejection.where": where}, timestamp=perf_to_unix_ns(end))
         root.set_attributes(a)
         first_work = min((t for t in (req.prefill_started_at, req.transfer_started_at) if t is not None), default=end)
-        self._child(engine, req, "admission", req.arrival, first_work)
+        self._child(engine, req, "admission", req.arrival, first_work, root=root)
         if engine.cfg.role == "unified":
-            self._child(engine, req, "prefill", req.prefill_started_at, req.first_token_at or end,
+            self._child(engine, req, "prefill", req.prefill_started_at, req.first_token_at or end, root=root,
                         **{"kvledger.prompt_tokens.prefilled": req.prefilled_tokens})
-        if req.first_token_at is not None and len(req.output_ids) > 1:
-            self._child(engine, req, "decode", req.first_token_at, end)
+        if req.first_token_at is not None and req.output_tokens > 1:
+            self._child(engine, req, "decode", req.first_token_at, end, root=root)
         root.end(end_time=perf_to_unix_ns(end))
         if req.ttft is not None:
             node.ttft.record(req.ttft, metric_attrs)
-            if len(req.output_ids) > 1:
-                node.tpot.record((end - req.first_token_at) / (len(req.output_ids) - 1), metric_attrs)
+            if req.output_tokens > 1:
+                node.tpot.record((end - req.first_token_at) / (req.output_tokens - 1), metric_attrs)
         node.duration.record(end - req.arrival, metric_attrs)
-        self._roots.pop(req.incarnation, None)   # ids stay: late ledger rows still name the trace
 
     # ---- what a server reads back (engine.recorder.RunRecorder) ----------------------------------------
     def pseudonym(self, name: str) -> str:
@@ -273,6 +307,7 @@ class Telemetry(Recorder):
         Closing twice is harmless (the second call only returns the counts)."""
         if self.writer.closed:
             return self._counts()
+        self._finish_spans()                    # the requests the writer's thread has not ended yet
         for n in self.nodes.values():
             n.tracers.force_flush()
             n.tracers.shutdown()
@@ -300,3 +335,17 @@ class _Inc:
 
     def __init__(self, incarnation: int):
         self.incarnation = incarnation
+
+
+class _Ended:
+    """What the spans and histograms of a finished request need, copied on the engine thread (the
+    request object stays the engine's)."""
+    __slots__ = ("incarnation", "prompt_tokens_billed", "output_tokens", "cached_tokens", "finish_reason",
+                 "prefilled_tokens", "preemptions", "ttft", "error", "arrival", "prefill_started_at",
+                 "transfer_started_at", "first_token_at", "finished_at")
+
+    def __init__(self, req):
+        for k in self.__slots__:
+            if k != "output_tokens":
+                setattr(self, k, getattr(req, k))
+        self.output_tokens = len(req.output_ids)

@@ -249,6 +249,53 @@ def test_usage_fields_of_a_unified_request(tmp_path):
     assert row["finish_reason"] == "length" and row["ttft_s"] == pytest.approx(r.ttft, abs=1e-6)
 
 
+def test_request_spans_end_off_the_engine_thread_and_none_is_lost(tmp_path, monkeypatch):
+    """A finished request's spans and histograms are built on the store writer's thread, not the
+    engine's; the requests still queued when the recorder closes are ended by ``close`` (every
+    request has its root and children in the store); one request whose spans fail to build costs
+    that request's spans only - the store writer (which holds the ledger too) goes on."""
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    threads, real = [], tel._end_request
+
+    def end(engine, root, rec, rejection, req):
+        threads.append(threading.current_thread().name)
+        if len(threads) == 5:                   # the second request of the second batch
+            broken.append(req.incarnation)
+            raise RuntimeError("a span that cannot be built")
+        real(engine, root, rec, rejection, req)
+    monkeypatch.setattr(tel, "_end_request", end)
+    eng = _engine(tel)
+    broken: list[int] = []
+    first = eng.generate([f"request {i} " * 4 for i in range(3)], SamplingParams(max_tokens=3))
+    deadline = time.monotonic() + 30
+    while len(threads) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert threads == ["kvledger-store-writer"] * 3
+    gate, real_finish = threading.Event(), tel._finish_spans
+
+    def finish_then_open() -> list:             # close's own pass opens the gate the writer waits at
+        out = real_finish()
+        if threading.current_thread() is threading.main_thread():
+            gate.set()
+        return out
+    monkeypatch.setattr(tel, "_finish_spans", finish_then_open)
+    tel.writer.submit_lazy(lambda: (gate.wait(60), [])[1])     # the writer's thread held: nothing ends there
+    later = eng.generate([f"later {i} " * 4 for i in range(3)], SamplingParams(max_tokens=3))
+    assert len(threads) == 3
+    tel.close()
+    assert threads[3:] == ["MainThread"] * 3
+    assert tel.writer.error is None
+    spans = open_store(tmp_path / "s").sql(
+        "SELECT incarnation, list_sort(list(operation)) AS ops FROM spans GROUP BY incarnation").pl()
+    got = dict(zip(spans["incarnation"], spans["ops"].to_list()))
+    (lost,) = broken
+    for r in first + later:
+        if r.incarnation != lost:
+            assert got[r.incarnation] == ["admission", "decode", "prefill", "request"], r.incarnation
+    assert lost not in got and lost in {r.incarnation for r in later}
+    assert open_store(tmp_path / "s").sql(f"SELECT count(*) FROM page_reads WHERE reader = {lost}").fetchall()[0][0] > 0
+
+
 def test_queueing_never_exceeds_time_to_first_token(glm53_vulnerable):
     """The admission span (queued, no work yet) ends before the first token: TTFT minus queueing >= 0."""
     _, store = glm53_vulnerable

@@ -45,6 +45,12 @@ def add_arguments(sv) -> None:
                     help="torch's intra-op threads for the engine (default: the cores less one, left to the HTTP "
                          "server, the store writer and local clients; each op waits for its slowest thread, so one "
                          "that loses its core stalls them all)")
+    sv.add_argument("--max-num-seqs", type=int, default=128, metavar="N",
+                    help="sequences each node runs at once; more wait in its queue (default 128, vLLM's CPU server "
+                         "default)")
+    sv.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
+                    help="tokens one engine step may hold, decodes plus prefill chunks; longer prompts are prefilled "
+                         "in chunks (default 2048, vLLM's CPU server default)")
 
 
 def make_config(a) -> ServeConfig:
@@ -54,6 +60,8 @@ def make_config(a) -> ServeConfig:
     check_range("--max-pending", a.max_pending, 1, 1_000_000)
     check_range("--drain-timeout", a.drain_timeout, 0, 3600, " seconds")
     check_range("--torch-threads", a.torch_threads, 1, 1024)
+    check_range("--max-num-seqs", a.max_num_seqs, 1, 4096)
+    check_range("--max-num-batched-tokens", a.max_num_batched_tokens, 1, 1 << 20)
     for flag in ("tenant_rpm", "tenant_tpm", "tenant_max_parallel"):
         check_range(f"--{flag.replace('_', '-')}", getattr(a, flag), 0, MAX_LIMIT, " (0: no limit)")
     if a.metrics_key is not None and not 16 <= len(a.metrics_key) <= 512:
@@ -62,7 +70,7 @@ def make_config(a) -> ServeConfig:
     check_writable_store(a.store)
     return ServeConfig(a.model, a.policy, a.mode, a.config, a.keys, a.host, a.port, a.store, a.max_pending,
                        a.tenant_rpm, a.tenant_tpm, a.tenant_max_parallel, a.drain_timeout, a.torch_threads,
-                       a.metrics_key)
+                       a.metrics_key, a.max_num_seqs, a.max_num_batched_tokens)
 
 
 def run(c: ServeConfig) -> int:

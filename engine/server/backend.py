@@ -180,8 +180,10 @@ def _int(table: dict, key: str, default: int, lo: int, hi: int) -> int:
     return v
 
 
-def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: ApiKeys, recorder):
-    """The engine (unified) or the cluster (router, prefill nodes, decode node, KV link) to serve with."""
+def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, keys: ApiKeys, recorder, *,
+                  max_num_seqs: int = 128, max_num_batched_tokens: int = 2048):
+    """The engine (unified) or the cluster (router, prefill nodes, decode node, KV link) to serve with;
+    each node runs up to ``max_num_seqs`` sequences, ``max_num_batched_tokens`` tokens a step."""
     from engine.disagg.cluster import DisaggCluster, Guards
     from engine.llm import LLMEngine
     guards = Guards.policy(policy)
@@ -191,7 +193,8 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
     def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
         return EngineConfig(prefix_cache=prefix_cache, kv_memory_budget=(tokens // spec.page_size) * pb,
                             page_size=spec.page_size,
-                            context_length=spec.context_length, node_id=node, max_num_seqs=16, check_reads=True,
+                            context_length=spec.context_length, node_id=node, max_num_seqs=max_num_seqs,
+                            max_step_tokens=max_num_batched_tokens, check_reads=True,
                             fail_on_violation=guards.read_check, isolation_level=spec.isolation_level,
                             orgs=keys.orgs(), preflight="fit" if policy == "hardened" else "record")
     try:
@@ -222,7 +225,8 @@ def build_engine(c: ServeConfig, open_recorder: RecorderFactory) -> Built:
         "read_check": Guards.policy(c.policy).read_check}
     tel = open_recorder(policy=c.policy, guards=guards, isolation_level=spec.isolation_level, model_name=c.model_name)
     try:
-        backend = build_backend(model, tok, c.mode, c.policy, spec, keys, tel)
+        backend = build_backend(model, tok, c.mode, c.policy, spec, keys, tel, max_num_seqs=c.max_num_seqs,
+                                max_num_batched_tokens=c.max_num_batched_tokens)
     except BaseException:
         tel.close()
         raise

@@ -23,6 +23,8 @@ class ServeConfig:
     drain_timeout: float = 30.0
     torch_threads: int = 1
     metrics_key: str | None = None     # when set, /metrics and /server_info want "Authorization: Bearer <it>"
+    max_num_seqs: int = 128            # sequences a node runs at once (vLLM's CPU server default)
+    max_num_batched_tokens: int = 2048  # tokens a node's step may hold: decodes + prefill chunks (vLLM CPU server's)
 
     @property
     def model_name(self) -> str:
