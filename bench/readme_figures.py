@@ -290,7 +290,10 @@ def serve_table(r: dict) -> str:
         f"`kvledger serve` ({c['mode']}, {c['policy']}) on loopback, {c['model']}: {c['tenants']} tenants send "
         f"{c['requests']} requests at once with the official `openai` async client (half streamed), up to "
         f"{c['new_tokens']} new tokens, greedy; vs `LLMEngine.generate` on the same prompts and engine "
-        f"configuration, median of {c['rounds']} interleaved rounds. Then a soak of {k['requests']} requests of "
+        f"configuration, median of {c['rounds']} interleaved rounds"
+        + (f" (both: up to {c['max_num_seqs']} sequences and {c['max_num_batched_tokens']} tokens a step, a pool "
+           f"every running request fits in)" if "max_num_seqs" in c else "")
+        + f". Then a soak of {k['requests']} requests of "
         f"which {k['dropped']} streams are dropped by their client after the first token:",
         "",
         "| measurement | value | goal |",

@@ -473,6 +473,57 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
+def test_the_evidence_of_a_growing_store_equals_the_rule_reading_only_new_segments(tmp_path):
+    """A live store read again and again (a dashboard's refreshes): each snapshot's n-gram evidence,
+    built from the rows an earlier snapshot kept plus its new segments (evidence.py), equals the
+    rule's SQL over the whole ngrams table on the same snapshot - while new pairs, new output and
+    new requests of other tenants keep arriving. A later snapshot reads the new segments, and the
+    whole table only for incarnations or hashes not covered yet; a changed segment starts over."""
+    from engine.replay.glm53 import glm53
+    from forensics.queries import evidence
+    from forensics.queries.duckdb import sql
+    from telemetry.recorder import Telemetry
+    from tests.conftest import GLM53_SMALL
+    opened, done, seen = [], [0], []
+
+    def factory(**kw):
+        opened.append(Telemetry(tmp_path / "live", **kw))
+        return opened[-1]
+
+    def check() -> None:
+        live = not opened[0].writer.closed
+        if live:
+            opened[0].writer.flush()
+        before = dict(evidence.stats)
+        fx = Forensics(tmp_path / "live", answer_cache=False)
+        assert fx.live == live                          # a live store: nothing kept on disk, every snapshot new
+        fx.materialise()
+        got = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+        assert got == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
+        seen.append((len(got), {k: evidence.stats[k] - before[k] for k in before}))
+        fx.close()
+
+    def progress(n, total=None):
+        done[0] += n
+        if done[0] % 3 == 0:
+            check()
+    glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
+    check()                                             # (the replay closed its store)
+    assert seen[-1][0] > 0, "the incident surfaces donor text"
+    assert len({n for n, _ in seen}) > 1, "the evidence grew while the store did"
+    assert any(d["new_segment_reads"] for _, d in seen[1:]), "a later snapshot read only the new segments"
+    assert any(d["whole_scans"] for _, d in seen[1:]), "a new exposure: its incarnations read from the whole table"
+    assert sum(d["whole_scans"] for _, d in seen) < 2 * len(seen)        # not every snapshot scans it all
+    seg = next((tmp_path / "live" / "segments" / "ngrams").glob("*.parquet"))
+    os.utime(seg)                                       # same bytes, its ctime moved: start over
+    before = evidence.stats["whole_scans"]
+    fx = Forensics(tmp_path / "live", answer_cache=False)
+    fx.materialise()
+    assert evidence.stats["whole_scans"] - before == 2
+    assert (fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+            == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall())
+
+
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
     """Issue 33: a response still decoding (or cut off by a crash) had no request row: tenant NULL,
     same_tenant wrong, not counted by runs or the report. Its arrival is now written by the ledger

@@ -82,7 +82,8 @@ class Server:
 
 @pytest.fixture(scope="session")
 def unified(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("unified"), "--mode", "unified", "--policy", "hardened")
+    s = Server(tmp_path_factory.mktemp("unified"), "--mode", "unified", "--policy", "hardened", "--max-num-seqs", "24",
+               "--max-num-batched-tokens", "1024")
     yield s
     assert s.stop() == 0
 
@@ -107,6 +108,7 @@ def test_completion_chat_and_stream_in_the_openai_shape(unified):
     assert tok["count"] == 6 and tok["max_model_len"] == 1024
     info = httpx.get(unified.url + "/server_info").json()
     assert info["policy"] == "hardened" and info["nodes"][0]["pool_tokens"] == info["max_total_num_tokens"] == 2048
+    assert (info["nodes"][0]["max_num_seqs"], info["nodes"][0]["max_num_batched_tokens"]) == (24, 1024)   # the flags
 
 
 LONG = "z" * 1500

@@ -244,7 +244,8 @@ def server_info(c: ServeConfig, spec, nodes, guards: dict, boot: str) -> dict:
     ``max_total_num_tokens`` / ``context_length`` names at the top, for tools that read those)."""
     rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
              "context_length": n.cfg.context_length, "advertised_context": n.preflight.advertised_context,
-             "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action}
+             "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action,
+             "max_num_seqs": n.cfg.max_num_seqs, "max_num_batched_tokens": n.cfg.max_step_tokens}
             for n in nodes]
     admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
     return {"model": c.model_name, "mode": c.mode, "policy": c.policy, "guards": guards, "boot": boot,

@@ -18,9 +18,10 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from forensics.queries import evidence
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
-from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, verify
+from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, verify
 from telemetry.store.chain import HashCache, damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
@@ -30,6 +31,7 @@ SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named qu
 # them are created then
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposures_in", "scores_in"]
+EVIDENCE_STEPS = ["pairs", "candidates", "final"]     # forensics/sql/evidence: exposure_ngrams.sql in steps
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
 
 EPOCH = dt.datetime(1970, 1, 1)
@@ -131,7 +133,10 @@ class Forensics:
                              "(--allow-unverified answers anyway, and says so in every output)")
         # a damaged segment is never opened: it can crash the Parquet reader or read as garbage
         self.left_out = damaged_segments(self.store, cache) if not self.verdict.ok else []
-        self.con = open_store(self.store, run, skip=set(self.left_out))
+        # exactly the segments this snapshot holds (a live store grows meanwhile): the n-gram evidence
+        # reads only the ones an earlier snapshot of this process had not (evidence.py)
+        self.files = segment_files(self.store, set(self.left_out))
+        self.con = open_store(self.store, run, files=self.files)
         self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
         # the slot-level answers come from the exposure index where every run with a page ledger wrote
@@ -153,12 +158,16 @@ class Forensics:
         return links[-1].link if links else GENESIS
 
     def _text(self, name: str) -> str:
+        if name == "exposure_ngrams":       # built in steps (evidence.py): the steps' SQL is its text
+            return "\n".join(sql(f"evidence/{step}") for step in EVIDENCE_STEPS)
         return sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name)
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None, cached: bool = True) -> None:
         if name not in self._made:
             if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
                 self.from_cache.add(name)
+            elif name == "exposure_ngrams":
+                evidence.build(con or self.con, self.store, self.files["ngrams"], sql)
             else:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)

@@ -11,19 +11,11 @@ from telemetry.store.chain import read_chain
 from telemetry.store.schema import arrow_schemas, empty
 
 
-def open_store(root: str | Path, run: str | None = None, skip: "set[str] | frozenset[str]" = frozenset()
-               ) -> duckdb.DuckDBPyConnection:
-    """An in-memory DuckDB with one view per table over the chained segments (read-only use).
-    ``run``: a boot id, or a unique prefix of one: every table with a ``boot`` column shows that
-    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole).
-    ``skip``: segment files (as the chain names them) left out - the damaged ones, for a reader
-    that answers on a store that does not verify."""
+def segment_files(root: str | Path, skip: "set[str] | frozenset[str]" = frozenset()) -> dict[str, list[str]]:
+    """Each table's chained segment files (paths, in chain order) that exist and are not in ``skip``."""
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
-    # big joins spill to disk: keep that out of the caller's working directory
-    import tempfile
-    con = duckdb.connect(config={"temp_directory": str(Path(tempfile.gettempdir()) / "kvledger-duckdb-spill")})
     by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
     try:
         chain = read_chain(root)
@@ -32,25 +24,42 @@ def open_store(root: str | Path, run: str | None = None, skip: "set[str] | froze
     for link in chain:
         if link.table in by_table and link.file not in skip and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
+    return by_table
+
+
+def table_relation(con: duckdb.DuckDBPyConnection, table: str, files: list[str]) -> duckdb.DuckDBPyRelation:
+    """One table over these segment files, in today's schema: segments written by an older schema
+    lack the columns added since - read by name, every column of today's schema given (NULL where a
+    segment did not have it), so an old store opens and every query runs on it."""
+    if not files:
+        return con.from_arrow(empty(table))
+    schema = arrow_schemas()[table]
+    rel = con.read_parquet(files, union_by_name=True)
+    have = set(rel.columns)
+    cols = [duckdb.ColumnExpression(f.name) if f.name in have else
+            duckdb.ConstantExpression(None).cast(_duck_type(con, table, f.name)).alias(f.name)
+            for f in schema]
+    if "boot" in schema.names:      # rows written before runs had ids: one run, ''
+        cols[schema.names.index("boot")] = duckdb.CoalesceOperator(
+            duckdb.ColumnExpression("boot") if "boot" in have else duckdb.ConstantExpression(None).cast("VARCHAR"),
+            duckdb.ConstantExpression("")).alias("boot")
+    return rel.select(*cols)
+
+
+def open_store(root: str | Path, run: str | None = None, skip: "set[str] | frozenset[str]" = frozenset(),
+               files: dict[str, list[str]] | None = None) -> duckdb.DuckDBPyConnection:
+    """An in-memory DuckDB with one view per table over the chained segments (read-only use).
+    ``run``: a boot id, or a unique prefix of one: every table with a ``boot`` column shows that
+    run's rows only (``ngrams`` is keyed by incarnation, unique across runs, and stays whole).
+    ``skip``: segment files (as the chain names them) left out - the damaged ones, for a reader
+    that answers on a store that does not verify. ``files``: ``segment_files``' lists, when the
+    caller needs to know exactly which segments this snapshot holds (a live store grows meanwhile)."""
+    by_table = segment_files(root, skip) if files is None else files
+    # big joins spill to disk: keep that out of the caller's working directory
+    import tempfile
+    con = duckdb.connect(config={"temp_directory": str(Path(tempfile.gettempdir()) / "kvledger-duckdb-spill")})
     schemas = arrow_schemas()
-    rels = {}
-    for table, files in by_table.items():
-        if not files:
-            rels[table] = con.from_arrow(empty(table))
-            continue
-        # Segments written by an older schema lack the columns added since: read by name, and
-        # give every column of today's schema (NULL where a segment did not have it), so an old
-        # store opens and every query runs on it.
-        rel = con.read_parquet(files, union_by_name=True)
-        have = set(rel.columns)
-        cols = [duckdb.ColumnExpression(f.name) if f.name in have else
-                duckdb.ConstantExpression(None).cast(_duck_type(con, table, f.name)).alias(f.name)
-                for f in schemas[table]]
-        if "boot" in schemas[table].names:      # rows written before runs had ids: one run, ''
-            cols[schemas[table].names.index("boot")] = duckdb.CoalesceOperator(
-                duckdb.ColumnExpression("boot") if "boot" in have else duckdb.ConstantExpression(None).cast("VARCHAR"),
-                duckdb.ConstantExpression("")).alias("boot")
-        rels[table] = rel.select(*cols)
+    rels = {table: table_relation(con, table, f) for table, f in by_table.items()}
     if run is not None:
         boot = resolve_run(rels["config_snapshots"], run)
         for table, rel in rels.items():

@@ -1,0 +1,36 @@
+-- The n-gram evidence in steps (forensics/queries/evidence.py), step 2: the candidate (response,
+-- donor, hash) triples of exposure_ngrams.sql, from _ng - the ngrams rows of at least every pair's
+-- incarnations (step 1; rows of other incarnations change nothing: every use joins on a pair).
+WITH blocked AS (
+    SELECT incarnation AS response FROM requests WHERE error_type = 'ReadCheckViolation'
+),
+pairs AS (
+    SELECT DISTINCT response, donor FROM exposure_slots ANTI JOIN blocked USING (response) WHERE donor <> -1
+),
+read_pos AS (
+    SELECT DISTINCT response, donor, donor_position FROM exposure_slots ANTI JOIN blocked USING (response)
+    WHERE donor <> -1 AND donor_position IS NOT NULL
+),
+ng AS (
+    SELECT incarnation, role, hash, n, pos FROM _ng
+),
+ro AS MATERIALIZED (
+    SELECT DISTINCT m.response, m.donor, o.hash
+    FROM pairs m JOIN ng o ON o.incarnation = m.response AND o.role = 'output'
+),
+matched AS MATERIALIZED (
+    SELECT DISTINCT r.response, r.donor, r.hash, p.pos, p.n
+    FROM ro r JOIN ng p ON p.incarnation = r.donor AND p.hash = r.hash AND p.role = 'prompt'
+),
+in_read AS (
+    SELECT DISTINCT m.response, m.donor, m.hash
+    FROM (SELECT response, donor, hash, unnest(range(pos, pos + n)) AS donor_position FROM matched
+          WHERE pos IS NOT NULL) m
+    SEMI JOIN read_pos USING (response, donor, donor_position)
+)
+SELECT * FROM (
+    SELECT response, donor, hash FROM in_read
+    UNION
+    SELECT response, donor, hash FROM matched WHERE pos IS NULL
+) c
+ANTI JOIN (SELECT incarnation AS response, hash FROM ng WHERE role = 'prompt') own USING (response, hash)

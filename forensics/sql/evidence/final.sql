@@ -1,0 +1,32 @@
+-- The n-gram evidence in steps (forensics/queries/evidence.py), step 3: exposure_ngrams.sql's
+-- answer from the candidates (_candidates, step 2) and _hits - the ngrams rows of at least every
+-- candidate hash (rows of other hashes are dropped here).
+WITH candidates AS (
+    SELECT response, donor, hash FROM _candidates
+),
+hits AS MATERIALIZED (
+    SELECT n.incarnation, n.role, n.hash, r.tenant_h, r.arrived_at
+    FROM _hits n JOIN requests r ON r.incarnation = n.incarnation
+    WHERE n.hash IN (SELECT hash FROM candidates)
+),
+common AS (
+    SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING count(DISTINCT tenant_h) >= 2
+),
+early AS (
+    SELECT hash, tenant_h,
+           min_by({'i': incarnation, 't': arrived_at}, arrived_at, 2) AS first2
+    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits)
+    GROUP BY hash, tenant_h
+),
+tenant_own AS (
+    SELECT DISTINCT c.response, c.donor, c.hash
+    FROM candidates c
+    JOIN requests rr ON rr.incarnation = c.response
+    JOIN early e ON e.hash = c.hash AND e.tenant_h = rr.tenant_h
+    WHERE len(list_filter(e.first2, lambda x: x.t < rr.arrived_at AND x.i <> c.response AND x.i <> c.donor)) > 0
+)
+SELECT response, donor, count(*) AS shared_ngrams
+FROM candidates
+ANTI JOIN common USING (hash)
+ANTI JOIN tenant_own USING (response, donor, hash)
+GROUP BY ALL
