@@ -270,12 +270,19 @@ def dashboard_table(r: dict) -> str:
         kept += (f" The banner and the tiles are drawn before the sections' queries run: {r['first_banner_s']:.1f} s "
                  f"into the script first, {r['warm_banner_s']:.1f} s warm, {r['kept_banner_s']:.1f} s with the answers "
                  f"kept (goal <= {r['goal_banner_s']:.0f} s).")
+    if "live_render_s" in r:
+        kept += (f" A live store (a writer open on a copy of it, one flush of new traffic - every table, new "
+                 f"incarnations - before each render; `bench/dashboard.py --live`): render {r['live_render_s']:.1f} s, "
+                 f"the script itself {r['live_script_s']:.1f} s, the banner {r['live_banner_s']:.1f} s into it "
+                 f"(medians of {len(r['live_renders_s'])}; the shared tables built every render, the n-gram "
+                 f"evidence from the rows an earlier render kept plus the new segments: `forensics/queries/evidence.py`).")
     sparse = ROOT / "bench" / "results" / "dashboard_sparse.json"
     more = ("\n\n" + dashboard_table(json.loads(sparse.read_text()))
             if sparse.exists() and not r.get("store", "").startswith("sparse") else "")
     return "\n".join([
         f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows ({how}; "
-        f"{c['exposed_copies']} of {c['copies']} replicated copies are the incident): first render "
+        f"{c['exposed_copies']} of {c['copies']} replicated copies are the incident), no answers kept on disk "
+        f"(KVLEDGER_ANSWER_CACHE=0: the shared tables built every render): first render "
         f"{r['first_render_s']:.1f} s, warm {r['warm_render_s']:.1f} s (goal < {r['goal_s']:.0f} s), "
         f"{r['affected_responses_shown']} affected responses shown"
         + (f"; of which the script itself (the page footer's own timing, without the AppTest harness): first "
