@@ -46,26 +46,40 @@ def commands(store: Path, repeats: int = 3) -> dict:
     import os
     import statistics
     import subprocess
+    import shutil
+
+    from forensics.queries import evidence
+    from forensics.queries.answers import answers_dir
     fx = Forensics(store)                       # verification cache filled, answers kept: as after a first command
     fx.materialise()
     fx.close()
-    out: dict = {"in_process_s": {}, "shell_s": {}, "first_in_process_s": {}, "first_shell_s": {}, "rows": {}}
+    out: dict = {"in_process_s": {}, "shell_s": {}, "first_in_process_s": {}, "first_shell_s": {},
+                 "changed_in_process_s": {}, "changed_shell_s": {}, "rows": {}}
     exe = str(Path(sys.executable).with_name("kvledger"))
+    # first: nothing kept anywhere (answer cache off: neither the answers nor the evidence's rows);
+    # changed: the store changed since the last command - no answers for this snapshot, the n-gram
+    # evidence's rows kept by an earlier command read back (forensics/queries/evidence.py); kept: a
+    # later command on the same snapshot
     for q in COMMANDS:
-        for kept in (False, True):
-            pre = "" if kept else "first_"
+        for case in ("first", "changed", "kept"):
+            pre = "" if case == "kept" else case + "_"
             t = []
             for _ in range(repeats):
+                evidence._KEPT.clear()              # each run as a new process would
+                if case == "changed":
+                    shutil.rmtree(answers_dir(store), ignore_errors=True)
                 t0 = time.perf_counter()
-                fx = Forensics(store, answer_cache=kept)
+                fx = Forensics(store, answer_cache=case != "first")
                 df = fx.query(q)
                 t.append(time.perf_counter() - t0)
-                assert kept or not fx.from_cache        # first: nothing read back
+                assert case == "kept" or not fx.from_cache        # first, changed: no table read back
                 fx.close()
             out[pre + "in_process_s"][q], out["rows"][q] = statistics.median(t), df.height
-            env = {**os.environ, "KVLEDGER_ANSWER_CACHE": "1" if kept else "0"}
+            env = {**os.environ, "KVLEDGER_ANSWER_CACHE": "0" if case == "first" else "1"}
             t = []
             for _ in range(repeats):
+                if case == "changed":
+                    shutil.rmtree(answers_dir(store), ignore_errors=True)
                 t0 = time.perf_counter()
                 subprocess.run([exe, "forensics", q, "--store", str(store), "--format", "json"], check=True,
                                capture_output=True, env=env)
@@ -270,7 +284,8 @@ def main() -> None:
         res = update_commands(path, [Path(args.dir) / f"sparse-{n}" for n in [*args.scale, args.rows]])
         path.write_text(json.dumps(res, indent=2) + "\n")
         c = res["commands"]
-        print(", ".join(f"{q}: first {c['first_in_process_s'][q]:.2f} / {c['first_shell_s'][q]:.2f} s, kept "
+        print(", ".join(f"{q}: first {c['first_in_process_s'][q]:.2f} / {c['first_shell_s'][q]:.2f} s, changed "
+                        f"{c['changed_in_process_s'][q]:.2f} / {c['changed_shell_s'][q]:.2f} s, kept "
                         f"{c['in_process_s'][q]:.2f} / {c['shell_s'][q]:.2f} s" for q in COMMANDS))
         print(f"wrote {path}")
         return

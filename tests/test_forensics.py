@@ -524,6 +524,41 @@ def test_the_evidence_of_a_growing_store_equals_the_rule_reading_only_new_segmen
             == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall())
 
 
+def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable):
+    """A build that read the whole ngrams table leaves its rows in the state directory: the next
+    process (here: this one with its memory cleared) starts from them and scans nothing; an entry
+    cut short, or one whose segment changed since, is ignored (the whole table is read again), and
+    the answer is the rule's every time."""
+    from forensics.queries import evidence
+    from forensics.queries.duckdb import sql
+    _, store = glm53_vulnerable
+
+    def build() -> tuple[list, dict]:
+        evidence._KEPT.clear()                 # a new process
+        evidence._SAVED.clear()
+        before = dict(evidence.stats)
+        fx = Forensics(store)
+        fx.answers = None                      # as on a store that changed: the tables are built
+        fx.materialise()
+        got = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+        assert got and got == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
+        fx.close()
+        return got, {k: evidence.stats[k] - before[k] for k in before}
+    first, _ = build()
+    again, read = build()
+    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1}
+    d = evidence._dir(str(store.resolve()))
+    (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")
+    again, read = build()
+    assert again == first and read["loaded"] == 0 and read["whole_scans"] == 2
+    meta = json.loads((d / "meta.json").read_text())
+    seg = next(iter(meta["files"]))
+    meta["files"][seg][2] -= 1                 # the segment's change time is not the one kept
+    (d / "meta.json").write_text(json.dumps(meta))
+    again, read = build()
+    assert again == first and read["whole_scans"] == 2
+
+
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
     """Issue 33: a response still decoding (or cut off by a crash) had no request row: tenant NULL,
     same_tenant wrong, not counted by runs or the report. Its arrival is now written by the ledger

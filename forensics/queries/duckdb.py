@@ -145,6 +145,7 @@ class Forensics:
         # the shared tables of this snapshot, kept between commands (a store that verified, that no
         # writer holds, whose chain is still the one verified: nothing can have been added since)
         self.answers: Answers | None = None
+        self.keep_answers = answer_cache        # (the n-gram evidence's kept rows follow the same switch)
         self.from_cache: set[str] = set()      # the shared tables read back rather than built
         if (answer_cache and answers_enabled() and self.verdict.ok and not self.live
                 and self._chain_head() == self.verdict.head):
@@ -167,7 +168,7 @@ class Forensics:
             if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
                 self.from_cache.add(name)
             elif name == "exposure_ngrams":
-                evidence.build(con or self.con, self.store, self.files["ngrams"], sql)
+                evidence.build(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
             else:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)

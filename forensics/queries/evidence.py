@@ -13,21 +13,33 @@ yet (a new exposure). Rows of more incarnations or hashes than a snapshot needs 
 every use joins on a pair or a candidate. Segments are immutable and named once in the chain; a
 file is known by its path, inode, size and change time, so a store replaced at the same path, a
 segment left out as damaged or rewritten starts from scratch.
+
+A build that read the whole table also leaves the kept rows in the state directory (beside the
+kept answers, ``answers.py``: the same custody and the same switch, ``KVLEDGER_ANSWER_CACHE``), at
+most every ``SAVE_EVERY`` seconds: the next process - a command, a restarted dashboard - starts
+from them and reads only the segments added since. An unreadable or partial entry is ignored.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
+from forensics.queries.answers import enabled as kept_on_disk
 from telemetry.store import table_relation
+from telemetry.store.keys import state_dir
 
 COLUMNS = ["incarnation", "role", "hash", "n", "pos"]
 KEEP = 4                    # stores whose rows this process keeps (a dashboard reads one)
+SAVE_EVERY = 30.0           # seconds between two saves of one store's rows to the state directory
 
 
 @dataclass
@@ -40,8 +52,57 @@ class _Kept:
 
 
 _KEPT: dict[str, _Kept] = {}
+_SAVED: dict[str, float] = {}        # store -> when its rows were last saved
 _LOCK = threading.Lock()
-stats = {"whole_scans": 0, "new_segment_reads": 0}     # what the builds read (tests)
+stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0}     # what the builds read (tests)
+
+
+def _dir(key: str) -> Path:
+    return state_dir() / "evidence" / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def _load(key: str) -> _Kept | None:
+    """The rows a process left for this store, or None (none, unreadable, partial)."""
+    d = _dir(key)
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+        if meta.get("store") != key:
+            return None
+        tables = []
+        for name in ("ng", "hits"):
+            with pa.ipc.open_file(d / f"{name}-{meta['gen']}.arrow") as f:
+                tables.append(f.read_all())
+        if [t.num_rows for t in tables] != [meta["ng_rows"], meta["hits_rows"]]:
+            return None
+        files = {f: tuple(st) for f, st in meta["files"].items()}
+        stats["loaded"] += 1
+        return _Kept(files, set(meta["incs"]), set(meta["hashes"]), *tables)
+    except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
+        return None
+
+
+def _save(key: str, kept: _Kept) -> None:
+    """Write the rows (each file, then the meta that names them, renamed into place: a reader sees
+    a whole entry or the previous one), then remove the older generation. No error if it cannot."""
+    d = _dir(key)
+    gen = f"{time.time_ns()}-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for name, table in (("ng", kept.ng), ("hits", kept.hits)):
+            tmp = d / f".{name}-{gen}.tmp"
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            os.replace(tmp, d / f"{name}-{gen}.arrow")
+        meta = {"store": key, "gen": gen, "files": kept.files, "incs": sorted(kept.incs),
+                "hashes": sorted(kept.hashes), "ng_rows": kept.ng.num_rows, "hits_rows": kept.hits.num_rows}
+        tmp = d / f".meta-{gen}.tmp"
+        tmp.write_text(json.dumps(meta))
+        os.replace(tmp, d / "meta.json")
+        for p in d.glob("*.arrow"):
+            if not p.name.endswith(f"-{gen}.arrow"):
+                p.unlink(missing_ok=True)
+    except (OSError, pa.ArrowException):
+        pass
 
 
 def _stat(path: str) -> tuple[int, int, int]:
@@ -62,17 +123,22 @@ def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: l
         con.unregister("_want")
 
 
-def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], sql) -> None:
+def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], sql, disk: bool = True) -> None:
     """Create the table ``exposure_ngrams`` in ``con`` (a snapshot whose ``requests`` and
     ``exposure_slots`` are made and whose ``ngrams`` view is over ``files``); ``sql``: the named
-    SQL reader (``sql("evidence/pairs")``...)."""
+    SQL reader (``sql("evidence/pairs")``...); ``disk``: the rows kept in the state directory may
+    be read and written (the reader's own answer-cache switch; KVLEDGER_ANSWER_CACHE too)."""
     key = str(Path(store).resolve())
+    disk = disk and kept_on_disk()
     now = {f: _stat(f) for f in files}
     with _LOCK:
         kept = _KEPT.get(key)
+        if kept is None and disk:
+            kept = _load(key)
         if kept is None or any(now.get(f) != st for f, st in kept.files.items()):
             kept = None             # another store, a segment gone, left out or changed: from scratch
         whole = con.table("ngrams")
+        scans = stats["whole_scans"]
         new = [f for f in files if kept is None or f not in kept.files]
         delta = table_relation(con, "ngrams", new) if kept is not None and new else None
         old_incs, old_hashes = (kept.incs, kept.hashes) if kept is not None else (set(), set())
@@ -104,6 +170,9 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
             con.unregister("_candidates")
             con.unregister("_hits")
         _KEPT.pop(key, None)
-        _KEPT[key] = _Kept(now, old_incs | incs, old_hashes | hashes, ng, hits)
+        _KEPT[key] = fresh = _Kept(now, old_incs | incs, old_hashes | hashes, ng, hits)
         while len(_KEPT) > KEEP:
             _KEPT.pop(next(iter(_KEPT)))
+        if disk and stats["whole_scans"] > scans and time.monotonic() - _SAVED.get(key, -SAVE_EVERY) >= SAVE_EVERY:
+            _save(key, fresh)
+            _SAVED[key] = time.monotonic()
