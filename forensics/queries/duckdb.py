@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from forensics.queries import evidence
+from forensics.queries.evidence import build as build_evidence
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
 from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, verify
@@ -168,7 +168,7 @@ class Forensics:
             if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
                 self.from_cache.add(name)
             elif name == "exposure_ngrams":
-                evidence.build(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
+                build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
             else:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)
