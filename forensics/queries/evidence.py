@@ -151,7 +151,7 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
             if want - have:
                 stats["whole_scans"] += 1
                 parts.append(_rows(con, whole, col, want - have, cols))
-            return pa.concat_tables(parts) if parts else _rows(con, whole, col, set(), cols)
+            return pa.concat_tables(parts, promote_options="default") if parts else _rows(con, whole, col, set(), cols)
 
         incs = _ids(con, sql("evidence/pairs"), "incarnation")
         ng = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
