@@ -23,14 +23,16 @@ CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page siz
 ]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
-def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, monkeypatch):
+def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype, monkeypatch):
+    """(A bf16 pool too: every path widens the same stored values and computes in fp32.)"""
     torch.manual_seed(len(seq) * 31 + S)
     D, B = 16, len(seq)
     C = max(-(-n // S) for n in seq) + 1                 # one spare column: padding in every row
     P = B * C + 3
-    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S))
-    pool.buf.view(torch.float32)[:] = torch.randn(pool.buf.numel() // 4)
+    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
+    pool.buf.view(dtype)[:] = torch.randn(pool.buf.numel() // pool.esize)
     bt = torch.full((B, C), -1, dtype=torch.long)
     perm, i = torch.randperm(P), 0
     for b, n in enumerate(seq):

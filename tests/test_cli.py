@@ -4,6 +4,7 @@ serves a context longer than its pool without saying so."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
@@ -186,3 +187,16 @@ def test_replay_and_generate_print_one_json_object(capsys):
     assert r["scenario"] == "late_write" and r["requests"] and r["pages_balanced"] in (True, False)
     assert r["responses_reading_foreign_kv"] == sum(1 for q in r["requests"] if q["donors"]) >= 1
     assert all(d.isdigit() for q in r["requests"] for d in q["donors"])
+
+
+def test_generate_stores_weights_and_kv_in_bf16_when_asked(tiny_llama, capsys):
+    """--dtype bfloat16: the same memory budget holds about twice the tokens (each slot's K and V in
+    half the bytes; the tag and writer planes stay), and the model generates."""
+    pools = {}
+    for dtype in ("float32", "bfloat16"):
+        assert main(["generate", "--model", str(tiny_llama), "--prompt", "hello there", "--max-tokens", "6",
+                     "--memory-budget", "8MiB", "--format", "json", "--dtype", dtype]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["completion_tokens"] == 6 and out["read_check"] is True
+        pools[dtype] = out["pool_tokens"]
+    assert 1.8 * pools["float32"] < pools["bfloat16"] < 2 * pools["float32"]

@@ -148,3 +148,54 @@ def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dro
     for x in (torch.randn(1, H), torch.randn(37, H)):        # the few-rows kernel and F.linear, same product
         torch.testing.assert_close(plain.qkv[0](x), F.linear(x, plain.qkv[0].weight, plain.qkv[0].bias),
                                    atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("M", [1, 8, 64, 65, 200])
+def test_a_bf16_weight_is_kept_once_in_bf16_and_multiplied_in_fp32(M):
+    """--dtype bfloat16: the weight stays bf16 (one copy, the packed one), the products are fp32 on the
+    widened values - through the native kernel up to BF16_KERNEL_ROWS rows (bit for bit its result),
+    through F.linear on an fp32 copy beyond - bias included, 3-D and strided inputs too."""
+    torch.manual_seed(M)
+    N, K = 72, 200
+    w, b = torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
+    x = torch.randn(M, K)
+    want = F.linear(x, w.float(), b)
+    lin = llama.Linear(w, b, onednn=llama.packing_available())
+    assert lin.weight is None and lin.onednn is None and lin.rows.dtype == torch.bfloat16
+    assert lin.rows.numel() == -(-N // kernels.ROW_BLOCK) * kernels.ROW_BLOCK * K      # one copy, bf16
+    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-4)
+    assert lin(x).dtype == torch.float32
+    if M <= llama.BF16_KERNEL_ROWS:
+        assert torch.equal(lin(x), kernels.linear(x, lin.rows, N, b))
+    wide = torch.randn(M, K + 8)[:, 3:3 + K]
+    torch.testing.assert_close(lin(wide), F.linear(wide, w.float(), b), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lin(x.view(1, M, K)), want[None], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeypatch):
+    """A bf16 pool: the native scatter rounds each new value to nearest even exactly as torch's
+    .to(torch.bfloat16) does (ties, the largest finite values, infinities, -0, subnormals; a NaN
+    stays a NaN), into its slot and nothing else."""
+    from engine.kv.pool import KVPool
+    if not native:
+        monkeypatch.setattr(kernels, "_lib", None)
+    L, Hkv, D, S = 2, 2, 8, 4
+    pool = KVPool(L, Hkv * D, S, 6 * KVPool.page_bytes_for(L, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
+    k, v = torch.randn(4, Hkv, D), torch.randn(4, Hkv, D)
+    special = torch.tensor([1 + 2 ** -8, 1 + 3 * 2 ** -8, -(1 + 2 ** -8), 3.3895e38, -3.3895e38, float("inf"),
+                            float("-inf"), float("nan"), -0.0, 1e-40, 2 ** -8, 65504.5, 0.1, -7.7, 1e20, 5e-39])
+    k[0] = special.view(Hkv, D)
+    pages, offs = torch.tensor([2, 5, 0, 3]), torch.tensor([0, 1, 3, 3])
+    assert kernels.scatter_rows(pool.k(0), pages, offs, k) is native      # which path writes (layer 0)
+    before = pool.buf.clone()
+    pool.store(1, pages, offs, k, v)
+    for got, src in ((pool.k(1)[pages, offs], k), (pool.v(1)[pages, offs], v)):
+        want = src.reshape(4, -1).to(torch.bfloat16)
+        nan = torch.isnan(want)     # (torch's own NaN bits differ between its vector and scalar paths)
+        assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == (src is k)
+        assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
+    after = pool.buf.clone()
+    for t in (pool.k(1), pool.v(1)):     # put the old bytes back: nothing else was written
+        t[pages, offs] = before.view(torch.bfloat16).as_strided(t.shape, t.stride(), t.storage_offset())[pages, offs]
+    assert torch.equal(pool.buf, before) and not torch.equal(after, before)

@@ -23,6 +23,7 @@ class GenerateConfig:
     page_size: int = 16
     check_reads: bool = True
     format: str = "text"
+    dtype: str = "float32"
 
 
 def add_arguments(g) -> None:
@@ -38,6 +39,9 @@ def add_arguments(g) -> None:
                    help="longest prompt + output served (default: the KV pool's capacity in tokens, so a prompt "
                         "never outgrows the pool; a longer one is warned about)")
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="how the weights and the KV pool are stored (default float32; bfloat16: half the memory "
+                        "and the bytes a decode step reads, arithmetic still fp32; an HF checkpoint only)")
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
     g.add_argument("--format", choices=["text", "json"], default="text",
                    help="text (default): the completion, then its stats table on stderr; json: one object with both")
@@ -62,13 +66,17 @@ def make_config(args) -> GenerateConfig:
         raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise InputError(f"--seed must be in [0, 2**63), got {args.seed}")
+    if args.dtype != "float32" and args.model == "recall":
+        from engine.models import RECALL_DTYPE
+        raise InputError(RECALL_DTYPE)
     from engine.config import parse_bytes
     budget, ram = parse_bytes(args.memory_budget), physical_memory()
     if not 0 < budget <= ram:
         raise InputError(f"--memory-budget {args.memory_budget}: must be more than 0 and at most this machine's "
                          f"memory ({ram / 2**30:.1f} GiB)")
     return GenerateConfig(args.model, args.prompt, args.max_tokens, args.temperature, args.top_p, args.seed,
-                          args.tenant, args.memory_budget, args.context_length, args.page_size, not args.no_check, format=args.format)
+                          args.tenant, args.memory_budget, args.context_length, args.page_size, not args.no_check, format=args.format,
+                          dtype=args.dtype)
 
 
 def run(c: GenerateConfig) -> int:
@@ -82,7 +90,7 @@ def run(c: GenerateConfig) -> int:
 
     sp = SamplingParams(max_tokens=c.max_tokens, temperature=c.temperature, top_p=c.top_p, seed=c.seed)
     budget = parse_bytes(c.memory_budget)
-    model, tok = load_model(c.model)
+    model, tok = load_model(c.model, c.dtype)
     pool = pool_tokens_for(model, EngineConfig(kv_memory_budget=budget, page_size=c.page_size))
     context = c.context_length or pool          # by default the context is what the pool holds
     if c.max_tokens >= context:

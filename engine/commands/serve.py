@@ -12,6 +12,9 @@ from engine.server.config import ServeConfig
 
 def add_arguments(sv) -> None:
     sv.add_argument("--model", default="recall", help="'recall' (default) or an HF-format directory")
+    sv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="how the weights and the KV pools are stored (default float32; bfloat16: half the memory "
+                         "and the bytes a decode step reads, arithmetic still fp32; an HF checkpoint only)")
     sv.add_argument("--policy", choices=["vulnerable", "hardened"], default="hardened",
                     help="hardened (default): every guard on; vulnerable: the incident's behaviour, with a warning")
     sv.add_argument("--mode", choices=["unified", "disaggregated"], default="unified",
@@ -67,10 +70,13 @@ def make_config(a) -> ServeConfig:
     if a.metrics_key is not None and not 16 <= len(a.metrics_key) <= 512:
         raise InputError(f"--metrics-key must be 16 to 512 characters (got {len(a.metrics_key)}): a key that "
                          "short can be guessed")
+    if a.dtype != "float32" and a.model == "recall":
+        from engine.models import RECALL_DTYPE
+        raise InputError(RECALL_DTYPE)
     check_writable_store(a.store)
     return ServeConfig(a.model, a.policy, a.mode, a.config, a.keys, a.host, a.port, a.store, a.max_pending,
                        a.tenant_rpm, a.tenant_tpm, a.tenant_max_parallel, a.drain_timeout, a.torch_threads,
-                       a.metrics_key, a.max_num_seqs, a.max_num_batched_tokens)
+                       a.metrics_key, a.max_num_seqs, a.max_num_batched_tokens, a.dtype)
 
 
 def run(c: ServeConfig) -> int:

@@ -4,7 +4,10 @@
 torch's path gathers every page of every request into a contiguous copy per KV head and layer
 (``index_select``, 17 % of a tiny model's step in bench/engine.py's profile) and runs a dozen small
 ops around it; the kernel is one call per layer, no copy. The torch path stays the reference and the
-fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is not fp32 on the CPU.
+fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is neither fp32 nor bf16
+on the CPU. A bf16 pool or weight (``--dtype bfloat16``: half the bytes) is widened to fp32 as the
+kernels load it; every product and sum is fp32, and new K/V rows are rounded to bf16 as torch's
+``.to(torch.bfloat16)`` rounds them.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
@@ -36,6 +39,8 @@ _lib: ctypes.CDLL | None = None
 _why_not: str | None = None     # why the native path is off (None: not tried yet, or on)
 _tried = False
 CALLS = 0                       # successful native calls (tests tell the kernel ran)
+# the stored element types the kernels read (pool K/V, packed weights): each kernel's variant by name
+STORED = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 
 
 def _cpu_flags() -> str:
@@ -69,17 +74,17 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(so))
-    f = lib.kvl_paged_decode_f32
     i64, p = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float,
-                  p, i64, p, p, p, i64, ctypes.c_int]
-    f.restype = ctypes.c_int
     f32 = ctypes.c_float
-    for name, args in (("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
+    decode = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64, p, p, p, i64, ctypes.c_int]
+    scatter = [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]
+    lin = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
+    for name, args in (("kvl_paged_decode_f32", decode), ("kvl_paged_decode_bf16", decode),
+                       ("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
-                       ("kvl_scatter_rows_f32", [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]),
-                       ("kvl_linear_f32", [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int])):
+                       ("kvl_scatter_rows_f32", scatter), ("kvl_scatter_rows_bf16", scatter),
+                       ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
     lib.kvl_read_check.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, i64, p, p, p, p, p]
@@ -114,7 +119,7 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
     over ``pages`` [Bd, Cd] up to ``seq_lens`` [Bd]; page mass written into page_mass[rows, :Cd].
     False (nothing written) when the native path cannot run this call."""
     lib = native()
-    if (lib is None or pool.dtype != torch.float32 or not pool.buf.is_cpu or q.dtype != torch.float32
+    if (lib is None or pool.dtype not in STORED or not pool.buf.is_cpu or q.dtype != torch.float32
             or q.stride(2) != 1 or q.stride(1) != q.shape[2] or not out.is_contiguous()
             or page_mass.dtype != torch.float32 or page_mass.stride(1) != 1):
         return False
@@ -124,7 +129,7 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
     pages, seq_lens = pages.contiguous(), seq_lens.contiguous()
     toks, rows = toks.contiguous(), rows.contiguous()
     part = torch.empty(Bd * num_kv_heads * max(Cd, 1), dtype=torch.float32)
-    rc = lib.kvl_paged_decode_f32(
+    rc = getattr(lib, "kvl_paged_decode" + STORED[pool.dtype])(
         q.data_ptr(), q.stride(0), toks.data_ptr(), k.untyped_storage().data_ptr(), pages.data_ptr(),
         seq_lens.data_ptr(), Bd, Cd, pool.page_size, Hq, num_kv_heads, D, k.stride(0), k.stride(1),
         k.storage_offset(), v.storage_offset(), scale, out.data_ptr(), out.stride(0), part.data_ptr(),
@@ -191,14 +196,14 @@ def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, 
         if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
             return False
         src = src.as_strided((src.shape[0], src.shape[1] * src.shape[2]), (src.stride(0), 1), src.storage_offset())
-    if (lib is None or dst.dtype != torch.float32 or not dst.is_cpu or dst.stride(2) != 1
+    if (lib is None or dst.dtype not in STORED or not dst.is_cpu or dst.stride(2) != 1
             or not _rows_ok(src) or src.shape[1] != dst.shape[2] or pages.dtype != torch.long
             or offsets.dtype != torch.long):
         return False
     pages, offsets = pages.contiguous(), offsets.contiguous()
-    lib.kvl_scatter_rows_f32(dst.untyped_storage().data_ptr(), pages.data_ptr(), offsets.data_ptr(), src.shape[0],
-                             dst.stride(0), dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0),
-                             src.shape[1], torch.get_num_threads())
+    getattr(lib, "kvl_scatter_rows" + STORED[dst.dtype])(
+        dst.untyped_storage().data_ptr(), pages.data_ptr(), offsets.data_ptr(), src.shape[0], dst.stride(0),
+        dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0), src.shape[1], torch.get_num_threads())
     return True
 
 
@@ -206,27 +211,28 @@ ROW_BLOCK = 16      # output columns per packed block (NB in dense.c)
 
 
 def pack_rows(w: torch.Tensor) -> torch.Tensor | None:
-    """w [N, K] fp32 laid out for ``linear``: blocks of ROW_BLOCK output columns, each [K, ROW_BLOCK]
-    contiguous, zero-padded past N. None where the native kernels do not run."""
-    if native() is None or w.dtype != torch.float32 or w.device.type != "cpu" or w.dim() != 2:
+    """w [N, K] (fp32 or bf16, kept so) laid out for ``linear``: blocks of ROW_BLOCK output columns,
+    each [K, ROW_BLOCK] contiguous, zero-padded past N. None where the native kernels do not run."""
+    if native() is None or w.dtype not in STORED or w.device.type != "cpu" or w.dim() != 2:
         return None
     N, K = w.shape
     blocks = -(-N // ROW_BLOCK)
-    padded = torch.zeros(blocks * ROW_BLOCK, K)
+    padded = torch.zeros(blocks * ROW_BLOCK, K, dtype=w.dtype)
     padded[:N] = w
     return padded.view(blocks, ROW_BLOCK, K).transpose(1, 2).contiguous()
 
 
 def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
     """x @ w.T + bias for x [M, K] (rows contiguous, fp32) and w packed by ``pack_rows`` ([N, K],
-    N = n). None: not run (the caller's other path runs)."""
+    N = n; fp32 or bf16). None: not run (the caller's other path runs)."""
     lib = _lib
     if lib is None or x.stride(-1) != 1 or x.dtype != torch.float32:
         return None
     M, K = x.shape
     out = torch.empty(M, n)
-    lib.kvl_linear_f32(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
-                       out.data_ptr(), n, torch.get_num_threads())
+    getattr(lib, "kvl_linear" + STORED[packed.dtype])(
+        x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
+        out.data_ptr(), n, torch.get_num_threads())
     return out
 
 

@@ -8,6 +8,9 @@
    kvl_rope_f32          rotate-half RoPE in place on H heads of D per token, cos/sin [T, D/2]
    kvl_linear_f32        out = x @ w.T + b for few rows of x (a decode step's projections), w packed
                          at load in blocks of 16 output columns
+   kvl_linear_bf16       the same with w stored in bf16 (widened to fp32 as it is loaded: half the
+                         weight bytes read, fp32 arithmetic)
+   kvl_scatter_rows_*    a layer's new K or V rows into their slots, fp32 or rounded to bf16
    kvl_read_check        the read check of engine/attention.py over a step's block tables, one pass */
 #include <math.h>
 #include <stdint.h>
@@ -77,6 +80,28 @@ int kvl_scatter_rows_f32(float *pool, const int64_t *pages, const int64_t *offs,
     return 0;
 }
 
+/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN: torch's conversion, bit for bit */
+static inline uint16_t to_bf16(float f) {
+    uint32_t u;
+    __builtin_memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* kvl_scatter_rows_f32 into a bf16 pool (strides in bf16 elements), each value rounded as torch's
+   .to(torch.bfloat16) rounds it */
+int kvl_scatter_rows_bf16(uint16_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
+                          int64_t rec_stride, int64_t off, const float *src, int64_t src_stride, int64_t width,
+                          int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
+    for (int64_t r = 0; r < n; r++) {
+        uint16_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
+        const float *s = src + r * src_stride;
+        for (int64_t i = 0; i < width; i++) d[i] = to_bf16(s[i]);
+    }
+    return 0;
+}
+
 /* x @ w.T + b for few rows of x: a decode step's projections, where oneDNN's per-call cost is
    most of the time (bench/engine.py). w is packed at load (engine.kernels.pack_rows) as blocks of
    NB output columns, each block [K][NB] contiguous: zero-padded past N. A tile is R <= 4 rows of x
@@ -87,14 +112,30 @@ int kvl_scatter_rows_f32(float *pool, const int64_t *pages, const int64_t *offs,
 typedef float v8 __attribute__((vector_size(32)));
 #define NB 16
 
-static inline __attribute__((always_inline)) void linear_tile(int R, const float *x, int64_t xs, const float *wb,
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+/* 8 weights of a packed block, as fp32: loaded as they are, or widened from bf16 (the upper half
+   of an fp32: zero-extend, shift left 16) */
+static inline __attribute__((always_inline)) v8 ldw(const void *wb, int64_t i, int bf16) {
+    v8 r;
+    if (bf16) {
+        u16x8 h;
+        __builtin_memcpy(&h, (const uint16_t *)wb + i, sizeof h);
+        const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+        __builtin_memcpy(&r, &u, sizeof r);
+    } else {
+        __builtin_memcpy(&r, (const float *)wb + i, sizeof r);
+    }
+    return r;
+}
+
+static inline __attribute__((always_inline)) void linear_tile(int R, const float *x, int64_t xs, const void *wb,
                                                               int64_t K, const float *bias, float *out, int64_t os,
-                                                              int64_t ncols) {
+                                                              int64_t ncols, int bf16) {
     v8 acc[8] = {{0}};
     for (int64_t k = 0; k < K; k++) {
-        v8 w0, w1;
-        __builtin_memcpy(&w0, wb + k * NB, sizeof w0);
-        __builtin_memcpy(&w1, wb + k * NB + 8, sizeof w1);
+        const v8 w0 = ldw(wb, k * NB, bf16), w1 = ldw(wb, k * NB + 8, bf16);
         for (int r = 0; r < R; r++) {       /* R is a constant at each call site: unrolled */
             const v8 s = (v8){0} + x[r * xs + k];
             acc[2 * r] += s * w0;
@@ -110,23 +151,35 @@ static inline __attribute__((always_inline)) void linear_tile(int R, const float
     }
 }
 
-int kvl_linear_f32(const float *x, int64_t xs, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
-                   float *out, int64_t os, int nthreads) {
-    const int64_t blocks = (N + NB - 1) / NB;
+static inline __attribute__((always_inline)) int linear(const float *x, int64_t xs, int64_t M, int64_t K,
+                                                        const void *wp, int64_t N, const float *bias, float *out,
+                                                        int64_t os, int nthreads, int bf16) {
+    const int64_t blocks = (N + NB - 1) / NB, esize = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (M * N * K >= (1 << 18))
     for (int64_t b = 0; b < blocks; b++) {
-        const float *wb = wp + b * K * NB, *bb = bias ? bias + b * NB : 0;
+        const void *wb = (const char *)wp + b * K * NB * esize;
+        const float *bb = bias ? bias + b * NB : 0;
         const int64_t ncols = N - b * NB < NB ? N - b * NB : NB;
         float *ob = out + b * NB;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) linear_tile(4, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols);
+        for (; m + 4 <= M; m += 4) linear_tile(4, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16);
         switch (M - m) {
-            case 3: linear_tile(3, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
-            case 2: linear_tile(2, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
-            case 1: linear_tile(1, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols); break;
+            case 3: linear_tile(3, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 2: linear_tile(2, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 1: linear_tile(1, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
         }
     }
     return 0;
+}
+
+int kvl_linear_f32(const float *x, int64_t xs, int64_t M, int64_t K, const float *wp, int64_t N, const float *bias,
+                   float *out, int64_t os, int nthreads) {
+    return linear(x, xs, M, K, wp, N, bias, out, os, nthreads, 0);
+}
+
+int kvl_linear_bf16(const float *x, int64_t xs, int64_t M, int64_t K, const uint16_t *wp, int64_t N,
+                    const float *bias, float *out, int64_t os, int nthreads) {
+    return linear(x, xs, M, K, wp, N, bias, out, os, nthreads, 1);
 }
 
 /* The read check (engine/attention.py read_check, whose docstring states the rule) in one pass

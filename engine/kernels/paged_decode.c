@@ -1,4 +1,6 @@
-/* Paged decode attention over the pool's own records, fp32, one call per layer.
+/* Paged decode attention over the pool's own records, one call per layer: K and V stored as fp32
+   (kvl_paged_decode_f32) or bf16 (kvl_paged_decode_bf16: each value widened to fp32 as it is
+   loaded), every product and sum in fp32.
 
    For each decode request b and KV head h (one task each, OpenMP over tasks): the G query heads
    of h read K and V straight out of the page records named by pages[b, :] (no gather into a
@@ -18,60 +20,83 @@
 #define PF 4            /* slots ahead to prefetch */
 
 typedef float v8 __attribute__((vector_size(32)));
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
 static inline v8 ld8(const float *p) { v8 r; __builtin_memcpy(&r, p, sizeof r); return r; }
 static inline void st8(float *p, v8 a) { __builtin_memcpy(p, &a, sizeof a); }
 
-static inline void prefetch_row(const float *p, int64_t D) {
-    for (int64_t i = 0; i < D; i += 16) __builtin_prefetch(p + i, 0, 3);
+/* 8 stored K or V values from element i of a row, as fp32 (bf16: the upper half of an fp32) */
+static inline __attribute__((always_inline)) v8 ldkv(const void *row, int64_t i, int bf16) {
+    if (!bf16) return ld8((const float *)row + i);
+    u16x8 h;
+    __builtin_memcpy(&h, (const uint16_t *)row + i, sizeof h);
+    const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
+    v8 r;
+    __builtin_memcpy(&r, &u, sizeof r);
+    return r;
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t D) {
+static inline __attribute__((always_inline)) float kv1(const void *row, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)row)[i];
+    const uint32_t u = (uint32_t)((const uint16_t *)row)[i] << 16;
+    float f;
+    __builtin_memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline void prefetch_row(const void *p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+}
+
+static inline __attribute__((always_inline)) float dot(const float *restrict a, const void *restrict b, int64_t D,
+                                                       int bf16) {
     int64_t i = 0;
     float s = 0.f;
     if (D >= 16) {          /* two independent vector chains, one horizontal sum */
         v8 x = {0}, y = {0};
         for (; i + 16 <= D; i += 16) {
-            x += ld8(a + i) * ld8(b + i);
-            y += ld8(a + i + 8) * ld8(b + i + 8);
+            x += ld8(a + i) * ldkv(b, i, bf16);
+            y += ld8(a + i + 8) * ldkv(b, i + 8, bf16);
         }
         x += y;
         for (int j = 0; j < 8; j++) s += x[j];
     }
-    for (; i < D; i++) s += a[i] * b[i];
+    for (; i < D; i++) s += a[i] * kv1(b, i, bf16);
     return s;
 }
 
 /* o[0:D] = sum_i p[i] * rows[i][0:D]: 64 columns at a time held in eight vector registers over
    all the keys (not loaded and stored back once per key) */
-static void weighted_rows(const float *p, const float *const *rows, int64_t n, int64_t D, float *restrict o) {
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, const void *const *rows, int64_t n,
+                                                                 int64_t D, float *restrict o, int bf16) {
     int64_t c = 0;
     for (; c + 64 <= D; c += 64) {
         v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
         for (int64_t i = 0; i < n; i++) {
-            const float *r = rows[i] + c;
+            const void *r = rows[i];
             const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            a0 += w * ld8(r); a1 += w * ld8(r + 8); a2 += w * ld8(r + 16); a3 += w * ld8(r + 24);
-            a4 += w * ld8(r + 32); a5 += w * ld8(r + 40); a6 += w * ld8(r + 48); a7 += w * ld8(r + 56);
+            a0 += w * ldkv(r, c, bf16); a1 += w * ldkv(r, c + 8, bf16);
+            a2 += w * ldkv(r, c + 16, bf16); a3 += w * ldkv(r, c + 24, bf16);
+            a4 += w * ldkv(r, c + 32, bf16); a5 += w * ldkv(r, c + 40, bf16);
+            a6 += w * ldkv(r, c + 48, bf16); a7 += w * ldkv(r, c + 56, bf16);
         }
         st8(o + c, a0); st8(o + c + 8, a1); st8(o + c + 16, a2); st8(o + c + 24, a3);
         st8(o + c + 32, a4); st8(o + c + 40, a5); st8(o + c + 48, a6); st8(o + c + 56, a7);
     }
     if (c < D) {
         for (int64_t d = c; d < D; d++) o[d] = 0.f;
-        for (int64_t i = 0; i < n; i++) {
-            const float *r = rows[i];
-            for (int64_t d = c; d < D; d++) o[d] += p[i] * r[d];
-        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t d = c; d < D; d++) o[d] += p[i] * kv1(rows[i], d, bf16);
     }
 }
 
-int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *toks,
-                         const float *kv, const int64_t *pages, const int64_t *seq_lens,
-                         int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                         float *out, int64_t out_tok_stride, float *part, float *page_mass,
-                         const int64_t *rows, int64_t mass_row_stride, int nthreads) {
-    const int64_t G = Hq / Hkv;
+static inline __attribute__((always_inline)) int paged_decode(
+        const float *q, int64_t q_tok_stride, const int64_t *toks, const void *kv, const int64_t *pages,
+        const int64_t *seq_lens, int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+        int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale, float *out,
+        int64_t out_tok_stride, float *part, float *page_mass, const int64_t *rows, int64_t mass_row_stride,
+        int nthreads, int bf16) {
+    const int64_t G = Hq / Hkv, es = bf16 ? 2 : 4;     /* strides and offsets count stored elements */
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < Bd * Hkv; t++) {
@@ -88,19 +113,19 @@ int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *to
         /* scores [G, n], then the K and V row of each key (slot records are kilobytes apart) */
         float *sc = malloc(sizeof(float) * G * n + 2 * sizeof(float *) * n);
         if (!sc) { failed = 1; continue; }
-        const float **krow = (const float **)(sc + G * n), **vrow = krow + n;
+        const void **krow = (const void **)(sc + G * n), **vrow = krow + n;
         for (int64_t c = 0, i = 0; i < n; c++) {   /* (no division per key: S is not a constant) */
-            const float *rec = kv + pages[b * Cd + c] * page_stride + h * D;
-            for (int64_t s = 0; s < S && i < n; s++, i++, rec += rec_stride) {
-                krow[i] = rec + k_off;
-                vrow[i] = rec + v_off;
+            const char *rec = (const char *)kv + (pages[b * Cd + c] * page_stride + h * D) * es;
+            for (int64_t s = 0; s < S && i < n; s++, i++, rec += rec_stride * es) {
+                krow[i] = rec + k_off * es;
+                vrow[i] = rec + v_off * es;
             }
         }
         const float *qb = q + toks[b] * q_tok_stride + h * G * D;
         for (int64_t i = 0; i < n; i++) {          /* scores: each K row read once for the G heads */
             /* the next rows are a record stride away, where the hardware prefetcher does not go */
-            if (i + PF < n) prefetch_row(krow[i + PF], D);
-            for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, krow[i], D) * scale;
+            if (i + PF < n) prefetch_row(krow[i + PF], D * es);
+            for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, krow[i], D, bf16) * scale;
         }
         for (int64_t g = 0; g < G; g++) {          /* softmax per query head */
             float *s = sc + g * n, m = -INFINITY, sum = 0.f;
@@ -109,9 +134,9 @@ int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *to
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; i++) s[i] *= inv;
         }
-        for (int64_t i = 0; i < PF && i < n; i++) prefetch_row(vrow[i], D);
+        for (int64_t i = 0; i < PF && i < n; i++) prefetch_row(vrow[i], D * es);
         for (int64_t g = 0; g < G; g++)            /* out = P V per query head */
-            weighted_rows(sc + g * n, vrow, n, D, o + g * D);
+            weighted_rows(sc + g * n, vrow, n, D, o + g * D, bf16);
         for (int64_t c = 0, i = 0; i < n; c++)     /* this KV head's mass on each page, over its G heads */
             for (int64_t s = 0; s < S && i < n; s++, i++)
                 for (int64_t g = 0; g < G; g++) part_b[c] += sc[g * n + i];
@@ -127,4 +152,24 @@ int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *to
         }
     }
     return 0;
+}
+
+int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *toks,
+                         const float *kv, const int64_t *pages, const int64_t *seq_lens,
+                         int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                         int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                         float *out, int64_t out_tok_stride, float *part, float *page_mass,
+                         const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+    return paged_decode(q, q_tok_stride, toks, kv, pages, seq_lens, Bd, Cd, S, Hq, Hkv, D, page_stride, rec_stride,
+                        k_off, v_off, scale, out, out_tok_stride, part, page_mass, rows, mass_row_stride, nthreads, 0);
+}
+
+int kvl_paged_decode_bf16(const float *q, int64_t q_tok_stride, const int64_t *toks,
+                          const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
+                          int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                          int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                          float *out, int64_t out_tok_stride, float *part, float *page_mass,
+                          const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+    return paged_decode(q, q_tok_stride, toks, kv, pages, seq_lens, Bd, Cd, S, Hq, Hkv, D, page_stride, rec_stride,
+                        k_off, v_off, scale, out, out_tok_stride, part, page_mass, rows, mass_row_stride, nthreads, 1);
 }

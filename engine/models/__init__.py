@@ -6,8 +6,17 @@ from pathlib import Path
 from engine.errors import ModelLoadError
 
 
-def load_model(spec: str):
-    """``recall`` or a path to an HF-format directory. Returns (model, tokenizer)."""
+DTYPES = ("float32", "bfloat16")      # how a checkpoint's weights and the KV pool are stored (--dtype)
+RECALL_DTYPE = "--dtype bfloat16 needs an HF-format checkpoint directory: the recall model is hand-wired in fp32"
+
+
+def load_model(spec: str, dtype: str = "float32"):
+    """``recall`` or a path to an HF-format directory. Returns (model, tokenizer). ``dtype``: how
+    the weights and the KV pool are stored (``bfloat16``: half the bytes; arithmetic stays fp32)."""
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if spec == "recall" and dtype != "float32":
+        raise ModelLoadError(RECALL_DTYPE)
     if spec == "recall":
         from engine.models.recall import RecallModel
         from engine.models.tokenizer import ByteTokenizer
@@ -19,7 +28,8 @@ def load_model(spec: str):
     from engine.models.llama import LlamaModel
     from engine.models.tokenizer import HFTokenizer
     try:
-        return LlamaModel.from_pretrained(path), HFTokenizer.from_dir(path)
+        import torch
+        return LlamaModel.from_pretrained(path, getattr(torch, dtype)), HFTokenizer.from_dir(path)
     except ModelLoadError:
         raise
     except Exception as e:   # noqa: BLE001 - json, safetensors and tokenizers each raise their own kinds

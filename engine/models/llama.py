@@ -112,6 +112,10 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
 
 
 PACK_ROWS = 32      # the row count oneDNN's weight layout is chosen for (vLLM-CPU's choice too)
+# a bf16 weight's products of up to this many rows run in the native kernel (widening the weight as it
+# loads it: at 64 rows of the big shape's gate_up 31 ms against 63 for an fp32 copy through F.linear);
+# more rows get the fp32 copy and F.linear (512 rows: 170 ms against the kernel's 254)
+BF16_KERNEL_ROWS = 64
 
 
 def packing_available() -> bool:
@@ -135,7 +139,9 @@ class Linear:
     """One projection x @ w.T + b with its weight laid out at load for what runs it: a few rows (a
     decode step) through the native kernel (engine.kernels.linear), more through oneDNN with the
     weight prepacked (vLLM-CPU does the same), else F.linear. With both layouts present the weight
-    as loaded is dropped (it would be a third copy); each path falls back to the next."""
+    as loaded is dropped (it would be a third copy); each path falls back to the next. A bf16 weight
+    (``--dtype bfloat16``) stays bf16 - half the bytes each decode step reads - and the arithmetic
+    is fp32: the kernel widens it as it loads it, F.linear gets an fp32 copy for the call."""
     __slots__ = ("weight", "bias", "onednn", "rows", "n", "k")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
@@ -143,22 +149,31 @@ class Linear:
         self.bias = bias.contiguous() if bias is not None else None
         fp32 = weight.dtype == torch.float32
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if onednn and fp32 else None
-        self.rows = kernels.pack_rows(weight) if fp32 else None
-        self.weight = None if self.onednn is not None and self.rows is not None else weight
+        self.rows = kernels.pack_rows(weight)       # fp32 or bf16 (None: the native kernels are off)
+        # the loaded weight is dropped where the layouts cover every path: fp32 with oneDNN's, bf16
+        # always (more rows than the kernel's get the packed copy widened back for the call)
+        covered = self.rows is not None and (self.onednn is not None or not fp32)
+        self.weight = None if covered else weight
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not x.is_contiguous():
             if self.weight is not None:
-                return F.linear(x, self.weight, self.bias)
+                return F.linear(x, self.weight.to(x.dtype), self.bias)
             lead = x.shape[:-1]
             return self(x.reshape(-1, self.k).contiguous()).view(*lead, self.n)
-        if self.rows is not None and few_rows(x.shape[0], self.n, self.k):
-            out = kernels.linear(x, self.rows, self.n, self.bias)
+        rows = self.rows
+        if rows is not None and (few_rows(x.shape[0], self.n, self.k) if rows.dtype == torch.float32
+                                 else x.shape[0] <= BF16_KERNEL_ROWS):
+            out = kernels.linear(x, rows, self.n, self.bias)
             if out is not None:
                 return out
-        if self.weight is None or self.onednn is not None and x.dtype == torch.float32:
+        if self.onednn is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight if self.weight is not None else rows.to(x.dtype).transpose(1, 2).reshape(-1, self.k)[:self.n]
+        return F.linear(x, w.to(x.dtype), self.bias)
+
+
+STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}     # --dtype's choices
 
 
 class LlamaModel(nn.Module):
@@ -166,6 +181,8 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.w = weights
+        # the stored weights' type, and the KV pool's (engine.llm): bf16 or fp32; activations are fp32
+        self.dtype = weights["model.embed_tokens.weight"].dtype
         self.num_layers = cfg.num_layers
         self.kv_dim = cfg.num_kv_heads * cfg.head_dim
         self.eos_token_id = cfg.eos_token_id
@@ -205,6 +222,12 @@ class LlamaModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path, dtype: torch.dtype = torch.float32) -> "LlamaModel":
+        """``dtype``: how the weights are stored (and the KV pool, engine.llm): fp32, or bf16 - half
+        the memory and half the bytes a decode step reads, every product and sum still fp32. In bf16
+        the projections and the embedding stay bf16; the norm weights and biases (vectors) are rounded
+        to bf16 and kept as fp32."""
+        if dtype not in STORAGE_DTYPES.values():
+            raise ModelLoadError(f"weights can be stored as {', '.join(STORAGE_DTYPES)}, not {dtype}")
         from safetensors import safe_open
         path = Path(path)
         cfg_file = path / "config.json"
@@ -224,7 +247,7 @@ class LlamaModel(nn.Module):
                         if tuple(t.shape) != want[name]:
                             raise ModelLoadError(f"{f.name}: tensor {name} has shape {tuple(t.shape)}, "
                                                  f"config.json implies {want[name]}")
-                        weights[name] = t.to(dtype)
+                        weights[name] = t.to(dtype) if t.dim() == 2 else t.to(dtype).float()
         missing = [n for n in want if n not in weights]
         if missing:
             raise ModelLoadError(f"{path}: {len(missing)} tensor(s) missing from the checkpoint, e.g. {missing[0]}")
@@ -238,6 +261,8 @@ class LlamaModel(nn.Module):
         c, w = self.cfg, self.w
         T, eps, D = input_ids.shape[0], c.rms_norm_eps, c.head_dim
         x = F.embedding(input_ids, w["model.embed_tokens.weight"])   # the residual stream (added to in place)
+        if x.dtype != torch.float32:                                  # bf16 weights: fp32 activations
+            x = x.float()
         freqs = rope_freqs(positions, D, c.rope_theta)
         half, full = (freqs.cos(), freqs.sin()), None                 # [T, D/2]: the native rope's; torch's below
         Hq, Hkv = c.num_heads, c.num_kv_heads

@@ -187,8 +187,10 @@ def build_backend(model, tokenizer, mode: str, policy: str, spec: ClusterSpec, k
     from engine.disagg.cluster import DisaggCluster, Guards
     from engine.llm import LLMEngine
     guards = Guards.policy(policy)
+    import torch
+
     from engine.kv.pool import KVPool
-    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size)
+    pb = KVPool.page_bytes_for(model.num_layers, model.kv_dim, spec.page_size, getattr(model, "dtype", torch.float32))
 
     def cfg(tokens: int, node: str, prefix_cache: bool = False) -> EngineConfig:
         return EngineConfig(prefix_cache=prefix_cache, kv_memory_budget=(tokens // spec.page_size) * pb,
@@ -220,7 +222,7 @@ def build_engine(c: ServeConfig, open_recorder: RecorderFactory) -> Built:
 
     keys = ApiKeys.load(c.keys)
     spec = ClusterSpec.load(c.config)
-    model, tok = load_model(c.model)
+    model, tok = load_model(c.model, c.dtype)
     guards = asdict(Guards.policy(c.policy)) if c.mode == "disaggregated" else {
         "read_check": Guards.policy(c.policy).read_check}
     tel = open_recorder(policy=c.policy, guards=guards, isolation_level=spec.isolation_level, model_name=c.model_name)
@@ -245,7 +247,8 @@ def server_info(c: ServeConfig, spec, nodes, guards: dict, boot: str) -> dict:
     rows = [{"node_id": n.cfg.node_id, "role": n.cfg.role, "pool_tokens": n.pool.capacity_tokens,
              "context_length": n.cfg.context_length, "advertised_context": n.preflight.advertised_context,
              "page_size": n.cfg.page_size, "pool_fits_context": n.preflight.fits, "preflight": n.preflight.action,
-             "max_num_seqs": n.cfg.max_num_seqs, "max_num_batched_tokens": n.cfg.max_step_tokens}
+             "max_num_seqs": n.cfg.max_num_seqs, "max_num_batched_tokens": n.cfg.max_step_tokens,
+             "dtype": str(n.pool.dtype).removeprefix("torch.")}
             for n in nodes]
     admitting = [r for r in rows if r["role"] in ("prefill", "unified")]
     return {"model": c.model_name, "mode": c.mode, "policy": c.policy, "guards": guards, "boot": boot,

@@ -25,6 +25,7 @@ class ServeConfig:
     metrics_key: str | None = None     # when set, /metrics and /server_info want "Authorization: Bearer <it>"
     max_num_seqs: int = 128            # sequences a node runs at once (vLLM's CPU server default)
     max_num_batched_tokens: int = 2048  # tokens a node's step may hold: decodes + prefill chunks (vLLM CPU server's)
+    dtype: str = "float32"             # how the weights and the KV pools are stored (bfloat16: half the bytes)
 
     @property
     def model_name(self) -> str:
