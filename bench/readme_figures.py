@@ -68,6 +68,29 @@ def engine_table(r: dict) -> str:
         "", *rows, *tail])
 
 
+def engine_bf16_table(r: dict) -> str:
+    w = r["workloads"]
+    rows = ["| workload | kvledger bf16 vs its fp32 tokens/s | ratio | transformers bf16 | kvledger vs transformers "
+            "| vLLM-CPU bf16 | kvledger vs vLLM |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for name, x in w.items():
+        c, t = x["config"], x["tokens_per_s"]
+        vl = (f"{t['vllm']:.0f} | **{x['ratio_kvledger_vs_vllm']:.2f}x**") if "vllm" in t else "not measured | "
+        rows.append(f"| {name} ({c['batch']} x {min(c['prompt_lens'])}-{max(c['prompt_lens'])}, {c['new_tokens']} new) | "
+                    f"{t['kvledger']:.0f} vs {t['fp32']:.0f} | {x['ratio_bf16_vs_fp32']:.2f}x | {t['transformers']:.0f} | "
+                    f"**{x['ratio_kvledger_vs_transformers']:.2f}x** | {vl} |")
+    native = "; ".join(f"{name} {x['ratio_native_vs_torch_decode']:.2f}x" for name, x in w.items())
+    div = "; ".join(f"{name} {x['vllm_same_greedy_outputs']}/{x['config']['batch']} equal, first divergence at token "
+                    f"{x['vllm_first_divergence']}" for name, x in w.items() if "vllm_first_divergence" in x)
+    reps = {x["config"]["repeats"] for x in w.values()}
+    return "\n".join([
+        f"bf16, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, {r.get('threads', 2)} torch "
+        "thread(s) for every engine (kvledger: weights and KV stored in bf16, arithmetic fp32; transformers and "
+        "vLLM-CPU: their own bf16 models):", "", *rows, "",
+        f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "
+        f"against vLLM's bf16 (it computes in bf16, kvledger in fp32 on bf16 values: they drift apart): {div}."])
+
+
 def guards_table(r: dict) -> str:
     t, c, cpu = r["tokens_per_s"], r["config"], r["cpu_seconds"]
     return "\n".join([
@@ -405,7 +428,7 @@ def dashboard_replay_table(r: dict) -> str:
             f"{c['repeats']} warm runs.")
 
 
-SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table}
 

@@ -200,3 +200,16 @@ def test_generate_stores_weights_and_kv_in_bf16_when_asked(tiny_llama, capsys):
         assert out["completion_tokens"] == 6 and out["read_check"] is True
         pools[dtype] = out["pool_tokens"]
     assert 1.8 * pools["float32"] < pools["bfloat16"] < 2 * pools["float32"]
+
+
+def test_serve_sizes_each_pool_by_the_bytes_its_dtype_stores(tiny_llama):
+    """serve's pools hold the tokens its cluster config names whatever --dtype stores (the bytes a
+    page takes follow the dtype; with fp32's page size a bf16 pool would hold twice the tokens)."""
+    from engine.models import load_model
+    from engine.server.backend import ApiKeys, ClusterSpec, build_backend
+    spec, keys = ClusterSpec.load(None), ApiKeys.load(None)
+    for dtype in ("float32", "bfloat16"):
+        model, tok = load_model(str(tiny_llama), dtype)
+        eng = build_backend(model, tok, "unified", "hardened", spec, keys, None, max_num_seqs=4)
+        assert eng.pool.dtype == getattr(__import__("torch"), dtype)
+        assert eng.pool.capacity_tokens == spec.unified_tokens // spec.page_size * spec.page_size

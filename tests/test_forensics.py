@@ -510,6 +510,13 @@ def test_the_evidence_of_a_growing_store_equals_the_rule_reading_only_new_segmen
     glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
     check()                                             # (the replay closed its store)
     assert seen[-1][0] > 0, "the incident surfaces donor text"
+    check()                                             # the same snapshot again: nothing the answer reads changed
+    assert seen[-1][1]["reused"] == 1 and seen[-1][1]["whole_scans"] == 0
+    assert seen[-2][1]["reused"] == 0                   # (the replay's last segments changed it)
+    glm53("hardened", recorder=factory, **GLM53_SMALL | {"seed": 11})    # another run's traffic, every read checked
+    check()                                             # new segments: the rule's answer whether reused or not
+    runs = seen[-1][1]
+    assert runs["new_segment_reads"] == 2 and runs["whole_scans"] == 0, runs
     assert len({n for n, _ in seen}) > 1, "the evidence grew while the store did"
     assert any(d["new_segment_reads"] for _, d in seen[1:]), "a later snapshot read only the new segments"
     assert any(d["whole_scans"] for _, d in seen[1:]), "a new exposure: its incarnations read from the whole table"
@@ -546,7 +553,7 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
         return got, {k: evidence.stats[k] - before[k] for k in before}
     first, _ = build()
     again, read = build()
-    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1}
+    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 0}
     d = evidence._dir(str(store.resolve()))
     (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")
     again, read = build()

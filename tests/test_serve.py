@@ -109,6 +109,7 @@ def test_completion_chat_and_stream_in_the_openai_shape(unified):
     info = httpx.get(unified.url + "/server_info").json()
     assert info["policy"] == "hardened" and info["nodes"][0]["pool_tokens"] == info["max_total_num_tokens"] == 2048
     assert (info["nodes"][0]["max_num_seqs"], info["nodes"][0]["max_num_batched_tokens"]) == (24, 1024)   # the flags
+    assert info["nodes"][0]["dtype"] == "float32"
 
 
 LONG = "z" * 1500

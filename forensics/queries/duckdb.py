@@ -31,7 +31,7 @@ SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named qu
 # them are created then
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposures_in", "scores_in"]
-EVIDENCE_STEPS = ["pairs", "candidates", "final"]     # forensics/sql/evidence: exposure_ngrams.sql in steps
+EVIDENCE_STEPS = ["pairs", "digest", "candidates", "requests_digest", "final"]   # forensics/sql/evidence: exposure_ngrams.sql in steps
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
 
 EPOCH = dt.datetime(1970, 1, 1)

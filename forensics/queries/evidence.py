@@ -14,6 +14,12 @@ every use joins on a pair or a candidate. Segments are immutable and named once 
 file is known by its path, inode, size and change time, so a store replaced at the same path, a
 segment left out as damaged or rewritten starts from scratch.
 
+When nothing the answer reads has changed since the kept snapshot - the same pairs and donor
+positions (``evidence/digest``), no new ``_ng`` or ``_hits`` rows, the same tenant and arrival of
+every request those rows name (``evidence/requests_digest``) - the kept answer is the answer: a
+live store taking healthy traffic (no new exposure, none of the candidate n-grams) skips steps 2
+and 3.
+
 A build that read the whole table also leaves the kept rows in the state directory (beside the
 kept answers, ``answers.py``: the same custody and the same switch, ``KVLEDGER_ANSWER_CACHE``), at
 most every ``SAVE_EVERY`` seconds: the next process - a command, a restarted dashboard - starts
@@ -49,12 +55,16 @@ class _Kept:
     hashes: set[int]        # _hits holds every row with these hashes in those files
     ng: pa.Table
     hits: pa.Table
+    digest: tuple | None = None         # evidence/digest of the snapshot that built the answer below
+    candidates: pa.Table | None = None  # its step 2 result ...
+    requests: tuple | None = None       # ... evidence/requests_digest then ...
+    answer: pa.Table | None = None      # ... and exposure_ngrams (this process only: never saved)
 
 
 _KEPT: dict[str, _Kept] = {}
 _SAVED: dict[str, float] = {}        # store -> when its rows were last saved
 _LOCK = threading.Lock()
-stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0}     # what the builds read (tests)
+stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0, "reused": 0}     # what the builds did (tests)
 
 
 def _dir(key: str) -> Path:
@@ -143,34 +153,55 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
         delta = table_relation(con, "ngrams", new) if kept is not None and new else None
         old_incs, old_hashes = (kept.incs, kept.hashes) if kept is not None else (set(), set())
 
-        def grow(table: pa.Table | None, col: str, have: set[int], want: set[int], cols: list[str]) -> pa.Table:
-            parts = [table] if table is not None else []
+        def grow(table: pa.Table | None, col: str, have: set[int], want: set[int], cols: list[str]) -> tuple[pa.Table, bool]:
+            """The kept rows with those of the new segments (covered values) and of the whole table
+            (values not covered yet); and whether any row or value was added."""
+            parts, added = [table] if table is not None else [], False
             if delta is not None and have:
                 stats["new_segment_reads"] += 1
                 parts.append(_rows(con, delta, col, have, cols))
+                added = parts[-1].num_rows > 0
             if want - have:
                 stats["whole_scans"] += 1
                 parts.append(_rows(con, whole, col, want - have, cols))
-            return pa.concat_tables(parts, promote_options="default") if parts else _rows(con, whole, col, set(), cols)
+                added = True
+            if not parts:
+                return _rows(con, whole, col, set(), cols), True
+            return (pa.concat_tables(parts, promote_options="default") if len(parts) > 1 else parts[0]), added
 
         incs = _ids(con, sql("evidence/pairs"), "incarnation")
-        ng = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
-        con.register("_ng", ng)
-        try:
-            candidates = con.sql(sql("evidence/candidates")).to_arrow_table()
-        finally:
-            con.unregister("_ng")
+        digest = tuple(con.sql(sql("evidence/digest")).fetchall()[0])
+        ng, ng_added = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
+        same = kept is not None and kept.answer is not None and kept.digest == digest and not ng_added
+        if same:                    # the candidates read the same pairs, positions and rows
+            candidates = kept.candidates
+        else:
+            con.register("_ng", ng)
+            try:
+                candidates = con.sql(sql("evidence/candidates")).to_arrow_table()
+            finally:
+                con.unregister("_ng")
         hashes = {h for h in candidates.column("hash").to_pylist() if h is not None}
-        hits = grow(kept.hits if kept else None, "hash", old_hashes, hashes, ["incarnation", "role", "hash"])
+        hits, hits_added = grow(kept.hits if kept else None, "hash", old_hashes, hashes, ["incarnation", "role", "hash"])
         con.register("_candidates", candidates)
         con.register("_hits", hits)
         try:
-            con.sql(sql("evidence/final")).to_table("exposure_ngrams")
+            requests = tuple(con.sql(sql("evidence/requests_digest")).fetchall()[0])
+            if same and not hits_added and kept.requests == requests:
+                stats["reused"] += 1
+                answer = kept.answer
+                con.register("_answer", answer)
+                con.sql("CREATE TABLE exposure_ngrams AS SELECT * FROM _answer")
+                con.unregister("_answer")
+            else:
+                con.sql(sql("evidence/final")).to_table("exposure_ngrams")
+                answer = con.table("exposure_ngrams").to_arrow_table()
         finally:
             con.unregister("_candidates")
             con.unregister("_hits")
         _KEPT.pop(key, None)
-        _KEPT[key] = fresh = _Kept(now, old_incs | incs, old_hashes | hashes, ng, hits)
+        _KEPT[key] = fresh = _Kept(now, old_incs | incs, old_hashes | hashes, ng, hits, digest, candidates, requests,
+                                   answer)
         while len(_KEPT) > KEEP:
             _KEPT.pop(next(iter(_KEPT)))
         if disk and stats["whole_scans"] > scans and time.monotonic() - _SAVED.get(key, -SAVE_EVERY) >= SAVE_EVERY:
