@@ -68,6 +68,10 @@ def engine_table(r: dict) -> str:
         "", *rows, *tail])
 
 
+def _tps(x: float) -> str:
+    return f"{x:.0f}" if x >= 10 else f"{x:.1f}"
+
+
 def engine_bf16_table(r: dict) -> str:
     w = r["workloads"]
     rows = ["| workload | kvledger bf16 vs its fp32 tokens/s | ratio | transformers bf16 | kvledger vs transformers "
@@ -75,9 +79,9 @@ def engine_bf16_table(r: dict) -> str:
             "| --- | --- | --- | --- | --- | --- | --- |"]
     for name, x in w.items():
         c, t = x["config"], x["tokens_per_s"]
-        vl = (f"{t['vllm']:.0f} | **{x['ratio_kvledger_vs_vllm']:.2f}x**") if "vllm" in t else "not measured | "
+        vl = (f"{_tps(t['vllm'])} | **{x['ratio_kvledger_vs_vllm']:.2f}x**") if "vllm" in t else "not measured | "
         rows.append(f"| {name} ({c['batch']} x {min(c['prompt_lens'])}-{max(c['prompt_lens'])}, {c['new_tokens']} new) | "
-                    f"{t['kvledger']:.0f} vs {t['fp32']:.0f} | {x['ratio_bf16_vs_fp32']:.2f}x | {t['transformers']:.0f} | "
+                    f"{_tps(t['kvledger'])} vs {_tps(t['fp32'])} | {x['ratio_bf16_vs_fp32']:.2f}x | {_tps(t['transformers'])} | "
                     f"**{x['ratio_kvledger_vs_transformers']:.2f}x** | {vl} |")
     native = "; ".join(f"{name} {x['ratio_native_vs_torch_decode']:.2f}x" for name, x in w.items())
     div = "; ".join(f"{name} {x['vllm_same_greedy_outputs']}/{x['config']['batch']} equal, first divergence at token "
