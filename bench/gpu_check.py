@@ -2,10 +2,13 @@
 
 1. correctness: kernel on the GPU vs the torch reference on a CPU copy of the same pool, on pools
    holding stale (generation) and foreign (content tag) slots: output, page mass, read check.
-2. timing (triton.testing.do_bench): the kernel with the check on, with it off (CHECK=False: a
-   plain paged decode, same code without the tag/generation loads), at several context lengths;
-   bytes of K/V read per second.
-Writes JSON to $OUT/gpu_check.json (and bench/results/gpu_check.json).
+2. a sweep of launch shapes (engine.triton_attention.Tuning: pages per loop block, pages per
+   split, warps, tl.dot on tensor cores) at one context, each checked against the plain shape
+   and timed with the read check on and off; the fastest (check on) is "best".
+3. timing (triton.testing.do_bench) of the plain shape and of the best one, check on and off
+   (CHECK=False: a plain paged decode, same code without the tag/generation loads), at several
+   context lengths; bytes of K/V read per second.
+Writes JSON to $OUT/gpu_check.json (and bench/results/; gpu_check_dot.json for GPU_CHECK_SWEEP=dot).
 """
 from __future__ import annotations
 
@@ -27,7 +30,11 @@ def make(B, C, S, hkv, D, dtype, device, seed=0, corrupt=0):
     g = torch.Generator().manual_seed(seed)
     pool = KVPool(1, hkv * D, S, (B * C + 1) * KVPool.page_bytes_for(1, hkv * D, S, dtype), dtype=dtype, device=device)
     el = pool.buf.view(dtype)
-    el.copy_(torch.randn(el.numel(), generator=g).to(dtype))
+    if device == "cpu":
+        el.copy_(torch.randn(el.numel(), generator=g).to(dtype))
+    else:                                    # large timing pools: fill on the device
+        torch.manual_seed(seed)
+        el.normal_()
     P = pool.num_pages
     bt = torch.randperm(P, generator=g)[: B * C].view(B, C)
     seq = torch.randint(1, C * S + 1, (B,), generator=g)
@@ -54,45 +61,88 @@ def main() -> int:
         print("gpu_check: no CUDA device", file=sys.stderr)
         return 2
     import triton
+    from triton.testing import do_bench
     dev = "cuda"
     res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
-           "correctness": [], "timing": []}
-    for (B, C, S, hkv, g, D) in [(3, 5, 16, 2, 2, 64), (8, 40, 16, 4, 4, 128), (2, 70, 16, 8, 8, 128)]:
-        pool, lay = make(B, C, S, hkv, D, torch.float32, dev, corrupt=6)
-        cpu = KVPool(1, hkv * D, S, pool.memory_bytes, dtype=torch.float32)
-        cpu.buf.copy_(pool.buf.cpu())
-        q = torch.randn(B, hkv * g, D)
-        ref = paged_attention(q, cpu, 0, lay, hkv, D, D ** -0.5, True)
-        got = ta.paged_decode(q.to(dev), pool, 0, to(lay, dev), hkv, D, D ** -0.5, True)
-        row = {"shape": [B, C, S, hkv, g, D],
-               "max_abs_out": float((got.out.cpu() - ref.out.reshape(B, -1)).abs().max()),
-               "max_abs_mass": float((got.page_mass.cpu() - ref.page_mass).abs().max()),
-               "check_equal": bool(torch.equal(got.check.bad_mask.cpu(), ref.check.bad_mask)
-                                   and torch.equal(got.check.bad_slots.cpu(), ref.check.bad_slots))}
-        row["ok"] = row["max_abs_out"] < 1e-4 and row["max_abs_mass"] < 1e-4 and row["check_equal"]
-        res["correctness"].append(row)
-        print("correctness", row, flush=True)
-    from triton.testing import do_bench
+           "correctness": [], "sweep": [], "timing": []}
+    plain = ta.Tuning()
+    shapes = [(3, 5, 16, 2, 2, 64), (8, 40, 16, 4, 4, 128), (2, 70, 16, 8, 8, 128)]
+    for tn in (plain, ta.Tuning(32, 4, 4, False), ta.Tuning(32, 4, 4, True)):
+        for (B, C, S, hkv, g, D) in shapes:
+            pool, lay = make(B, C, S, hkv, D, torch.float32, dev, corrupt=6)
+            cpu = KVPool(1, hkv * D, S, pool.memory_bytes, dtype=torch.float32)
+            cpu.buf.copy_(pool.buf.cpu())
+            q = torch.randn(B, hkv * g, D)
+            ref = paged_attention(q, cpu, 0, lay, hkv, D, D ** -0.5, True)
+            got = ta.paged_decode(q.to(dev), pool, 0, to(lay, dev), hkv, D, D ** -0.5, True, tn)
+            row = {"shape": [B, C, S, hkv, g, D], "tuning": tn._asdict(),
+                   "max_abs_out": float((got.out.cpu() - ref.out.reshape(B, -1)).abs().max()),
+                   "max_abs_mass": float((got.page_mass.cpu() - ref.page_mass).abs().max()),
+                   "check_equal": bool(torch.equal(got.check.bad_mask.cpu(), ref.check.bad_mask)
+                                       and torch.equal(got.check.bad_slots.cpu(), ref.check.bad_slots))}
+            row["ok"] = row["max_abs_out"] < 1e-4 and row["max_abs_mass"] < 1e-4 and row["check_equal"]
+            res["correctness"].append(row)
+            print("correctness", row, flush=True)
     B, S, hkv, g, D = 32, 16, 8, 4, 128
-    for ctx in (2048, 8192, 32768):
+    Hq = hkv * g
+
+    def timed(ctx, tn):
         C = ctx // S
         pool, lay = make(B, C, S, hkv, D, torch.float16, dev)
         lay = to(lay._replace(seq_lens=torch.full((B,), ctx)), dev)
-        q = torch.randn(B, hkv * g, D, device=dev)
-        on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True))
-        off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False))
+        q = torch.randn(B, Hq, D, device=dev)
+        return pool, lay, q
+
+    # the sweep, at one context: fp16 K/V; each shape's output against the plain shape's
+    ctx = 8192
+    res["sweep_kind"] = os.environ.get("GPU_CHECK_SWEEP", "shapes")
+    pool, lay, q = timed(ctx, plain)
+    base = ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, plain)
+    kv_bytes = 2 * B * ctx * hkv * D * 2
+    sweep = [ta.Tuning(pps, pb, warps, dot) for pps in (8, 32) for pb in (1, 4, 8) for warps in (4, 8)
+             for dot in (False, True) if pb <= pps]
+    if os.environ.get("GPU_CHECK_SWEEP") == "dot":       # the second, finer sweep: tl.dot shapes only
+        sweep = [ta.Tuning(pps, pb, warps, True, stages) for pps in (16, 32, 64) for pb in (1, 2)
+                 for warps in (2, 4) for stages in (1, 2, 3, 4)]
+    for tn in sweep:
+        try:
+            got = ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn)
+            diff = float((got.out - base.out).abs().max())
+            same_check = bool(torch.equal(got.check.bad_mask, base.check.bad_mask))
+            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
+            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
+            row = {"tuning": tn._asdict(), "context": ctx, "max_abs_vs_plain": diff,
+                   "check_equal": same_check, "ms_check_on": on, "ms_check_off": off,
+                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+        except Exception as e:          # a shape that does not compile is a finding, not a crash
+            row = {"tuning": tn._asdict(), "context": ctx, "error": repr(e)[:300]}
+        res["sweep"].append(row)
+        print("sweep", row, flush=True)
+    good = [r for r in res["sweep"] if "error" not in r and r["max_abs_vs_plain"] < 2e-2 and r["check_equal"]]
+    best = ta.Tuning(**min(good, key=lambda r: r["ms_check_on"])["tuning"]) if good else plain
+    res["best"] = best._asdict()
+    del pool, lay, q, base
+    for ctx in (2048, 8192, 32768):
+        pool, lay, q = timed(ctx, plain)
         kv_bytes = 2 * B * ctx * hkv * D * 2
-        row = {"batch": B, "context": ctx, "heads_q": hkv * g, "heads_kv": hkv, "head_dim": D, "dtype": "float16",
-               "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
-               "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
-        res["timing"].append(row)
-        print("timing", row, flush=True)
+        for name, tn in (("plain", plain), ("best", best)):
+            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
+            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
+            row = {"shape": name, "tuning": tn._asdict(), "batch": B, "context": ctx, "heads_q": Hq,
+                   "heads_kv": hkv, "head_dim": D, "dtype": "float16",
+                   "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
+                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+            res["timing"].append(row)
+            print("timing", row, flush=True)
+        del pool, lay, q
+        torch.cuda.empty_cache()
     res["unix_time"] = int(time.time())
     text = json.dumps(res, indent=2) + "\n"
     for d in (os.environ.get("OUT"), str(Path(__file__).parent / "results")):
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
-            (Path(d) / "gpu_check.json").write_text(text)
+            name = "gpu_check_dot.json" if res["sweep_kind"] == "dot" else "gpu_check.json"
+            (Path(d) / name).write_text(text)
     return 0 if all(r["ok"] for r in res["correctness"]) else 1
 
 

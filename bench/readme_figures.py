@@ -432,9 +432,37 @@ def dashboard_replay_table(r: dict) -> str:
             f"{c['repeats']} warm runs.")
 
 
+def _tuning(t: dict) -> str:
+    return (f"{t['pages_per_split']} pages a split, {t['pages_per_block']} a block, {t['num_warps']} warps"
+            + (", tl.dot" if t["dot"] else ", broadcast sums") + (f", {t['num_stages']} stages" if "num_stages" in t else ""))
+
+
+def gpu_table(r: dict) -> str:
+    """bench/gpu_check.sh run twice: the broad sweep (gpu_check.json), then the tl.dot one (gpu_check_dot.json)."""
+    broad_f = ROOT / "bench" / "results" / "gpu_check.json"
+    broad = json.loads(broad_f.read_text()) if broad_f.exists() else None
+    ok = all(c["ok"] for c in r["correctness"]) and (broad is None or all(c["ok"] for c in broad["correctness"]))
+    worst = max(c["max_abs_out"] for c in r["correctness"] + (broad["correctness"] if broad else []))
+    rows = ["| context | shape | check on ms | check off ms | read check cost | K/V read GB/s |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for t in r["timing"]:
+        rows.append(f"| {t['context']:,} | {t['shape']} | {t['ms_check_on']:.2f} | {t['ms_check_off']:.2f} | "
+                    f"+{100 * t['check_cost']:.0f} % | {t['kv_gb_per_s_check_on']:,.0f} |")
+    n = len(r["sweep"]) + (len(broad["sweep"]) if broad else 0)
+    return "\n".join([
+        f"On one {r['device']} (torch {r['torch']}, Triton {r['triton']}), `bench/gpu_check.sh`: the kernel's output, "
+        f"attention mass and read check against the torch reference on pools with stale and foreign slots - "
+        f"{'all equal' if ok else 'NOT all equal'} (output within {worst:.1e}, fp32) for the plain launch shape and the "
+        f"swept ones; then {n} launch shapes timed at 8,192 tokens of context (batch {r['timing'][0]['batch']}, "
+        f"{r['timing'][0]['heads_q']} query / {r['timing'][0]['heads_kv']} KV heads of {r['timing'][0]['head_dim']}, "
+        f"fp16 K/V); the fastest, now the GPU default: {_tuning(r['best'])}. 'plain' is the shape the kernel had "
+        f"before it first ran on a GPU ({_tuning(r['timing'][0]['tuning'])}). Times are the whole call "
+        "(kernel, split-K epilogue, output allocations), `triton.testing.do_bench`:", "", *rows])
+
+
 SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
-            "peers_collect": peers_collect_table, "index": index_table}
+            "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 
 
 def main() -> None:

@@ -26,13 +26,16 @@ def decode_batches(draw):
     B, C = draw(st.integers(1, 4)), draw(st.integers(1, 12))
     seq = [draw(st.integers(1, C * S)) for _ in range(B)]
     corrupt = draw(st.lists(st.tuples(st.integers(0, B - 1), st.integers(0, C * S - 1), st.booleans()), max_size=4))
-    return S, hkv, g, D, B, C, seq, corrupt, draw(st.integers(0, 2 ** 31))
+    tuning = ta.Tuning(pages_per_split=draw(st.sampled_from([2, 8])), pages_per_block=draw(st.sampled_from([1, 2, 4])),
+                       dot=draw(st.booleans()))
+    return S, hkv, g, D, B, C, seq, corrupt, draw(st.integers(0, 2 ** 31)), tuning
 
 
 @settings(max_examples=25, deadline=None)
 @given(decode_batches())
 def test_kernel_matches_the_reference_on_random_shapes_with_stale_and_foreign_slots(case):
-    S, hkv, g, D, B, C, seq, corrupt, seed = case
+    """Every launch shape bench/gpu_check.py sweeps (pages per block, per split, tl.dot) computes the same."""
+    S, hkv, g, D, B, C, seq, corrupt, seed, tuning = case
     torch.manual_seed(seed)
     pool = KVPool(2, hkv * D, S, (B * C + 3) * KVPool.page_bytes_for(2, hkv * D, S))
     pool.buf.view(torch.float32)[:] = torch.randn(pool.buf.numel() // 4)
@@ -51,7 +54,7 @@ def test_kernel_matches_the_reference_on_random_shapes_with_stale_and_foreign_sl
     q = torch.randn(B, hkv * g, D)
     ref = paged_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True)
     before = ta.LAUNCHES
-    got = ta.paged_decode(q, pool, 1, lay, hkv, D, D ** -0.5, True)
+    got = ta.paged_decode(q, pool, 1, lay, hkv, D, D ** -0.5, True, tuning)
     assert ta.LAUNCHES == before + 1                     # the kernel ran, not a fallback
     torch.testing.assert_close(got.out, ref.out.reshape(B, -1), atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(got.page_mass, ref.page_mass, atol=1e-5, rtol=1e-4)
@@ -114,3 +117,14 @@ def test_unknown_backend_is_refused():
         from engine.llm import _check_backend
         _check_backend("cuda-graphs")
     assert EngineConfig().attention_backend == "torch"
+
+
+def test_the_gpu_default_is_the_fastest_shape_measured_on_a_gpu():
+    """README: the GPU default launch shape is the fastest of bench/gpu_check.sh's last sweep."""
+    import json
+    from pathlib import Path
+    r = json.loads((Path(__file__).resolve().parent.parent / "bench" / "results" / "gpu_check_dot.json").read_text())
+    assert all(c["ok"] for c in r["correctness"])
+    assert ta.Tuning(**r["best"]) == ta.GPU_DEFAULT
+    fastest = min((s for s in r["sweep"] if "error" not in s), key=lambda s: s["ms_check_on"])
+    assert ta.Tuning(**fastest["tuning"]) == ta.GPU_DEFAULT
