@@ -26,9 +26,27 @@ def interleaved(variants: dict, repeats: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
+def cpu() -> dict:
+    """The CPU a figure was measured on (the machines these benches run on differ between sessions:
+    e.g. AVX2-only vs AVX-512 with bf16 instructions, which changes what bf16 costs)."""
+    info = {"cores": __import__("os").cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    for line in text.splitlines():
+        if line.startswith("model name") and "model" not in info:
+            info["model"] = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            info["isa"] = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile") if f in flags]
+            break
+    return info
+
+
 def write(name: str, payload: dict) -> Path:
     RESULTS.mkdir(exist_ok=True)
-    payload = {"bench": name, "python": sys.version.split()[0], "machine": platform.machine(),
+    payload = {"bench": name, "python": sys.version.split()[0], "machine": platform.machine(), "cpu": cpu(),
                "unix_time": int(time.time()), **payload}
     out = RESULTS / f"{name}.json"
     out.write_text(json.dumps(payload, indent=2) + "\n")

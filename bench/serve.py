@@ -39,13 +39,15 @@ SERVER_ENV: dict = {}
 CONFIG = "context_length = 1024\n[unified]\npool_tokens = 40960\n"
 
 
-def _cpu_s(pid: int) -> float:
-    """User + system CPU seconds so far of a process, its threads and its live child processes (the
-    server's engine process), from /proc."""
+def _cpu_s(pid: int, kids: bool = True) -> float:
+    """User + system CPU seconds so far of a process, its threads and (``kids``) its live child
+    processes (the server's engine process), from /proc."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    kids = {int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()}
-    return own + sum(_cpu_s(k) for k in kids)
+    if not kids:
+        return own
+    children = {int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()}
+    return own + sum(_cpu_s(k) for k in children)
 
 
 def _port() -> int:
@@ -192,7 +194,7 @@ def main() -> None:
     engine = build_backend(model, tok, "unified", "hardened", ClusterSpec.load(str(tmp / "cluster.toml")), ApiKeys(None), tel,
                            **limits)
     sp = SamplingParams(max_tokens=args.new_tokens)
-    served, direct, direct_same, client_cpu, server_cpu, engine_cpu = [], [], [], [], [], []
+    served, direct, direct_same, client_cpu, server_cpu, engine_cpu, http_cpu = [], [], [], [], [], [], []
     server_threads = args.torch_threads or max(1, (os.cpu_count() or 1) - 1)   # `kvledger serve --torch-threads`
     try:
         for _ in range(2):                                                             # warm-up, every side
@@ -210,13 +212,14 @@ def main() -> None:
                     vllm_served.append(sum(o["tokens"] for o in out) / wall)
                     vllm_ttft += _ttfts(out)
                 elif which == "http":
-                    cpu0, scpu0 = time.process_time(), _cpu_s(server.pid)
+                    cpu0, scpu0, hcpu0 = time.process_time(), _cpu_s(server.pid), _cpu_s(server.pid, kids=False)
                     wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
                     tokens = sum(o["tokens"] for o in out)
                     http_ttft += _ttfts(out)
                     served.append(tokens / wall)
                     client_cpu.append((time.process_time() - cpu0) / wall)
                     server_cpu.append((_cpu_s(server.pid) - scpu0) / tokens)
+                    http_cpu.append((_cpu_s(server.pid, kids=False) - hcpu0) / tokens)
                 else:
                     t0, cpu0 = time.perf_counter(), time.process_time()
                     reqs = engine.generate(prompts, sp)
@@ -231,7 +234,8 @@ def main() -> None:
             print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s "
                   + (f"vllm serve {vllm_served[-1]:.0f} tok/s " if vllm_served else "") +
                   f"(at {server_threads} thread(s): {direct_same[-1]:.0f}); "
-                  f"CPU ms/token server {1e3 * server_cpu[-1]:.2f}, engine {1e3 * engine_cpu[-1]:.2f}, client share "
+                  f"CPU ms/token server {1e3 * server_cpu[-1]:.2f} (HTTP process {1e3 * http_cpu[-1]:.3f}), "
+                  f"engine {1e3 * engine_cpu[-1]:.2f}, client share "
                   f"{client_cpu[-1]:.2f}", flush=True)
         # why the server runs one torch thread fewer than the cores: the engine alone beside a process
         # that keeps one core busy (as the HTTP server and a local client do, in part)
@@ -276,6 +280,8 @@ def main() -> None:
            # alone in this process - what the HTTP layer costs in CPU, whatever the client takes
            "server_cpu_ms_per_token": 1e3 * statistics.median(server_cpu),
            "engine_cpu_ms_per_token": 1e3 * statistics.median(engine_cpu),
+           # of the server's: the HTTP process alone (HTTP, JSON, SSE, detokenizing; the engine's is the rest)
+           "http_process_cpu_ms_per_token": 1e3 * statistics.median(http_cpu),
            "cpu_efficiency_served_vs_engine": statistics.median(engine_cpu) / statistics.median(server_cpu),
            "engine_beside_a_busy_core_tokens_per_s": {f"{k}_threads": v for k, v in contended.items()},
            "soak": {"requests": len(soak), "dropped": sum(1 for o in soak if o.get("dropped")),

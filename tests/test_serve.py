@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from forensics.queries.duckdb import Forensics
 from telemetry.store import verify
@@ -573,3 +574,27 @@ def test_sigterm_drains_within_its_timeout_and_answers_what_it_cuts_and_the_metr
             assert o[1] == 200 and '"server_shutting_down"' in o[2][0] and o[2][1] == "data: [DONE]", o
     assert took < 2 + 20, took                   # a liveness bound (it was the timeout twice over, plus)
     assert verify(s.store).sealed
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_incremental_detokenizing_adds_up_to_one_decode_of_the_whole_output(tiny_llama, data):
+    """The SSE path decodes only the new ids and a window before them (not the whole output per
+    token): the deltas, in any step sizes, add up to one decode of everything, and hold back a
+    partial UTF-8 character until it is whole (byte tokenizer, multi-byte text)."""
+    from engine.models.tokenizer import ByteTokenizer, HFTokenizer
+    from engine.server.app import Decoder
+    bpe = HFTokenizer.from_dir(tiny_llama)
+    tok, ids = data.draw(st.one_of(
+        st.tuples(st.just(bpe), st.lists(st.integers(3, 511), min_size=1, max_size=60)),
+        st.tuples(st.just(ByteTokenizer()),
+                  st.text(alphabet="aé€😀 ,.", min_size=1, max_size=30).map(lambda t: list(t.encode()))),
+    ))
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, len(ids)), max_size=len(ids)))) | {len(ids)})
+    dec, deltas, last = Decoder(tok), [], 0
+    for i, cut in enumerate(cuts):
+        deltas.append(dec.add(ids[last:cut], final=i == len(cuts) - 1))
+        last = cut
+    assert "".join(deltas) == tok.decode(ids) == dec.text
+    if "\ufffd" not in tok.decode(ids):
+        assert not any("\ufffd" in d for d in deltas)

@@ -66,17 +66,28 @@ def render_chat(state: State, messages: list[P.ChatMessage]) -> str:
 
 
 class Decoder:
-    """Detokenizes a growing list of ids into text deltas (holding back a partial UTF-8 character)."""
+    """Detokenizes a growing list of ids into text deltas (holding back a partial UTF-8 character),
+    incrementally as vLLM does: each call decodes only the ids since the last emitted text plus
+    the window before them (``prefix``..``read``), not the whole output again; the final call
+    reconciles with one decode of everything, so the deltas always add up to ``decode(ids)``."""
 
     def __init__(self, tokenizer):
         self.tok, self.ids, self.text = tokenizer, [], ""
+        self.prefix = self.read = 0          # ids[prefix:read]: the window already emitted as text
 
     def add(self, ids: list[int], final: bool = False) -> str:
         self.ids += ids
-        text = self.tok.decode(self.ids)
-        if not final and (text.endswith("\ufffd") or not text.startswith(self.text)):
+        if final:
+            text = self.tok.decode(self.ids)
+            delta, self.text = text[len(self.text):], text
+            return delta
+        before = self.tok.decode(self.ids[self.prefix:self.read]) if self.read > self.prefix else ""
+        now = self.tok.decode(self.ids[self.prefix:])
+        if len(now) <= len(before) or now.endswith("\ufffd") or not now.startswith(before):
             return ""
-        delta, self.text = text[len(self.text):], text
+        delta = now[len(before):]
+        self.prefix, self.read = self.read, len(self.ids)
+        self.text += delta
         return delta
 
 
@@ -351,7 +362,7 @@ async def _next(state: State, request: Request, stream: Stream, checked: list[fl
     dropped client's request is let go within a step or two instead of running to max_tokens."""
     while True:
         try:
-            ev = await asyncio.wait_for(stream.events.get(), timeout=0.5)
+            ev = await asyncio.wait_for(stream.events.get(), timeout=DISCONNECT_CHECK_S)
         except asyncio.TimeoutError:
             ev = None
         now = time.monotonic()
@@ -365,20 +376,18 @@ async def _next(state: State, request: Request, stream: Stream, checked: list[fl
 
 
 async def _whole(state: State, request: Request, stream: Stream, chat: bool):
-    dec = Decoder(state.tokenizer)
+    stream.final_only = True             # one wake-up, at the end (and one every DISCONNECT_CHECK_S)
     checked = [time.monotonic()]
     while True:
         ev = await _next(state, request, stream, checked)
         if ev is None:
             return Response(status_code=499)
-        tokens, finished = ev
-        dec.add(tokens, final=finished)
-        if finished:
+        if ev[1]:
             break
     req = stream.req
     if (bad := _failed(req)) is not None:
         return bad
-    body = (P.chat_completion if chat else P.completion)(req, state.model_name, dec.text)
+    body = (P.chat_completion if chat else P.completion)(req, state.model_name, state.tokenizer.decode(req.output_ids))
     return JSONResponse(body)
 
 
@@ -386,6 +395,9 @@ async def _sse(state: State, request: Request, stream: Stream, chat: bool, inclu
     """Server-sent events; a client that disconnects cancels this generator, which aborts its request
     through the engine's abort path (the cluster's, in disaggregated mode)."""
     req, dec = stream.req, Decoder(state.tokenizer)
+    # a token's chunk is the same JSON but for its text: built once, the text spliced in per token
+    mark = "\x00kvledger-delta\x00"
+    pre, post = json.dumps(P.chunk(req, state.model_name, chat, mark, None)).split(json.dumps(mark))
     try:
         if chat:
             first = P.chunk(req, state.model_name, True, None, None)
@@ -406,7 +418,7 @@ async def _sse(state: State, request: Request, stream: Stream, chat: bool, inclu
                     yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, None, None, with_usage=True))}\n\n"
                 break
             if delta:
-                yield f"data: {json.dumps(P.chunk(req, state.model_name, chat, delta, None))}\n\n"
+                yield f"data: {pre}{json.dumps(delta)}{post}\n\n"
         yield "data: [DONE]\n\n"
     finally:
         if not req.is_finished:

@@ -40,6 +40,8 @@ class Stream:
     sent: int = 0
     done: bool = False
     on_done: "Callable | None" = None      # called with the request once it has finished (on the event loop)
+    final_only: bool = False               # wake the handler only when the request finishes (non-streamed:
+                                           # its tokens are in req.output_ids; no wake-up per step)
 
     def push(self, tokens: list[int], finished: bool) -> None:
         self.loop.call_soon_threadsafe(self.events.put_nowait, (tokens, finished))
@@ -48,7 +50,8 @@ class Stream:
 def _put_all(batch: list) -> None:
     """On the event loop: one step's events for every stream, from one wake-up."""
     for stream, event in batch:
-        stream.events.put_nowait(event)
+        if event[1] or not stream.final_only:
+            stream.events.put_nowait(event)
         if event[1] and stream.on_done is not None:
             stream.on_done(stream.req)
 

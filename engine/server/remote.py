@@ -415,6 +415,7 @@ def _deliver_all(batch: list) -> None:
         req.output_ids += tokens
         if final is not None:
             req.finish(final)
-        stream.events.put_nowait((tokens, final is not None))
+        if final is not None or not stream.final_only:
+            stream.events.put_nowait((tokens, final is not None))
         if final is not None and stream.on_done is not None:
             stream.on_done(req)
