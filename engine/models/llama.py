@@ -116,6 +116,23 @@ PACK_ROWS = 32      # the row count oneDNN's weight layout is chosen for (vLLM-C
 # loads it: at 64 rows of the big shape's gate_up 31 ms against 63 for an fp32 copy through F.linear);
 # more rows get the fp32 copy and F.linear (512 rows: 170 ms against the kernel's 254)
 BF16_KERNEL_ROWS = 64
+BF16_GEMM_CALLS = 0     # products run in bf16 through oneDNN (tests tell that path ran)
+
+
+def bf16_gemm() -> bool:
+    """Whether a bf16 weight's prefill-sized products (more than BF16_KERNEL_ROWS rows) run in bf16
+    through oneDNN - activations rounded to bf16, fp32 accumulation, bf16 results, as vLLM-CPU and
+    transformers run bf16 - rather than on an fp32 copy of the weight: where the CPU has bf16
+    dot-product instructions (AVX512-BF16 or AMX), on which that product is about twice as fast as
+    fp32's (on an AVX2-only CPU torch's bf16 product is several times slower than fp32's).
+    ``KVLEDGER_BF16_GEMM=1`` / ``0`` forces it on / off (tests run both paths on any CPU)."""
+    import os
+    env = os.environ.get("KVLEDGER_BF16_GEMM")
+    if env in ("0", "1"):
+        return env == "1"
+    cpu = getattr(torch, "cpu", None)
+    return bool(cpu is not None and (getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+                                     or getattr(cpu, "_is_amx_tile_supported", lambda: False)()))
 
 
 def packing_available() -> bool:
@@ -141,8 +158,9 @@ class Linear:
     weight prepacked (vLLM-CPU does the same), else F.linear. With both layouts present the weight
     as loaded is dropped (it would be a third copy); each path falls back to the next. A bf16 weight
     (``--dtype bfloat16``) stays bf16 - half the bytes each decode step reads - and the arithmetic
-    is fp32: the kernel widens it as it loads it, F.linear gets an fp32 copy for the call."""
-    __slots__ = ("weight", "bias", "onednn", "rows", "n", "k")
+    is fp32 for a decode step's few rows (the kernel widens it as it loads it); more rows get an fp32
+    copy for F.linear, or, where the CPU multiplies bf16 natively (``bf16_gemm``), run in bf16."""
+    __slots__ = ("weight", "bias", "onednn", "rows", "n", "k", "bf16mm")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
         self.n, self.k = weight.shape
@@ -154,6 +172,7 @@ class Linear:
         # always (more rows than the kernel's get the packed copy widened back for the call)
         covered = self.rows is not None and (self.onednn is not None or not fp32)
         self.weight = None if covered else weight
+        self.bf16mm = weight.dtype == torch.bfloat16 and bf16_gemm()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not x.is_contiguous():
@@ -169,6 +188,12 @@ class Linear:
                 return out
         if self.onednn is not None and x.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
+        if self.bf16mm and x.shape[0] > BF16_KERNEL_ROWS:     # a decode step's rows stay fp32 on either path
+            global BF16_GEMM_CALLS
+            BF16_GEMM_CALLS += 1
+            w = self.weight if self.weight is not None else rows.transpose(1, 2).reshape(-1, self.k)[:self.n]
+            b = self.bias.to(torch.bfloat16) if self.bias is not None else None
+            return F.linear(x.to(torch.bfloat16), w, b).to(x.dtype)
         w = self.weight if self.weight is not None else rows.to(x.dtype).transpose(1, 2).reshape(-1, self.k)[:self.n]
         return F.linear(x, w.to(x.dtype), self.bias)
 
