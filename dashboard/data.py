@@ -76,7 +76,7 @@ def verified(store: str | Path) -> HashCache:
 
 # the queries the state line (banner and tiles) needs: run first, so the page's state is drawn
 # before the sections' own queries run
-BANNER = ("exposures", "scores", "ttft", "guards", "preflight", "gaps")
+BANNER = ("exposures", "scores", "served", "guards", "preflight", "gaps")
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
         "fleet_ttft", "fleet_impact", "canary", "gaps")
@@ -297,7 +297,7 @@ class Panels:
             if not self.fx.rows("page_reads") and not self.fx.rows("page_writes"):
                 amber.append("no page ledger: who read whose KV cannot be established")
             g = self._q("guards")
-            served = self._q("ttft").height if not pre.is_empty() else 0
+            served = int(self._q("served")["served"][0]) if not pre.is_empty() else 0    # = ttft's rows
             idle = g.filter(pl.col("idle_but_on"))["guard"].to_list() if g.height and served else []
             if idle:
                 amber.append(f"guard(s) on but never run on {served} request(s): {', '.join(idle[:3])}")

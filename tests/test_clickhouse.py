@@ -66,6 +66,9 @@ def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
             a, b = named_query(d, name), named_query(c, name)     # fleet_tenants: from two queries
             same(a, b, name)
             rows[name] = a.height
+        # the dashboard banner's count of served requests (not a command): ttft's rows, on both engines
+        same(d.query("served"), c.query("served"), "served")
+        assert d.query("served")["served"][0] == rows["ttft"]
         same(d.exposure_slots(), c.exposure_slots(), "exposure_slots", ordered=False)
         same(d.requests(), c.requests(), "requests", ordered=False)
         assert d.indexed and c.indexed          # both answered from the exposure index; the join agrees on both
@@ -99,6 +102,10 @@ def test_clickhouse_answers_every_query_as_duckdb_does_on_the_incident(which, re
                 a, b = Forensics(store).query(name, t0, t0), c.query(name, t0, t0)
                 same(a, b, f"{name} in a window inside one read run")
                 assert a.height > 0
+            half = slots["ts_first"].min() + (slots["ts_last"].max() - slots["ts_first"].min()) / 2
+            a, b = Forensics(store).query("served", None, half), c.query("served", None, half)
+            same(a, b, "served in a window")
+            assert a["served"][0] == Forensics(store).query("ttft", None, half).height > 0
         finally:
             c.close()
 
