@@ -150,26 +150,39 @@ def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dro
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("gemm", ["fp32", "bf16"])
 @pytest.mark.parametrize("M", [1, 8, 64, 65, 200])
-def test_a_bf16_weight_is_kept_once_in_bf16_and_multiplied_in_fp32(M):
-    """--dtype bfloat16: the weight stays bf16 (one copy, the packed one), the products are fp32 on the
-    widened values - through the native kernel up to BF16_KERNEL_ROWS rows (bit for bit its result),
-    through F.linear on an fp32 copy beyond - bias included, 3-D and strided inputs too."""
+def test_a_bf16_weight_stays_bf16_and_a_decode_steps_products_are_fp32(M, gemm, monkeypatch):
+    """--dtype bfloat16: the weight stays bf16; up to BF16_KERNEL_ROWS rows the products are fp32 on
+    the widened values in the native kernel (bit for bit its result); beyond, on a CPU without bf16
+    instructions (gemm "fp32") F.linear on an fp32 copy - the packed copy the only one kept - and on
+    one with them (gemm "bf16": llama.bf16_gemm) bf16 products through oneDNN on the weight as loaded,
+    kept beside the packed one. Bias included, 3-D and strided inputs too."""
+    monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1" if gemm == "bf16" else "0")
     torch.manual_seed(M)
     N, K = 72, 200
     w, b = torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
     x = torch.randn(M, K)
-    want = F.linear(x, w.float(), b)
     lin = llama.Linear(w, b, onednn=llama.packing_available())
-    assert lin.weight is None and lin.onednn is None and lin.rows.dtype == torch.bfloat16
-    assert lin.rows.numel() == -(-N // kernels.ROW_BLOCK) * kernels.ROW_BLOCK * K      # one copy, bf16
-    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=1e-4)
+    assert lin.onednn is None and lin.rows.dtype == torch.bfloat16
+    assert lin.rows.numel() == -(-N // kernels.ROW_BLOCK) * kernels.ROW_BLOCK * K      # the packed copy, bf16
+    assert (lin.weight is None) == (gemm == "fp32")
+    assert gemm == "fp32" or (lin.weight.dtype == torch.bfloat16 and torch.equal(lin.weight, w))
+    bf16_products = gemm == "bf16" and M > llama.BF16_KERNEL_ROWS
+
+    def want(x):
+        if bf16_products:
+            return F.linear(x.to(torch.bfloat16), w, b.to(torch.bfloat16)).float()
+        return F.linear(x, w.float(), b)
+    torch.testing.assert_close(lin(x), want(x), atol=1e-4, rtol=1e-4)
     assert lin(x).dtype == torch.float32
+    if bf16_products:                      # within bf16's precision of the fp32 product
+        torch.testing.assert_close(lin(x), F.linear(x, w.float(), b), atol=0.2, rtol=2e-2)
     if M <= llama.BF16_KERNEL_ROWS:
         assert torch.equal(lin(x), kernels.linear(x, lin.rows, N, b))
     wide = torch.randn(M, K + 8)[:, 3:3 + K]
-    torch.testing.assert_close(lin(wide), F.linear(wide, w.float(), b), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(lin(x.view(1, M, K)), want[None], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lin(wide), want(wide), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(lin(x.view(1, M, K)), want(x)[None], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("native", [True, False])

@@ -171,13 +171,14 @@ class Linear:
         # the loaded weight is dropped where the layouts cover every path: fp32 with oneDNN's, bf16
         # always (more rows than the kernel's get the packed copy widened back for the call)
         covered = self.rows is not None and (self.onednn is not None or not fp32)
-        self.weight = None if covered else weight
         self.bf16mm = weight.dtype == torch.bfloat16 and bf16_gemm()
+        # bf16 products through oneDNN read the weight as loaded ([n, k]): kept beside the packed rows
+        # (rebuilding it from them each call was a tenth of a bf16 prefill); two bf16 layouts are
+        # still half of fp32's two (its packed rows and oneDNN's)
+        self.weight = None if covered and not self.bf16mm else weight.contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 or not x.is_contiguous():
-            if self.weight is not None:
-                return F.linear(x, self.weight.to(x.dtype), self.bias)
             lead = x.shape[:-1]
             return self(x.reshape(-1, self.k).contiguous()).view(*lead, self.n)
         rows = self.rows
