@@ -169,7 +169,7 @@ class Linear:
         self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if onednn and fp32 else None
         self.rows = kernels.pack_rows(weight)       # fp32 or bf16 (None: the native kernels are off)
         # the loaded weight is dropped where the layouts cover every path: fp32 with oneDNN's, bf16
-        # always (more rows than the kernel's get the packed copy widened back for the call)
+        # unless it runs bf16 products (more rows than the kernel's get the packed copy widened back)
         covered = self.rows is not None and (self.onednn is not None or not fp32)
         self.bf16mm = weight.dtype == torch.bfloat16 and bf16_gemm()
         # bf16 products through oneDNN read the weight as loaded ([n, k]): kept beside the packed rows
@@ -192,9 +192,8 @@ class Linear:
         if self.bf16mm and x.shape[0] > BF16_KERNEL_ROWS:     # a decode step's rows stay fp32 on either path
             global BF16_GEMM_CALLS
             BF16_GEMM_CALLS += 1
-            w = self.weight if self.weight is not None else rows.transpose(1, 2).reshape(-1, self.k)[:self.n]
             b = self.bias.to(torch.bfloat16) if self.bias is not None else None
-            return F.linear(x.to(torch.bfloat16), w, b).to(x.dtype)
+            return F.linear(x.to(torch.bfloat16), self.weight, b).to(x.dtype)     # (kept whenever bf16mm)
         w = self.weight if self.weight is not None else rows.to(x.dtype).transpose(1, 2).reshape(-1, self.k)[:self.n]
         return F.linear(x, w.to(x.dtype), self.bias)
 
