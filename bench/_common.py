@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -29,7 +30,7 @@ def interleaved(variants: dict, repeats: int) -> dict[str, float]:
 def cpu() -> dict:
     """The CPU a figure was measured on (the machines these benches run on differ between sessions:
     e.g. AVX2-only vs AVX-512 with bf16 instructions, which changes what bf16 costs)."""
-    info = {"cores": __import__("os").cpu_count()}
+    info = {"cores": os.cpu_count()}
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
