@@ -5,10 +5,13 @@
 2. a sweep of launch shapes (engine.triton_attention.Tuning: pages per loop block, pages per
    split, warps, tl.dot on tensor cores) at one context, each checked against the plain shape
    and timed with the read check on and off; the fastest (check on) is "best".
-3. timing (triton.testing.do_bench) of the plain shape and of the best one, check on and off
+3. timing (triton.testing.do_bench) of the plain shape, the best one and the engine's GPU default
+   (engine.triton_attention.GPU_DEFAULT), check on and off
    (CHECK=False: a plain paged decode, same code without the tag/generation loads), at several
    context lengths; bytes of K/V read per second.
-Writes JSON to $OUT/gpu_check.json (and bench/results/; gpu_check_dot.json for GPU_CHECK_SWEEP=dot).
+GPU_CHECK_SWEEP=dot: a finer sweep of tl.dot shapes in step 2. GPU_CHECK_SWEEP=split: instead of
+steps 2-3, the GPU default with 8-64 pages per split, per batch size and context.
+Writes JSON to $OUT/gpu_check.json (and bench/results/; gpu_check_dot.json, gpu_check_split.json).
 """
 from __future__ import annotations
 
@@ -86,16 +89,18 @@ def main() -> int:
     B, S, hkv, g, D = 32, 16, 8, 4, 128
     Hq = hkv * g
 
-    def timed(ctx, tn):
+    def timed(ctx, tn, batch=B):
         C = ctx // S
-        pool, lay = make(B, C, S, hkv, D, torch.float16, dev)
-        lay = to(lay._replace(seq_lens=torch.full((B,), ctx)), dev)
-        q = torch.randn(B, Hq, D, device=dev)
+        pool, lay = make(batch, C, S, hkv, D, torch.float16, dev)
+        lay = to(lay._replace(seq_lens=torch.full((batch,), ctx)), dev)
+        q = torch.randn(batch, Hq, D, device=dev)
         return pool, lay, q
 
+    res["sweep_kind"] = os.environ.get("GPU_CHECK_SWEEP", "shapes")
+    if res["sweep_kind"] == "split":
+        return split_sweep(res, timed, B, hkv, D, do_bench)
     # the sweep, at one context: fp16 K/V; each shape's output against the plain shape's
     ctx = 8192
-    res["sweep_kind"] = os.environ.get("GPU_CHECK_SWEEP", "shapes")
     pool, lay, q = timed(ctx, plain)
     base = ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, plain)
     kv_bytes = 2 * B * ctx * hkv * D * 2
@@ -125,7 +130,7 @@ def main() -> int:
     for ctx in (2048, 8192, 32768):
         pool, lay, q = timed(ctx, plain)
         kv_bytes = 2 * B * ctx * hkv * D * 2
-        for name, tn in (("plain", plain), ("best", best)):
+        for name, tn in (("plain", plain), ("best", best), ("default", ta.GPU_DEFAULT)):
             on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
             off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
             row = {"shape": name, "tuning": tn._asdict(), "batch": B, "context": ctx, "heads_q": Hq,
@@ -136,14 +141,37 @@ def main() -> int:
             print("timing", row, flush=True)
         del pool, lay, q
         torch.cuda.empty_cache()
+    return write(res)
+
+
+def write(res: dict) -> int:
     res["unix_time"] = int(time.time())
     text = json.dumps(res, indent=2) + "\n"
+    name = {"dot": "gpu_check_dot.json", "split": "gpu_check_split.json"}.get(res["sweep_kind"], "gpu_check.json")
     for d in (os.environ.get("OUT"), str(Path(__file__).parent / "results")):
         if d:
             Path(d).mkdir(parents=True, exist_ok=True)
-            name = "gpu_check_dot.json" if res["sweep_kind"] == "dot" else "gpu_check.json"
             (Path(d) / name).write_text(text)
     return 0 if all(r["ok"] for r in res["correctness"]) else 1
+
+
+def split_sweep(res: dict, timed, B: int, hkv: int, D: int, do_bench) -> int:
+    """GPU_CHECK_SWEEP=split: the GPU default with 8-64 pages per split, per batch size and context."""
+    for batch, ctx in ((32, 2048), (32, 8192), (32, 32768), (4, 2048), (4, 8192), (4, 32768), (1, 32768)):
+        pool, lay, q = timed(ctx, None, batch)
+        kv_bytes = 2 * batch * ctx * hkv * D * 2
+        for pps in (8, 16, 32, 64):
+            tn = ta.GPU_DEFAULT._replace(pages_per_split=pps)
+            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
+            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
+            row = {"batch": batch, "context": ctx, "pages_per_split": pps,
+                   "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
+                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+            res["sweep"].append(row)
+            print("split", row, flush=True)
+        del pool, lay, q
+        torch.cuda.empty_cache()
+    return write(res)
 
 
 if __name__ == "__main__":

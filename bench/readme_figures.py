@@ -477,15 +477,36 @@ def gpu_table(r: dict) -> str:
         rows.append(f"| {t['context']:,} | {t['shape']} | {t['ms_check_on']:.2f} | {t['ms_check_off']:.2f} | "
                     f"+{100 * t['check_cost']:.0f} % | {t['kv_gb_per_s_check_on']:,.0f} |")
     n = len(r["sweep"]) + (len(broad["sweep"]) if broad else 0)
+    default = next(t["tuning"] for t in r["timing"] if t["shape"] == "default")
+    ok_sweep = [s for s in r["sweep"] if "error" not in s]
+    best_ms = min(s["ms_check_on"] for s in ok_sweep)
+    dflt_ms = next(s["ms_check_on"] for s in ok_sweep if s["tuning"] == default)
+    split_rows: list[str] = []
+    split_f = ROOT / "bench" / "results" / "gpu_check_split.json"
+    if split_f.exists():
+        sp = json.loads(split_f.read_text())["sweep"]
+        pps = sorted({s["pages_per_split"] for s in sp})
+        cases = sorted({(s["batch"], s["context"]) for s in sp}, key=lambda c: (-c[0], c[1]))
+        split_rows = ["", "The default's pages per split, against its neighbours (`GPU_CHECK_SWEEP=split`; ms a call, "
+                      "read check on). From 8 k tokens on at batch 32, 64-page splits are fastest; below, a call "
+                      "is bound by its host-side work (allocations, the split-K epilogue: about 0.3 ms) and the "
+                      "split barely matters - the same shape timed twice can differ 2x there:", "",
+                      "| batch | context | " + " | ".join(f"{p} pages" for p in pps) + " |",
+                      "| --- | --- | " + " | ".join("---" for _ in pps) + " |"]
+        for b, c in cases:
+            ms = {s["pages_per_split"]: s["ms_check_on"] for s in sp if (s["batch"], s["context"]) == (b, c)}
+            split_rows.append(f"| {b} | {c:,} | " + " | ".join(f"{ms[p]:.2f}" for p in pps) + " |")
     return "\n".join([
         f"On one {r['device']} (torch {r['torch']}, Triton {r['triton']}), `bench/gpu_check.sh`: the kernel's output, "
         f"attention mass and read check against the torch reference on pools with stale and foreign slots - "
         f"{'all equal' if ok else 'NOT all equal'} (output within {worst:.1e}, fp32) for the plain launch shape and the "
         f"swept ones; then {n} launch shapes timed at 8,192 tokens of context (batch {r['timing'][0]['batch']}, "
         f"{r['timing'][0]['heads_q']} query / {r['timing'][0]['heads_kv']} KV heads of {r['timing'][0]['head_dim']}, "
-        f"fp16 K/V); the fastest, now the GPU default: {_tuning(r['best'])}. 'plain' is the shape the kernel had "
+        f"fp16 K/V); the fastest this run: {_tuning(r['best'])}; the GPU default ('default'), {_tuning(default)}, "
+        f"{100 * (dflt_ms / best_ms - 1):.1f} % behind it (pipelining depths of one shape differ by noise). "
+        f"'plain' is the shape the kernel had "
         f"before it first ran on a GPU ({_tuning(r['timing'][0]['tuning'])}). Times are the whole call "
-        "(kernel, split-K epilogue, output allocations), `triton.testing.do_bench`:", "", *rows])
+        "(kernel, split-K epilogue, output allocations), `triton.testing.do_bench`:", "", *rows, *split_rows])
 
 
 SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
