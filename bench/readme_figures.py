@@ -103,11 +103,13 @@ def engine_bf16_table(r: dict) -> str:
     reps = {x["config"]["repeats"] for x in w.values()}
     return "\n".join([
         f"bf16, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, {r.get('threads', 2)} torch "
-        "thread(s) for every engine (kvledger: weights and KV stored in bf16, a decode step's arithmetic fp32, a "
-        "prefill's products in bf16 where the CPU has bf16 instructions, in fp32 elsewhere; transformers and "
-        "vLLM-CPU: their own bf16 models):", "", *rows, "",
+        "thread(s) for every engine (kvledger: weights and KV stored in bf16; where the CPU has bf16 instructions "
+        "the products in bf16 through oneDNN - all of them on weights of 2^18 values or more, a smaller weight's "
+        "decode rows in fp32 - elsewhere all arithmetic fp32; transformers and vLLM-CPU: their own bf16 models):",
+        "", *rows, "",
         f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "
-        f"against vLLM's bf16 (it computes in bf16, kvledger in fp32 on bf16 values: they drift apart): {div}. "
+        f"against vLLM's bf16 (both round to bf16, at different points - attention, norms and activations are fp32 "
+        f"in kvledger - so they drift apart): {div}. "
         + _measured(w)])
 
 

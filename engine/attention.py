@@ -50,7 +50,9 @@ class VarlenPlan(NamedTuple):
     dec_pages: torch.Tensor      # [Bd, Cd] pages to read (clamped; masked by dec_bias)
     dec_bias: torch.Tensor       # [Bd, 1, Cd * S] 0 for a key slot inside [0, seq_len), -inf outside
     dec_seq: torch.Tensor        # [Bd] seq_len of each decode request
-    pre: tuple                   # per prefill chunk: (b, first token, q_len, pages [Cb], mask [q_len, Cb * S])
+    # per prefill chunk: (b, first token, q_len, pages [Cb], mask [q_len, Cb * S], whether the chunk is
+    # the request's whole context so far - its first chunk, nothing cached: plain causal attention)
+    pre: tuple
 
 
 class BatchLayout(NamedTuple):
@@ -88,7 +90,7 @@ class BatchLayout(NamedTuple):
             q, n, cb = int(ql[b]), int(sl[b]), int(pages_of[b])
             kpos = np.arange(cb * S)
             mask = (kpos[None, :] <= np.arange(n - q, n)[:, None]) & (kpos[None, :] < n)
-            pre.append((b, int(starts[b]), q, t(bt[b, :cb]), t(mask)))
+            pre.append((b, int(starts[b]), q, t(bt[b, :cb]), t(mask), q == n))
         plan = VarlenPlan(t(dec_b), t(starts[dec_b]), t(np.ascontiguousarray(bt[dec_b, :Cd])), t(dec_bias),
                           t(sl[dec_b]), tuple(pre))
         return BatchLayout(block_tables, t(sl), t(ql), t(positions), t(tok_batch), t(tok_row),
@@ -240,7 +242,7 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
                          for h in range(num_kv_heads)], 1)
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
-    for b, t0, ql, pages, mask in plan.pre:
+    for b, t0, ql, pages, mask, from_start in plan.pre:
         cb = len(pages)
         k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
         v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
@@ -251,9 +253,12 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
             out[t0:t0 + ql] = o.reshape(ql, Hq, D)
             page_mass[b, :cb] = mass.view(cb, S).sum(-1) / (Hq * ql)
         else:
+            causal = from_start      # keys 0..ql-1 under the square causal mask: SDPA skips masked blocks
+            if causal:
+                k, v = k[:ql], v[:ql]
             o = F.scaled_dot_product_attention(qb.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
-                                               enable_gqa=True)
+                                               v.transpose(0, 1)[None], attn_mask=None if causal else mask,
+                                               is_causal=causal, scale=scale, enable_gqa=True)
             out[t0:t0 + ql] = o[0].transpose(0, 1)
             page_mass[b, :cb] = float("nan")
     return AttentionOutput(out.view(T, Hq * D), page_mass, chk)

@@ -41,7 +41,8 @@ def add_arguments(g) -> None:
     g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                    help="how the weights and the KV pool are stored (default float32; bfloat16: half the memory "
-                        "and the bytes a decode step reads, arithmetic still fp32; an HF checkpoint only)")
+                        "and the bytes a decode step reads; products in bf16 where the CPU multiplies bf16 "
+                        "(AVX512-BF16, AMX), else fp32 arithmetic; an HF checkpoint only)")
     g.add_argument("--no-check", action="store_true", help="disable the read-time provenance check")
     g.add_argument("--format", choices=["text", "json"], default="text",
                    help="text (default): the completion, then its stats table on stderr; json: one object with both")

@@ -14,7 +14,8 @@ def add_arguments(sv) -> None:
     sv.add_argument("--model", default="recall", help="'recall' (default) or an HF-format directory")
     sv.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="how the weights and the KV pools are stored (default float32; bfloat16: half the memory "
-                         "and the bytes a decode step reads, arithmetic still fp32; an HF checkpoint only)")
+                         "and the bytes a decode step reads; products in bf16 where the CPU multiplies bf16 "
+                         "(AVX512-BF16, AMX), else fp32 arithmetic; an HF checkpoint only)")
     sv.add_argument("--policy", choices=["vulnerable", "hardened"], default="hardened",
                     help="hardened (default): every guard on; vulnerable: the incident's behaviour, with a warning")
     sv.add_argument("--mode", choices=["unified", "disaggregated"], default="unified",

@@ -82,6 +82,7 @@ def _build() -> ctypes.CDLL:
     for name, args in (("kvl_paged_decode_f32", decode), ("kvl_paged_decode_bf16", decode),
                        ("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
+                       ("kvl_silu_mul_bf16", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
                        ("kvl_scatter_rows_f32", scatter), ("kvl_scatter_rows_bf16", scatter),
                        ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
@@ -167,13 +168,16 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
 
 
 def silu_mul(gu: torch.Tensor) -> torch.Tensor | None:
-    """silu(gate) * up of rows [gate | up] ([T, 2I] -> [T, I]); None: not run."""
+    """silu(gate) * up of rows [gate | up] ([T, 2I] -> [T, I]), fp32 or bf16 rows (the result in
+    the same type; bf16: computed in fp32, rounded once); None: not run."""
     lib = native()
-    if lib is None or not _rows_ok(gu):
+    bf16 = gu.dtype == torch.bfloat16
+    if lib is None or not (_rows_ok(gu) or (bf16 and gu.is_cpu and gu.dim() == 2 and gu.stride(1) == 1)):
         return None
     T, I2 = gu.shape
-    out = torch.empty(T, I2 // 2)
-    lib.kvl_silu_mul_f32(gu.data_ptr(), gu.stride(0), out.data_ptr(), I2 // 2, T, I2 // 2, torch.get_num_threads())
+    out = torch.empty(T, I2 // 2, dtype=gu.dtype)
+    getattr(lib, "kvl_silu_mul" + STORED[gu.dtype])(gu.data_ptr(), gu.stride(0), out.data_ptr(), I2 // 2, T, I2 // 2,
+                                                   torch.get_num_threads())
     return out
 
 

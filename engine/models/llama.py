@@ -79,10 +79,12 @@ def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.T
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of rows [gate | up]."""
+    """silu(gate) * up of rows [gate | up], in their type (fp32, or bf16 computed in fp32)."""
     out = kernels.silu_mul(gate_up)
     if out is None:
         gate, up = gate_up.chunk(2, dim=-1)
+        if gate_up.dtype == torch.bfloat16:      # as the kernel: in fp32, rounded once
+            return (F.silu(gate.float()) * up.float()).to(torch.bfloat16)
         out = F.silu(gate) * up
     return out
 
@@ -116,7 +118,11 @@ PACK_ROWS = 32      # the row count oneDNN's weight layout is chosen for (vLLM-C
 # loads it: at 64 rows of the big shape's gate_up 31 ms against 63 for an fp32 copy through F.linear);
 # more rows get the fp32 copy and F.linear (512 rows: 170 ms against the kernel's 254)
 BF16_KERNEL_ROWS = 64
-BF16_GEMM_CALLS = 0     # products run in bf16 through oneDNN (tests tell that path ran)
+BF16_GEMM_CALLS = 0     # products run in bf16 (tests tell that path ran)
+# with bf16 products (bf16_gemm) a weight of fewer values keeps the native kernel for decode rows: at 8
+# rows oneDNN's bf16 product is 2-4x the kernel's speed on the big shape's weights (896 x 896 and up)
+# and no faster on the tiny model's (1024 x 256: about even; below, the kernel is faster)
+BF16_ONEDNN_MIN_WEIGHT = 1 << 18
 
 
 def bf16_gemm() -> bool:
@@ -157,43 +163,61 @@ class Linear:
     decode step) through the native kernel (engine.kernels.linear), more through oneDNN with the
     weight prepacked (vLLM-CPU does the same), else F.linear. With both layouts present the weight
     as loaded is dropped (it would be a third copy); each path falls back to the next. A bf16 weight
-    (``--dtype bfloat16``) stays bf16 - half the bytes each decode step reads - and the arithmetic
-    is fp32 for a decode step's few rows (the kernel widens it as it loads it); more rows get an fp32
-    copy for F.linear, or, where the CPU multiplies bf16 natively (``bf16_gemm``), run in bf16."""
-    __slots__ = ("weight", "bias", "onednn", "rows", "n", "k", "bf16mm")
+    (``--dtype bfloat16``) stays bf16 - half the bytes each decode step reads. Where the CPU
+    multiplies bf16 natively (``bf16_gemm``: ``bf16mm``) its products run in bf16 through oneDNN on
+    the weight prepacked in bf16 (activations rounded to bf16, fp32 accumulation: what vLLM-CPU
+    does), every row count, except a small weight's decode rows (the native kernel, fp32 arithmetic
+    on the widened weight: oneDNN's per-call cost is most of such a call). Elsewhere the arithmetic
+    is fp32: a decode step's rows in the native kernel, more rows on an fp32 copy through F.linear."""
+    __slots__ = ("weight", "bias", "bias16", "onednn", "rows", "n", "k", "bf16mm", "fp32_rows")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
         self.n, self.k = weight.shape
         self.bias = bias.contiguous() if bias is not None else None
         fp32 = weight.dtype == torch.float32
-        self.onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS) if onednn and fp32 else None
-        self.rows = kernels.pack_rows(weight)       # fp32 or bf16 (None: the native kernels are off)
-        # the loaded weight is dropped where the layouts cover every path: fp32 with oneDNN's, bf16
-        # unless it runs bf16 products (more rows than the kernel's get the packed copy widened back)
-        covered = self.rows is not None and (self.onednn is not None or not fp32)
         self.bf16mm = weight.dtype == torch.bfloat16 and bf16_gemm()
-        # bf16 products through oneDNN read the weight as loaded ([n, k]): kept beside the packed rows
-        # (rebuilding it from them each call was a tenth of a bf16 prefill); two bf16 layouts are
-        # still half of fp32's two (its packed rows and oneDNN's)
-        self.weight = None if covered and not self.bf16mm else weight.contiguous()
+        self.bias16 = self.bias.to(torch.bfloat16) if self.bf16mm and self.bias is not None else None
+        self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
+                       if onednn and (fp32 or self.bf16mm) else None)
+        # with bf16 products: up to how many rows the arithmetic stays fp32 (a small weight's decode
+        # rows, native kernel or not: the same numbers either way); beyond, products run in bf16
+        small = self.n * self.k < BF16_ONEDNN_MIN_WEIGHT
+        self.fp32_rows = BF16_KERNEL_ROWS if small else 0
+        # fp32 or bf16 packed rows for the native kernel (None: the kernels are off, or a bf16
+        # weight's every product runs in bf16)
+        self.rows = None if self.bf16mm and not small else kernels.pack_rows(weight)
+        # the loaded weight is dropped where the layouts cover every path: oneDNN's fp32 one; a bf16
+        # weight's packed rows (more rows widen them) or, with bf16 products, oneDNN's bf16 one plus
+        # the packed rows for fp32 decode rows where those run fp32
+        covered = (self.onednn is not None if fp32 else
+                   self.onednn is not None and (self.rows is not None or not small) if self.bf16mm else
+                   self.rows is not None)
+        self.weight = None if covered else weight.contiguous()
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+        """x @ w.T + b in fp32; ``keep_bf16``: where the product runs in bf16 (``bf16mm``) its bf16
+        result as it is (the next bf16 product takes it as it is: no widening and rounding back in
+        between). A bf16 x is taken by that path as it is, else widened."""
         if x.dim() != 2 or not x.is_contiguous():
             lead = x.shape[:-1]
-            return self(x.reshape(-1, self.k).contiguous()).view(*lead, self.n)
-        rows = self.rows
-        if rows is not None and (few_rows(x.shape[0], self.n, self.k) if rows.dtype == torch.float32
-                                 else x.shape[0] <= BF16_KERNEL_ROWS):
+            return self(x.reshape(-1, self.k).contiguous(), keep_bf16).view(*lead, self.n)
+        rows, m = self.rows, x.shape[0]
+        if self.bf16mm and m > self.fp32_rows:
+            global BF16_GEMM_CALLS
+            BF16_GEMM_CALLS += 1
+            xb = x.to(torch.bfloat16)
+            out = (torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias16, "none", [], "")
+                   if self.onednn is not None else F.linear(xb, self.weight, self.bias16))
+            return out if keep_bf16 else out.float()
+        if x.dtype != torch.float32:
+            x = x.float()
+        if rows is not None and (few_rows(m, self.n, self.k) if rows.dtype == torch.float32
+                                 else m <= BF16_KERNEL_ROWS):
             out = kernels.linear(x, rows, self.n, self.bias)
             if out is not None:
                 return out
-        if self.onednn is not None and x.dtype == torch.float32:
+        if self.onednn is not None and self.onednn.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        if self.bf16mm and x.shape[0] > BF16_KERNEL_ROWS:     # a decode step's rows stay fp32 on either path
-            global BF16_GEMM_CALLS
-            BF16_GEMM_CALLS += 1
-            b = self.bias.to(torch.bfloat16) if self.bias is not None else None
-            return F.linear(x.to(torch.bfloat16), self.weight, b).to(x.dtype)     # (kept whenever bf16mm)
         w = self.weight if self.weight is not None else rows.to(x.dtype).transpose(1, 2).reshape(-1, self.k)[:self.n]
         return F.linear(x, w.to(x.dtype), self.bias)
 
@@ -302,7 +326,8 @@ class LlamaModel(nn.Module):
             q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
             h = add_rms_norm(self.o[i](a), w[p + "post_attention_layernorm.weight"], eps, residual=x)
-            down = self.down[i](silu_mul(self.gate_up[i](h)))
+            # a bf16 prefill's MLP stays bf16 from gate_up's product to down's (keep_bf16)
+            down = self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)))
             if i + 1 < c.num_layers:
                 h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
             else:
