@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "dense.c")]
+_HDRS = [Path(__file__).with_name("vexp.h")]       # included by both: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: ctypes.CDLL | None = None
@@ -57,7 +58,7 @@ def _build() -> ctypes.CDLL:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) on PATH")
-    src = b"".join(p.read_bytes() for p in _SRCS)
+    src = b"".join(p.read_bytes() for p in _SRCS + _HDRS)
     key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
     cache = Path(os.environ.get("KVLEDGER_CACHE") or Path.home() / ".cache" / "kvledger") / "kernels"
     so = cache / f"paged_decode-{key.hexdigest()[:16]}.so"

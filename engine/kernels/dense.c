@@ -17,6 +17,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "vexp.h"
+
 #define PAR_ROWS 64         /* rows below which one thread does it all */
 
 int kvl_add_rms_norm_f32(const float *x, int64_t xs, float *residual, int64_t rs, const float *w, float *out,
@@ -38,34 +40,8 @@ int kvl_add_rms_norm_f32(const float *x, int64_t xs, float *residual, int64_t rs
     return 0;
 }
 
-/* silu(x) = x / (1 + e^-x) with e^y computed inline so that the loop vectorizes (glibc's expf is a
-   call per value: a bf16 prefill's MLP spent 8 % of its time there). Cephes' expf: y = n ln2 + r,
-   |r| <= ln2 / 2, a degree-6 polynomial for e^r, 2^n put in the exponent bits; within 2 ulp of expf.
-   n is rounded with the 1.5 * 2^23 trick (round to nearest, no call); y is clamped to the range
-   where 2^n is a normal float (e^-y past it is 0 or 1e38-ish: silu is then 0 or x either way). A
-   NaN x gives NaN (x is the numerator). */
-static inline float silu(float x) {
-    float y = -x;
-    y = y < -87.3f ? -87.3f : (y > 88.3f ? 88.3f : y);
-    const float big = 12582912.f;                               /* 1.5 * 2^23 */
-    const float nb = y * 1.44269504088896341f + big;
-    const float n = nb - big;
-    float r = y - n * 0.693359375f;                             /* ln2, split in two (Cephes) */
-    r = r + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.f;
-    int32_t e;
-    __builtin_memcpy(&e, &nb, sizeof e);
-    const int32_t bits = (e - 0x4B400000 + 127) << 23;        /* n + 127 in the exponent */
-    float scale;
-    __builtin_memcpy(&scale, &bits, sizeof scale);
-    return x / (1.f + p * scale);
-}
+/* silu(x) = x / (1 + e^-x), e^-x inline (vexp.h) so that the loop vectorizes; a NaN x gives NaN */
+static inline float silu(float x) { return x / (1.f + kvl_exp(-x)); }
 
 int kvl_silu_mul_f32(const float *gu, int64_t gs, float *out, int64_t os, int64_t T, int64_t I, int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= PAR_ROWS)

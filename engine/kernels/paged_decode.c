@@ -17,6 +17,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vexp.h"
+
 #define PF 4            /* slots ahead to prefetch */
 
 typedef float v8 __attribute__((vector_size(32)));
@@ -130,7 +132,8 @@ static inline __attribute__((always_inline)) int paged_decode(
         for (int64_t g = 0; g < G; g++) {          /* softmax per query head */
             float *s = sc + g * n, m = -INFINITY, sum = 0.f;
             for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
-            for (int64_t i = 0; i < n; i++) { s[i] = expf(s[i] - m); sum += s[i]; }
+            for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);     /* (vectorizes: vexp.h) */
+            for (int64_t i = 0; i < n; i++) sum += s[i];
             const float inv = 1.f / sum;
             for (int64_t i = 0; i < n; i++) s[i] *= inv;
         }

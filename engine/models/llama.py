@@ -89,9 +89,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_INV_FREQ: dict[tuple[int, float], torch.Tensor] = {}
+
+
 def rope_freqs(positions: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """The rotation angle of each (position, frequency), [T, D/2]: computed once per step."""
-    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    """The rotation angle of each (position, frequency), [T, D/2]: computed once per step (the
+    inverse frequencies once per model shape)."""
+    inv = _INV_FREQ.get((head_dim, theta))
+    if inv is None:
+        inv = _INV_FREQ[(head_dim, theta)] = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32)
+                                                              / head_dim))
     return positions.float()[:, None] * inv[None, :]
 
 
