@@ -114,11 +114,8 @@ def main() -> int:
             got = ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn)
             diff = float((got.out - base.out).abs().max())
             same_check = bool(torch.equal(got.check.bad_mask, base.check.bad_mask))
-            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
-            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
-            row = {"tuning": tn._asdict(), "context": ctx, "max_abs_vs_plain": diff,
-                   "check_equal": same_check, "ms_check_on": on, "ms_check_off": off,
-                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+            row = {"tuning": tn._asdict(), "context": ctx, "max_abs_vs_plain": diff, "check_equal": same_check,
+                   **check_on_off(q, pool, lay, hkv, D, tn, kv_bytes, do_bench)}
         except Exception as e:          # a shape that does not compile is a finding, not a crash
             row = {"tuning": tn._asdict(), "context": ctx, "error": repr(e)[:300]}
         res["sweep"].append(row)
@@ -131,17 +128,22 @@ def main() -> int:
         pool, lay, q = timed(ctx, plain)
         kv_bytes = 2 * B * ctx * hkv * D * 2
         for name, tn in (("plain", plain), ("best", best), ("default", ta.GPU_DEFAULT)):
-            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
-            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
             row = {"shape": name, "tuning": tn._asdict(), "batch": B, "context": ctx, "heads_q": Hq,
                    "heads_kv": hkv, "head_dim": D, "dtype": "float16",
-                   "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
-                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+                   **check_on_off(q, pool, lay, hkv, D, tn, kv_bytes, do_bench)}
             res["timing"].append(row)
             print("timing", row, flush=True)
         del pool, lay, q
         torch.cuda.empty_cache()
     return write(res)
+
+
+def check_on_off(q, pool, lay, hkv: int, D: int, tn, kv_bytes: int, do_bench) -> dict:
+    """One launch shape timed with the read check on and off (a plain paged decode)."""
+    on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
+    off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
+    return {"ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
+            "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
 
 
 def write(res: dict) -> int:
@@ -162,11 +164,8 @@ def split_sweep(res: dict, timed, B: int, hkv: int, D: int, do_bench) -> int:
         kv_bytes = 2 * batch * ctx * hkv * D * 2
         for pps in (8, 16, 32, 64):
             tn = ta.GPU_DEFAULT._replace(pages_per_split=pps)
-            on = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, True, tn))
-            off = do_bench(lambda: ta.paged_decode(q, pool, 0, lay, hkv, D, D ** -0.5, False, tn))
             row = {"batch": batch, "context": ctx, "pages_per_split": pps,
-                   "ms_check_on": on, "ms_check_off": off, "check_cost": on / off - 1,
-                   "kv_gb_per_s_check_on": kv_bytes / on / 1e6}
+                   **check_on_off(q, pool, lay, hkv, D, tn, kv_bytes, do_bench)}
             res["sweep"].append(row)
             print("split", row, flush=True)
         del pool, lay, q
