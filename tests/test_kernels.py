@@ -160,10 +160,11 @@ def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dro
                                    atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("onednn_takes_bf16", [True, False])
 @pytest.mark.parametrize("N", [72, 1040])
 @pytest.mark.parametrize("gemm", ["fp32", "bf16"])
 @pytest.mark.parametrize("M", [1, 8, 64, 65, 200])
-def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, monkeypatch):
+def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, onednn_takes_bf16, monkeypatch):
     """--dtype bfloat16: the weight stays bf16. On a CPU without bf16 instructions (gemm "fp32") the
     products are fp32: up to BF16_KERNEL_ROWS rows on the widened values in the native kernel (bit for
     bit its result), beyond on an fp32 copy through F.linear - the packed copy the only one kept. On
@@ -172,23 +173,27 @@ def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, 
     small weight's decode rows (N 72: fewer than BF16_ONEDNN_MIN_WEIGHT values), which keep the
     native kernel. Bias included, 3-D and strided inputs too."""
     monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1" if gemm == "bf16" else "0")
+    if not onednn_takes_bf16:           # as on an AVX2-only CPU (oneDNN refuses a bf16 weight there)
+        monkeypatch.setattr(llama, "_ONEDNN_BF16", False)
     torch.manual_seed(M)
     K = 256
     w, b = torch.randn(N, K).to(torch.bfloat16), torch.randn(N)
     x = torch.randn(M, K)
-    onednn = llama.packing_available()
-    lin = llama.Linear(w, b, onednn=onednn)
+    # (oneDNN takes a bf16 weight only on CPUs with AVX-512 BW/VL/DQ or AVX-NE-CONVERT: elsewhere,
+    # or under ONEDNN_MAX_CPU_ISA=AVX2, bf16 products forced on run through F.linear)
+    onednn = llama.packing_available() and llama.onednn_bf16()
+    lin = llama.Linear(w, b, onednn=llama.packing_available())
     small = N * K < llama.BF16_ONEDNN_MIN_WEIGHT
     assert small == (N == 72)
     if gemm == "fp32" or not onednn:
         assert lin.onednn is None
     else:
         assert lin.onednn is not None and lin.onednn.dtype == torch.bfloat16
-    if gemm == "fp32" or small or not onednn:
+    if gemm == "fp32" or small:
         assert lin.rows.dtype == torch.bfloat16
         assert lin.rows.numel() == -(-N // kernels.ROW_BLOCK) * kernels.ROW_BLOCK * K      # the packed copy, bf16
     else:
-        assert lin.rows is None                     # every row count through oneDNN: no packed rows kept
+        assert lin.rows is None                     # every row count in bf16: no packed rows kept
     assert (lin.weight is None) == (gemm == "fp32" or onednn)       # one bf16 layout kept, not two
     bf16_products = gemm == "bf16" and (M > llama.BF16_KERNEL_ROWS or not small)
 

@@ -148,6 +148,24 @@ def bf16_gemm() -> bool:
                                      or getattr(cpu, "_is_amx_tile_supported", lambda: False)()))
 
 
+_ONEDNN_BF16: bool | None = None
+
+
+def onednn_bf16() -> bool:
+    """Whether torch's oneDNN takes a bf16 weight prepacked (it needs avx512bw/vl/dq or
+    avx_ne_convert: on an AVX2-only CPU - or ``ONEDNN_MAX_CPU_ISA=AVX2`` - it refuses, and bf16
+    products forced on there (``KVLEDGER_BF16_GEMM=1``) run through F.linear). Tried once."""
+    global _ONEDNN_BF16
+    if _ONEDNN_BF16 is None:
+        try:
+            w = torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=torch.bfloat16), PACK_ROWS)
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(2, 16, dtype=torch.bfloat16), w, None, "none", [], "")
+            _ONEDNN_BF16 = True
+        except (RuntimeError, AttributeError):
+            _ONEDNN_BF16 = False
+    return _ONEDNN_BF16
+
+
 def packing_available() -> bool:
     """Whether weights are prepacked for oneDNN (torch built with it; ``KVLEDGER_ONEDNN=0`` turns it off)."""
     import os
@@ -185,7 +203,7 @@ class Linear:
         self.bf16mm = weight.dtype == torch.bfloat16 and bf16_gemm()
         self.bias16 = self.bias.to(torch.bfloat16) if self.bf16mm and self.bias is not None else None
         self.onednn = (torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS)
-                       if onednn and (fp32 or self.bf16mm) else None)
+                       if onednn and (fp32 or (self.bf16mm and onednn_bf16())) else None)
         # with bf16 products: up to how many rows the arithmetic stays fp32 (a small weight's decode
         # rows, native kernel or not: the same numbers either way); beyond, products run in bf16
         small = self.n * self.k < BF16_ONEDNN_MIN_WEIGHT
@@ -333,7 +351,7 @@ class LlamaModel(nn.Module):
             q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
             h = add_rms_norm(self.o[i](a), w[p + "post_attention_layernorm.weight"], eps, residual=x)
-            # a bf16 prefill's MLP stays bf16 from gate_up's product to down's (keep_bf16)
+            # where gate_up's product runs in bf16 the MLP stays bf16 up to down's (keep_bf16)
             down = self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)))
             if i + 1 < c.num_layers:
                 h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
