@@ -41,6 +41,20 @@ class TransferRecord(NamedTuple):
     landed_at: float
 
 
+class LandedRecords(NamedTuple):
+    """One landed call of a KV transfer: the records it wrote into the receiver's pool, as they
+    landed (reported when it lands, before the receiver's next step can read them - not when the
+    whole transfer completes)."""
+    incarnation: int             # the receiving request
+    positions: torch.Tensor      # logical positions whose records landed in this call
+    lclock: torch.Tensor         # receiver's logical clock when each landed
+    generation: torch.Tensor     # the destination page's generation when it landed
+    tags: torch.Tensor           # the content tags inside the landed records
+    writers: torch.Tensor
+    pages: torch.Tensor          # where each landed
+    offsets: torch.Tensor
+
+
 class Recorder:
     """No-op recorder; subclasses override what they record."""
 
@@ -63,6 +77,10 @@ class Recorder:
 
     def pages_held(self, engine: "LLMEngine", req: "Request", pages: list[int], why: str) -> None:
         """A deferred release started holding ``pages`` (an in-flight copy may still touch them)."""
+
+    def records_landed(self, engine: "LLMEngine", landed: LandedRecords) -> None:
+        """One call of a KV transfer wrote records into ``engine``'s pool (on the link's thread,
+        while the engine waits for the link's tick)."""
 
     def transfer_landed(self, engine: "LLMEngine", rec: TransferRecord) -> None:
         """A KV transfer's writes drained into ``engine``'s pool, and decode's verdict on it."""

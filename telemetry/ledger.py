@@ -24,7 +24,7 @@ import pyarrow as pa
 import torch
 
 from engine.attention import read_check
-from engine.recorder import TransferRecord
+from engine.recorder import LandedRecords, TransferRecord
 from telemetry.exposure_index import PATH_CODE, NodeIndex, Reads, Writes, finish as index_table
 from telemetry.store.columns import concat_columns
 from telemetry.store.keys import Keys
@@ -350,7 +350,10 @@ class PageLedger:
         self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
         self.index: dict[str, NodeIndex] = {}   # writer thread only: the exposure index's state per node
         self._index_rows: list = []             # writer thread only: index rows not yet flushed
-        self._moved: deque = deque()            # (node, page size, Writes) of landings and reloads, not yet folded
+        # (node, page size, Writes or None, page_writes rows) of copies outside a step (landings, reloads,
+        # offloads), not yet folded: taken by the same fold as the steps around them (not the writer's queue),
+        # so a write is never in a later flush than a read of it (a store cut between flushes agrees)
+        self._moved: deque = deque()
         writer.add_drain(self._drain)
 
     def _drain(self) -> list[tuple[str, Columns]]:
@@ -451,15 +454,19 @@ class PageLedger:
             by_node.setdefault(rec.node, []).append(rec)
             cells += rec.block_tables.numel()
         moved: dict[str, list[Writes]] = {}     # (after the steps: a landing queued before a step is here)
-        for node, page_size, w in _take_all(self._moved):
+        copied = []
+        for node, page_size, w, rows in _take_all(self._moved):
+            copied.append(("page_writes", rows))
+            if w is None:
+                continue
             moved.setdefault(node, []).append(w)
             if node not in self.index:
                 self.index[node] = NodeIndex(node, page_size)
         for node in moved.keys() - by_node.keys():      # writes with no step: applied to the index's state
             self._index(node, None, moved[node])
         # arrivals first: a request's arrival is in the same flush as (or one before) its first read
-        out = self._arrival_rows() + [("page_writes", self._fold(node, recs, moved.get(node, [])))
-                                      for node, recs in by_node.items()] \
+        out = self._arrival_rows() + copied + [("page_writes", self._fold(node, recs, moved.get(node, [])))
+                                               for node, recs in by_node.items()] \
             + self._ngrams() + self._release_rows()
         self._cells_out += cells                # (after the fold: what waits includes what is being folded)
         self._caught_up.set()
@@ -548,26 +555,31 @@ class PageLedger:
         n = positions.numel()
         gen = engine.pool.generation[page_of] if gen is None else gen
         ts = _ts(n, time.time_ns())
+        w = None
         if node is None and self.index_on:      # a reload into the pool: the index sees it (an offload: the host tier)
-            self._moved.append((engine.cfg.node_id, S, Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers),
-                                                           _np(positions), PATH_CODE[path], ts)))
-        self.writer.submit("page_writes", self._write_cols(node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs,
-                                                           positions, writers, tags, np.zeros(n), [path],
-                                                           self._ids([req.incarnation], np.zeros(n)), ts))
+            w = Writes(engine.lclock, _np(page_of), _np(offs), _np(gen), _np(writers), _np(positions), PATH_CODE[path], ts)
+        self._moved.append((engine.cfg.node_id, S, w, self._write_cols(
+            node or engine.cfg.node_id, n, engine.lclock, page_of, gen, offs, positions, writers, tags, np.zeros(n),
+            [path], self._ids([req.incarnation], np.zeros(n)), ts)))
 
-    # ---- a transfer: its landed writes (read back from the receiver's tag plane) and its verdict ---
+    # ---- a transfer: its writes as each call lands, then its verdict ---------------------------------
+    def on_landed(self, engine, c: LandedRecords) -> None:
+        """A landed call's writes (read back from the receiver's tag plane), as they landed: before
+        any step of the receiver can read them, so the exposure index answers a read of a slot the
+        transfer is still filling with the write that is there (not the one before it)."""
+        n = c.positions.numel()
+        if not n:
+            return
+        ts = _ts(n, time.time_ns())
+        w = Writes(_np(c.lclock), _np(c.pages), _np(c.offsets), _np(c.generation), _np(c.writers), _np(c.positions),
+                   PATH_CODE["transfer_landing"], ts) if self.index_on else None
+        self._moved.append((engine.cfg.node_id, engine.pool.page_size, w, self._write_cols(
+            engine.cfg.node_id, n, c.lclock, c.pages, c.generation, c.offsets, c.positions, c.writers, c.tags,
+            np.zeros(n), ["transfer_landing"], self._ids([c.incarnation], np.zeros(n)), ts)))
+
     def on_transfer(self, engine, rec: TransferRecord) -> None:
+        """The transfer's row (its slot sets and decode's verdict); its writes went out as they landed."""
         n = rec.landed.numel()
-        if n:       # what landed, as it landed (generation, tags and writer captured by the link per call)
-            ts = _ts(n, time.time_ns())
-            if self.index_on:
-                self._moved.append((engine.cfg.node_id, engine.pool.page_size, Writes(
-                    _np(rec.landed_lclock), _np(rec.landed_pages), _np(rec.landed_offsets), _np(rec.landed_gen),
-                    _np(rec.landed_writers), _np(rec.landed), PATH_CODE["transfer_landing"], ts)))
-            self.writer.submit("page_writes", self._write_cols(
-                engine.cfg.node_id, n, rec.landed_lclock, rec.landed_pages, rec.landed_gen, rec.landed_offsets,
-                rec.landed, rec.landed_writers, rec.landed_tags, np.zeros(n), ["transfer_landing"],
-                self._ids([rec.incarnation], np.zeros(n)), ts))
         trace, span = self.span_ids(rec.incarnation)
         reserved, landed = _np(rec.reserved), _np(rec.landed)
         ok = None if rec.checksum_dst is None else rec.checksum_dst == rec.checksum_src

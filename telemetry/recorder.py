@@ -25,7 +25,7 @@ from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE
 from opentelemetry.trace import Status, StatusCode
 
 from engine.errors import InputError
-from engine.recorder import Recorder, RecorderFactory, TransferRecord
+from engine.recorder import LandedRecords, Recorder, RecorderFactory, TransferRecord
 from telemetry.ledger import PageLedger, forget_oldest_half, perf_to_unix_ns
 from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, otlp_processor
 from telemetry.store import FLUSH_INTERVAL, SegmentWriter
@@ -184,6 +184,10 @@ class Telemetry(Recorder):
 
     def pages_held(self, engine, req, pages, why) -> None:
         self._node(engine).held_pages.add(len(pages))
+
+    def records_landed(self, engine, landed: LandedRecords) -> None:
+        if self.ledger is not None:
+            self.ledger.on_landed(engine, landed)
 
     def transfer_landed(self, engine, rec: TransferRecord) -> None:
         forget_oldest_half(self._transfers, self.ids_cap)   # dropped when the request ends; a late one is bounded

@@ -41,7 +41,7 @@ from engine.kv.block_manager import Held
 from engine.config import EngineConfig
 from engine.errors import DoubleFree, InputError, OutOfPages
 from engine.llm import LLMEngine
-from engine.recorder import NULL_RECORDER, Recorder, TransferRecord
+from engine.recorder import NULL_RECORDER, LandedRecords, Recorder, TransferRecord
 from engine.request import Request, SamplingParams, Status
 from engine.disagg.node import PrefillNode
 from engine.disagg.guards import Guards  # noqa: F401 (engine.disagg.cluster.Guards: scripts import it here)
@@ -127,7 +127,15 @@ class DisaggCluster:
         return LLMEngine(model, tokenizer, cfg, self.rec)
 
     def _make_link(self):
-        return Link(self.link_cfg, [lambda job, sl: [obs(self.decode, job, sl) for obs in self.landing_observers]])
+        return Link(self.link_cfg, [self._call_landed])
+
+    def _call_landed(self, job, sl: slice) -> None:
+        """The link's thread, after each landed call (the cluster waits in its tick): the recorder
+        hears of the records as they land - a step of decode may read them before the transfer
+        completes - then the observers (the oracle)."""
+        self.rec.records_landed(self.decode, LandedRecords(job.incarnation, *job.landed[-1]))
+        for obs in self.landing_observers:
+            obs(self.decode, job, sl)
 
     def _may_still_write(self, half: Half) -> bool:
         """Could the prefill half write into decode's pages although no transfer was submitted yet?"""

@@ -41,7 +41,7 @@ from engine.llm import LLMEngine
 from engine.kv.pool import KVPool
 from engine.kv.preflight import preflight
 from engine.osutil import die_with_parent
-from engine.recorder import Recorder
+from engine.recorder import LandedRecords, Recorder
 from engine.request import Request, SamplingParams, Status
 
 TICK_S = 0.05          # process mode's link clock: deferred-release timeouts count wall-clock ticks
@@ -328,6 +328,8 @@ class ProcessCluster(DisaggCluster):
         lclock = torch.full((n,), self.decode.next_lclock(), dtype=torch.long)
         c = Completion(job, LinkStatus.DRAINED, pos, lclock, pool.generation[dp].clone(), pool.tags[dp, do].clone(),
                        pool.writers[dp, do].clone(), dp, do)
+        self.rec.records_landed(self.decode, LandedRecords(inc, pos, lclock, c.landed_gen, c.landed_tags,
+                                                           c.landed_writers, dp, do))
         self._landed(c)
 
     def free_pages(self) -> dict[str, tuple[int | None, int | None]]:
