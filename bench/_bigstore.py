@@ -3,8 +3,11 @@
 Two real ``glm53`` replays of the same traffic are recorded with read-run coalescing off (one
 page_reads row per reader, page and step, as the engine emits them): ``vulnerable`` (an incident:
 every over-pool response reads stale KV) and ``hardened`` (healthy: nobody does). The store is
-their ledgers replicated: copy k renames every node to "<node>#k" and shifts every incarnation by
-k * SHIFT, so copies never join each other; one copy in ``exposed_every`` comes from the
+their ledgers replicated as a fleet's traffic: copy k runs on instance k % INSTANCES (every node
+renamed "<node>#i": a fleet of tens of instances, not one per copy) in its own page range (pages
+shifted by (k // INSTANCES) * PAGE_STRIDE: copies on one instance never read or write each other's
+pages) and shifts every incarnation by k * SHIFT, so copies never join each other; one copy in
+``exposed_every`` comes from the
 vulnerable replay, the rest from the hardened one (an incident is rare in a fleet's traffic), so
 every query's answer is exactly (number of vulnerable copies) x the vulnerable base's answer (the
 benches check that). Rows go through SegmentWriter: real chained segments.
@@ -24,6 +27,10 @@ from engine.replay.glm53 import glm53  # noqa: E402
 from telemetry.store import SegmentWriter, open_store  # noqa: E402
 
 SHIFT = 1 << 40
+INSTANCES = 32              # the fleet's instances (3 nodes each in the disaggregated replay: 96 nodes)
+PAGE_STRIDE = 1 << 14       # pages a copy may use on its instance (the replays use a few hundred)
+LAYOUT = 2                  # 1: a node per copy (88 k nodes at 136 M rows: guards and preflight then measured
+                            # the node count, not the ledger)
 TABLES = ("page_reads", "page_writes", "exposure_index", "config_snapshots", "spans", "transfers", "ngrams")
 ID_COLS = {"page_reads": ["reader"], "page_writes": ["writer"], "spans": ["incarnation"], "transfers": ["incarnation"],
            "ngrams": ["incarnation"], "exposure_index": ["reader", "donor"]}
@@ -41,7 +48,12 @@ def _copy(t: pa.Table, table: str, k: int) -> pa.Table:
         t = t.set_column(t.schema.get_field_index("found_writers"), "found_writers",
                          pa.ListArray.from_arrays(fw.offsets, vals))
     for c in NODE_COLS.get(table, []):
-        t = t.set_column(t.schema.get_field_index(c), c, pc.binary_join_element_wise(t[c], pa.scalar(f"#{k}"), ""))
+        t = t.set_column(t.schema.get_field_index(c), c,
+                         pc.binary_join_element_wise(t[c], pa.scalar(f"#{k % INSTANCES}"), ""))
+    if "page" in t.column_names:
+        assert t.num_rows == 0 or pc.max(t["page"]).as_py() < PAGE_STRIDE, "a base replay uses more pages than PAGE_STRIDE"
+        shifted = pc.add(t["page"], pa.scalar((k // INSTANCES) * PAGE_STRIDE, t.schema.field("page").type))
+        t = t.set_column(t.schema.get_field_index("page"), "page", shifted)
     return t
 
 
@@ -59,8 +71,11 @@ def build(root: Path, rows: int, exposed_every: int = 100, seed: int = 0, coales
     plus page_writes) under root; returns its manifest. coalesce: read runs as the engine stores
     them by default (True) or one row per read step (False)."""
     manifest = root / "manifest.json"
-    if manifest.exists():
+    if manifest.exists() and json.loads(manifest.read_text()).get("layout") == LAYOUT:
         return json.loads(manifest.read_text())
+    if root.exists():                   # an earlier layout's store: made again
+        import shutil
+        shutil.rmtree(root)
     vbase, vuln = _base(root.parent, "vulnerable", seed, coalesce)
     _, healthy = _base(root.parent, "hardened", seed, coalesce)
     per_copy = healthy["page_reads"].num_rows + (healthy["page_writes"].num_rows if count == "ledger" else 0)
@@ -80,6 +95,6 @@ def build(root: Path, rows: int, exposed_every: int = 100, seed: int = 0, coales
         print(f"  copies {ks.stop}/{copies}", flush=True)
     w.close()
     m = {"copies": copies, "exposed_copies": len(exposed), "read_rows": reads, "write_rows": writes,
-         "coalesced": coalesce, "base": str(vbase)}
+         "coalesced": coalesce, "base": str(vbase), "layout": LAYOUT, "instances": min(copies, INSTANCES)}
     manifest.write_text(json.dumps(m))
     return m
