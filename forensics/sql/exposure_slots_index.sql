@@ -26,18 +26,22 @@ found AS (      -- each write found in a run's failing slots, and where
     FROM exposure_index
     GROUP BY ALL
 ),
+joined AS (     -- each write found with its run (before the mask's bits become rows: a few times fewer to join)
+    SELECT r.*, s.donor, s.write_generation, s.write_path, s.written_at, s.position_offset, s.slot_mask, s.held
+    FROM runs r
+    JOIN found s USING (node, boot, reader, page, generation, block_index, found_generation, bad_mask, epoch)
+),
 slots AS (     -- one row per set bit of the mask
-    SELECT *, unnest(list_filter(range(64), lambda s: (slot_mask >> s) & 1 = 1)) AS slot FROM found
+    SELECT *, unnest(list_filter(range(64), lambda s: (slot_mask >> s) & 1 = 1)) AS slot FROM joined
 )
-SELECT r.node, r.boot, r.reader AS response, s.donor, r.page, r.generation, r.block_index, s.slot,
-       r.block_index * c.page_size + s.slot AS position, s.slot + s.position_offset AS donor_position,
+SELECT s.node, s.boot, s.reader AS response, s.donor, s.page, s.generation, s.block_index, s.slot,
+       s.block_index * c.page_size + s.slot AS position, s.slot + s.position_offset AS donor_position,
        CASE WHEN s.donor = -1 THEN 'unwritten'
-            WHEN s.write_generation < r.generation THEN 'stale'
+            WHEN s.write_generation < s.generation THEN 'stale'
             WHEN s.held THEN 'co-holder'
             ELSE 'foreign' END AS kind,
-       s.write_generation, s.write_path, s.written_at, r.attention_mass, r.n_reads, r.step_first, r.step_last,
-       r.lclock_first, r.ts_first, r.ts_last, r.trace_id, r.span_id
-FROM runs r
-JOIN slots s USING (node, boot, reader, page, generation, block_index, found_generation, bad_mask, epoch)
+       s.write_generation, s.write_path, s.written_at, s.attention_mass, s.n_reads, s.step_first, s.step_last,
+       s.lclock_first, s.ts_first, s.ts_last, s.trace_id, s.span_id
+FROM slots s
 JOIN (SELECT node, boot, any_value(page_size) AS page_size FROM config_snapshots GROUP BY node, boot) c
-    ON c.node = r.node AND c.boot = r.boot
+    ON c.node = s.node AND c.boot = s.boot
