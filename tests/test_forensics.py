@@ -702,10 +702,10 @@ def _reads_flushed_before_their_writes(store: Path) -> int:
     read without the write, and its join would name the slot's earlier writer."""
     import duckdb
     from telemetry.store.chain import read_chain_files
+    links = [(ln.file, i) for i, f in enumerate(read_chain_files(store)) for ln in f.links]
     con = duckdb.connect()
     con.execute("CREATE TABLE flush AS SELECT unnest(?::VARCHAR[]) AS rel, unnest(?::BIGINT[]) AS flush",
-                [[ln.file for f in read_chain_files(store) for ln in f.links],
-                 [i for i, f in enumerate(read_chain_files(store)) for _ in f.links]])
+                [[r for r, _ in links], [i for _, i in links]])
     seg = lambda t, cols: (f"SELECT {cols}, flush FROM read_parquet('{store}/segments/{t}/*.parquet', filename=true) s "  # noqa: E731
                            f"JOIN flush ON s.filename = '{store}/' || flush.rel")
     return con.sql(f"""WITH w AS ({seg('page_writes', 'node, page, generation, lclock')}),
