@@ -28,7 +28,8 @@ def main() -> None:
                          "rows: bench/forensics.py's sparse-ROWS); default: read runs coalesced as the engine stores them")
     ap.add_argument("--live", action="store_true",
                     help="also a live store: a copy of it (hard links) with a writer open that flushes one more "
-                         "healthy copy of the base traffic (new segments, a new chain head) before each render")
+                         "healthy copy of the base traffic (new segments, a new chain head) before each render; "
+                         "renders with the shared tables grown (the default) and rebuilt, interleaved")
     args = ap.parse_args()
     if args.sparse:
         root = Path(args.dir) / f"sparse-{args.rows}"
@@ -59,7 +60,9 @@ def main() -> None:
         return renders, scripts, at
     # a store that changed since the last render (a live one): the shared tables built every time
     os.environ["KVLEDGER_ANSWER_CACHE"] = "0"
+    os.environ["KVLEDGER_GROW"] = "0"       # (nor grown from the last render's in this process: --live does)
     renders, scripts, at = render(3)
+    os.environ.pop("KVLEDGER_GROW")
     first_banner, warm_banner = banners[0], min(banners[1:3])
     # an idle store (after the incident): the shared tables kept by the first render, read back
     os.environ["KVLEDGER_ANSWER_CACHE"] = "1"
@@ -77,7 +80,10 @@ def main() -> None:
            "first_banner_s": first_banner, "warm_banner_s": warm_banner, "kept_banner_s": kept_banner,
            "goal_banner_s": 1.0,
            "affected_responses_shown": affected, "goal_s": 2.0, **live}
-    out = write("dashboard_sparse" if args.sparse else "dashboard", res)
+    # the README's 136 M-row figures are dashboard_sparse.json; a smaller sparse store's run is kept beside them
+    name = "dashboard" if not args.sparse else "dashboard_sparse" if args.rows >= 100_000_000 else \
+        f"dashboard_sparse_{args.rows // 1_000_000}m"
+    out = write(name, res)
     print(f"dashboard on {(m['read_rows'] + m['write_rows']) / 1e6:.0f} M ledger rows: first render {renders[0]:.2f} s, "
           f"warm {res['warm_render_s']:.2f} s (goal < 2 s; the script itself: first {scripts[0]:.2f} s, warm "
           f"{res['warm_script_s']:.2f} s); an idle store's later renders (shared tables read back) "
@@ -87,7 +93,9 @@ def main() -> None:
     if live:
         print(f"a live store (a writer open, one flush of new traffic before each render): render "
               f"{live['live_render_s']:.2f} s, the script {live['live_script_s']:.2f} s, the banner "
-              f"{live['live_banner_s']:.2f} s (medians of {len(live['live_renders_s'])})")
+              f"{live['live_banner_s']:.2f} s (medians of {len(live['live_renders_s'])}); interleaved with every "
+              f"shared table rebuilt (KVLEDGER_GROW=0): render {live['live_rebuilt_render_s']:.2f} s, the script "
+              f"{live['live_rebuilt_script_s']:.2f} s, the banner {live['live_rebuilt_banner_s']:.2f} s")
     print(f"wrote {out}")
 
 
@@ -110,22 +118,33 @@ def _live(root: Path, args, render, banners: list[float]) -> dict:
     os.environ["KVLEDGER_STORE"], os.environ["KVLEDGER_ANCHOR"] = str(store), str(tmp / "anchor.jsonl")
     _, healthy = _base(root.parent, "hardened", 0, not args.sparse)
     w = SegmentWriter(store, anchor=tmp / "anchor.jsonl")
+    runs: dict[str, dict[str, list[float]]] = {v: {"render": [], "script": [], "banner": []} for v in ("1", "0")}
     try:
         preload()
-        renders, scripts, first = [], [], len(banners) + 1
-        for k in range(4):          # the first render unmeasured: the copy's segments are hashed then
+        # interleaved: the shipped default (the snapshot's shared tables grown from the last render's,
+        # forensics/queries/grown.py: KVLEDGER_GROW=1) and every table rebuilt (KVLEDGER_GROW=0); a
+        # grown render after a rebuilt one reads two flushes' new segments
+        for k in range(7):          # the first render unmeasured: the copy's segments are hashed then
             for t in TABLES:
                 w.submit(t, _copy(healthy[t], t, 100_000 + k))
             w.flush()                # (the first flush also writes the copy's anchor)
+            variant = "1" if k % 2 else "0"
+            os.environ["KVLEDGER_GROW"] = variant
             r, sc, _ = render(1)
             if k:
-                renders += r
-                scripts += sc
+                runs[variant]["render"] += r
+                runs[variant]["script"] += sc
+                runs[variant]["banner"].append(banners[-1])
     finally:
+        os.environ.pop("KVLEDGER_GROW", None)
         w.close()
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"live_renders_s": renders, "live_render_s": statistics.median(renders),
-            "live_script_s": statistics.median(scripts), "live_banner_s": statistics.median(banners[first:])}
+    med = statistics.median
+    grown, rebuilt = runs["1"], runs["0"]
+    return {"live_renders_s": grown["render"], "live_render_s": med(grown["render"]),
+            "live_script_s": med(grown["script"]), "live_banner_s": med(grown["banner"]),
+            "live_rebuilt_renders_s": rebuilt["render"], "live_rebuilt_render_s": med(rebuilt["render"]),
+            "live_rebuilt_script_s": med(rebuilt["script"]), "live_rebuilt_banner_s": med(rebuilt["banner"])}
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def commands(store: Path, repeats: int = 3) -> dict:
     import subprocess
     import shutil
 
-    from forensics.queries import evidence
+    from forensics.queries import evidence, grown
     from forensics.queries.answers import answers_dir
     fx = Forensics(store)                       # verification cache filled, answers kept: as after a first command
     fx.materialise()
@@ -58,14 +58,16 @@ def commands(store: Path, repeats: int = 3) -> dict:
     exe = str(Path(sys.executable).with_name("kvledger"))
     # first: nothing kept anywhere (answer cache off: neither the answers nor the evidence's rows);
     # changed: the store changed since the last command - no answers for this snapshot, the n-gram
-    # evidence's rows kept by an earlier command read back (forensics/queries/evidence.py); kept: a
-    # later command on the same snapshot
+    # evidence's rows and the grown tables kept by an earlier command read back
+    # (forensics/queries/evidence.py, grown.py; no segment is added, so none is read); kept: a later
+    # command on the same snapshot
     for q in COMMANDS:
         for case in ("first", "changed", "kept"):
             pre = "" if case == "kept" else case + "_"
             t = []
             for _ in range(repeats):
                 evidence._KEPT.clear()              # each run as a new process would
+                grown._KEPT.clear()
                 if case == "changed":
                     shutil.rmtree(answers_dir(store), ignore_errors=True)
                 t0 = time.perf_counter()

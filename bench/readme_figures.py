@@ -10,15 +10,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
+def _isa(c: dict | None) -> str:
+    return ("not recorded" if not c else "AVX-512 with bf16 instructions" if "avx512_bf16" in c["isa"]
+            else "AVX-512" if "avx512f" in c["isa"] else "AVX2, no AVX-512")
+
+
 def _measured(w: dict) -> str:
     """Which CPU and day each workload's row was measured on (a subset run keeps the others' rows,
     and the sessions' machines differ: AVX2-only or AVX-512 with bf16 instructions)."""
     import time as _t
     parts = []
     for name, x in w.items():
-        c = x.get("cpu")
-        isa = ("not recorded" if not c else "AVX-512 with bf16 instructions" if "avx512_bf16" in c["isa"]
-               else "AVX-512" if "avx512f" in c["isa"] else "AVX2, no AVX-512")
+        isa = _isa(x.get("cpu"))
         day = _t.strftime("%Y-%m-%d", _t.gmtime(x["unix_time"])) if "unix_time" in x else "?"
         parts.append(f"{name} {day} (CPU {isa})")
     return "Rows measured: " + "; ".join(parts) + "."
@@ -324,13 +327,25 @@ def dashboard_table(r: dict) -> str:
         kept += (f" A live store (a writer open on a copy of it, one flush of new traffic - every table, new "
                  f"incarnations - before each render; `bench/dashboard.py --live`): render {r['live_render_s']:.1f} s, "
                  f"the script itself {r['live_script_s']:.1f} s, the banner {r['live_banner_s']:.1f} s into it "
-                 f"(medians of {len(r['live_renders_s'])}; the shared tables built every render, the n-gram "
-                 f"evidence from the rows an earlier render kept plus the new segments: `forensics/queries/evidence.py`).")
-    sparse = ROOT / "bench" / "results" / "dashboard_sparse.json"
-    more = ("\n\n" + dashboard_table(json.loads(sparse.read_text()))
-            if sparse.exists() and not r.get("store", "").startswith("sparse") else "")
+                 f"(medians of {len(r['live_renders_s'])}; the n-gram evidence from the rows an earlier render kept "
+                 f"plus the new segments: `forensics/queries/evidence.py`")
+        if "live_rebuilt_render_s" in r:
+            kept += (f"; requests, exposure_slots and the whole store's per-pair exposures grown from the last "
+                     f"render's with only the new segments read: `forensics/queries/grown.py`). Interleaved in the "
+                     f"same run with those three rebuilt every render (KVLEDGER_GROW=0): render "
+                     f"{r['live_rebuilt_render_s']:.1f} s, the script {r['live_rebuilt_script_s']:.1f} s, the banner "
+                     f"{r['live_rebuilt_banner_s']:.1f} s.")
+        else:
+            kept += "; the shared tables built every render)."
+    results = ROOT / "bench" / "results"
+    sparse = [results / "dashboard_sparse.json", *sorted(results.glob("dashboard_sparse_*m.json"))]
+    more = "".join("\n\n" + dashboard_table(json.loads(p.read_text())) for p in sparse
+                   if p.exists() and not r.get("store", "").startswith("sparse"))
+    import time as _t
+    on = (f" (measured {_t.strftime('%Y-%m-%d', _t.gmtime(r['unix_time']))}, CPU {_isa(r['cpu'])})"
+          if "cpu" in r and "unix_time" in r else "")
     return "\n".join([
-        f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows ({how}; "
+        f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows{on} ({how}; "
         f"{c['exposed_copies']} of {c['copies']} replicated copies are the incident), no answers kept on disk "
         f"(KVLEDGER_ANSWER_CACHE=0: the shared tables built every render): first render "
         f"{r['first_render_s']:.1f} s, warm {r['warm_render_s']:.1f} s (goal < {r['goal_s']:.0f} s), "

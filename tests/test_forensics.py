@@ -429,8 +429,9 @@ def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
     fx._ensure("exposure_slots")
     fx.con.execute("CREATE TEMP TABLE stored_ngrams AS SELECT * FROM ngrams")
     fx.con.execute(f"CREATE OR REPLACE TEMP VIEW ngrams AS {shadow}")
-    if extra_requests:
-        fx.con.execute(f"INSERT INTO requests BY NAME {extra_requests}")
+    if extra_requests:             # (a table of its own: the snapshot's requests may be a view, grown.py)
+        fx.con.execute("CREATE TEMP TABLE requests AS SELECT * FROM main.requests")
+        fx.con.execute(f"INSERT INTO temp.requests BY NAME {extra_requests}")
     return fx.con.sql(sql("exposure_ngrams")).pl(), fx
 
 
@@ -927,3 +928,172 @@ def test_answers_are_never_kept_for_a_store_that_can_change_or_does_not_verify(g
         if writer is not None:
             writer.close()
     assert _entries(store) == []
+
+
+def _same_rows(con, table: str, text: str, mass: str | None = None) -> int:
+    """Rows of ``table`` (a snapshot's view) against ``text`` (the table's SQL over the same
+    snapshot), both ways; ``mass``: a float column compared to 1e-9 relative (sums in another order)."""
+    cols = [c for c in con.sql(f"SELECT * FROM {table} LIMIT 0").columns if c != mass]
+    sel = ", ".join(f'"{c}"' for c in cols)
+    if mass:
+        sel += f', round("{mass}", 9) AS "{mass}"'
+    a = con.sql(f"SELECT {sel} FROM {table}").fetchall()
+    b = con.sql(f"SELECT {sel} FROM ({text})").fetchall()
+    key = lambda r: tuple((x is None, str(x)) for x in r)  # noqa: E731
+    assert sorted(a, key=key) == sorted(b, key=key), table
+    return len(a)
+
+
+def test_a_growing_stores_requests_and_exposure_slots_equal_a_rebuild_reading_only_new_segments(tmp_path):
+    """A live store read again and again (a dashboard's refreshes): each snapshot's ``requests``,
+    ``exposure_slots`` and ``exposure_pairs``, grown from the last snapshot's with only the new
+    segments read (grown.py), equal requests.sql, exposure_slots_index.sql and the pairs computed
+    from those slot rows (exposure_pairs_in.sql) over the whole snapshot - while requests arrive
+    and finish, exposures start and continue, and another run begins; for the whole store and for
+    one run. A changed segment starts over."""
+    from engine.replay.glm53 import glm53
+    from forensics.queries import grown
+    from forensics.queries.duckdb import sql
+    from telemetry.recorder import Telemetry
+    from tests.conftest import GLM53_SMALL
+    opened, done, seen = [], [0], []
+
+    def factory(**kw):
+        opened.append(Telemetry(tmp_path / "live", **kw))
+        return opened[-1]
+
+    def check(run: str | None = None) -> None:
+        if not opened[-1].writer.closed:
+            opened[-1].writer.flush()
+        before = dict(grown.stats)
+        fx = Forensics(tmp_path / "live", run, answer_cache=False)
+        assert fx.indexed
+        fx.materialise()
+        n = (_same_rows(fx.con, "requests", sql("requests")),
+             _same_rows(fx.con, "exposure_slots", sql("exposure_slots_index"), "attention_mass"),
+             _same_rows(fx.con, "exposure_pairs", f"SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)",
+                        "attention_mass"))
+        unfinished = fx.con.sql("SELECT count(*) FILTER (WHERE NOT finished) FROM requests").fetchall()[0][0]
+        seen.append((n, unfinished, {k: grown.stats[k] - before[k] for k in before}))
+        fx.close()
+
+    def progress(n, total=None):
+        done[0] += n
+        if done[0] % 3 == 0:
+            check()
+    glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
+    check()
+    assert seen[-1][0][1] > 0 and seen[-1][0][2] > 0, "the incident's slot rows and pairs"
+    assert any(u for _, u, _ in seen[:-1]), "a snapshot held requests still running"
+    assert all(d["built"] == 0 for *_, d in seen[1:]), "later snapshots grow the kept tables, never rebuild"
+    assert sum(d["grown"] for *_, d in seen) >= 10
+    assert sum(d["groups_redone"] for *_, d in seen) > 0
+    assert len({n[1] for n, *_ in seen}) > 2, "the exposure grew while the store did"
+    boot = opened[0].boot
+    glm53("hardened", recorder=factory, **GLM53_SMALL | {"seed": 11})
+    check()
+    check(boot[:8])                                     # one run: its own kept tables, its rows only
+    assert seen[-1][2]["built"] == 2
+    check(boot[:8])
+    assert seen[-1][2]["unchanged"] == 2 and seen[-1][0] == seen[-2][0]
+    seg = next((tmp_path / "live" / "segments" / "spans").glob("*.parquet"))
+    os.utime(seg)                                       # same bytes, its ctime moved: start over
+    check()
+    assert seen[-1][2]["built"] == 1 and seen[-1][2]["unchanged"] == 1     # (the index's segments did not move)
+
+
+def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_the_sql_does(tmp_path):
+    """The merge rules of grown requests, each met across segments: an unfinished request's
+    arrivals in two segments (the earliest arrival's node, the largest prompt), a request that ends
+    in a later segment (its arrival row replaced), a root span delivered twice in two segments
+    (grouped, any value of each column), an arrival written after its request's end (ignored):
+    every snapshot equals requests.sql over the whole store."""
+    import datetime as dt
+
+    import pyarrow as pa
+
+    from forensics.queries import grown
+    from forensics.queries.duckdb import sql
+    from telemetry.store import SegmentWriter
+    from telemetry.store.schema import arrow_schemas
+    t0 = dt.datetime(2026, 12, 5, 8)
+
+    def table(name: str, rows: list[dict]) -> pa.Table:
+        schema = arrow_schemas()[name]
+        return pa.table({f.name: pa.array([r.get(f.name) for r in rows], f.type) for f in schema}, schema=schema)
+
+    def arrival(inc: int, node: str, s: int, prompt: int) -> dict:
+        return {"node": node, "boot": "b1", "incarnation": inc, "tenant_h": f"t{inc % 2}", "scope_h": "s",
+                "prompt_tokens": prompt, "ts": t0 + dt.timedelta(seconds=s)}
+
+    def root(inc: int, s: int, **kw) -> dict:
+        return {"Timestamp": t0 + dt.timedelta(seconds=s), "Duration": 2_000_000_000, "SpanName": "request",
+                "incarnation": inc, "node": "n1", "boot": "b1", "operation": "request", "tenant_h": f"t{inc % 2}",
+                "input_tokens": 10, "output_tokens": 4, "finish_reason": "length", **kw}
+    flushes = [
+        {"arrivals": [arrival(1, "n1", 10, 7), arrival(2, "n2", 11, 5)], "spans": [root(3, 1, ttft_s=None)]},
+        {"arrivals": [arrival(1, "n3", 5, 9), arrival(4, "n1", 12, 3)], "spans": [root(2, 11), root(3, 1, ttft_s=0.5)]},
+        {"arrivals": [arrival(3, "n2", 0, 50), arrival(4, "n2", 20, 1)], "spans": []},
+        {"arrivals": [], "spans": [root(1, 5, error_type="Timeout")]},
+    ]
+    w = SegmentWriter(tmp_path / "s", boot="b1")
+    grown.stats.update(dict.fromkeys(grown.stats, 0))
+    try:
+        for f in flushes:
+            for name, rows in f.items():
+                if rows:
+                    w.submit(name, table(name, rows))
+            w.flush()
+            fx = Forensics(tmp_path / "s", answer_cache=False)
+            fx.requests()
+            _same_rows(fx.con, "requests", sql("requests"))
+            fx.close()
+        got = {r["incarnation"]: r for r in _requests_of(tmp_path / "s")}
+    finally:
+        w.close()
+    assert grown.stats["built"] == 1 and grown.stats["grown"] == 3
+    assert [got[i]["finished"] for i in (1, 2, 3, 4)] == [True, True, True, False]
+    assert got[3]["ttft_s"] == 0.5 and got[4]["node"] == "n1" and got[4]["prompt_tokens_billed"] == 3
+    assert got[1]["error_type"] == "Timeout"
+
+
+def _requests_of(store) -> list[dict]:
+    fx = Forensics(store, answer_cache=False)
+    try:
+        return fx.requests().to_dicts()
+    finally:
+        fx.close()
+
+
+def test_grown_tables_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable, tmp_path, monkeypatch):
+    """A build from scratch leaves the grown tables in the state directory: the next process (here:
+    this one with its memory cleared) starts from them and builds nothing; an entry cut short, or
+    written by other SQL, is ignored (built again), and the tables equal their SQL every time."""
+    from forensics.queries import grown
+    from forensics.queries.duckdb import sql
+    _, store = glm53_vulnerable
+    monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
+
+    def build() -> tuple[tuple, dict]:
+        grown._KEPT.clear()                    # a new process
+        before = dict(grown.stats)
+        fx = Forensics(store)
+        fx.answers = None                      # as on a store that changed: the tables are built
+        fx.materialise()
+        n = (_same_rows(fx.con, "requests", sql("requests")),
+             _same_rows(fx.con, "exposure_slots", sql("exposure_slots_index"), "attention_mass"),
+             _same_rows(fx.con, "exposure_pairs", f"SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)",
+                        "attention_mass"))
+        fx.close()
+        return n, {k: grown.stats[k] - before[k] for k in ("built", "loaded", "saved")}
+    first, did = build()
+    assert all(first) and did == {"built": 2, "loaded": 0, "saved": 2}
+    again, did = build()
+    assert again == first and did == {"built": 0, "loaded": 2, "saved": 0}
+    entry = grown._dir((str(store.resolve()), None, "exposure_slots"))
+    next(entry.glob("slots-*.arrow")).write_bytes(b"ARROW1 cut short")
+    again, did = build()
+    assert again == first and did == {"built": 1, "loaded": 1, "saved": 1}
+    monkeypatch.setattr(grown, "_ident", lambda text, pairs: "other SQL")
+    again, did = build()
+    assert again == first and did == {"built": 2, "loaded": 0, "saved": 2}

@@ -18,6 +18,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
+from forensics.queries import grown
 from forensics.queries.evidence import build as build_evidence
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
@@ -30,7 +31,7 @@ SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named qu
 # exposure_ngrams (what of each donor's prompt each response's output repeats); the macros over
 # them are created then
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
-MACROS = ["exposures_in", "scores_in"]
+MACROS = ["exposure_pairs_of", "exposure_pairs_in", "exposures_in", "scores_in"]   # in this order
 EVIDENCE_STEPS = ["pairs", "digest", "candidates", "requests_digest", "final"]   # forensics/sql/evidence: exposure_ngrams.sql in steps
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
 
@@ -137,6 +138,9 @@ class Forensics:
         # reads only the ones an earlier snapshot of this process had not (evidence.py)
         self.files = segment_files(self.store, set(self.left_out))
         self.con = open_store(self.store, run, files=self.files)
+        # the run's boot id, when ``run`` named one (a prefix): the views hold that run's rows only
+        self.boot = None if run is None else self.con.sql("SELECT any_value(boot) FROM config_snapshots").fetchall()[0][0]
+        self._grown: dict[str, object] = {}     # the Arrow tables under grown views (alive as long as con)
         self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
         # the slot-level answers come from the exposure index where every run with a page ledger wrote
@@ -167,6 +171,10 @@ class Forensics:
         if name not in self._made:
             if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
                 self.from_cache.add(name)
+            elif grown.enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
+                self._grown |= grown.build(con or self.con, name, self.store, self.run, self.boot, self.files,
+                                           self._text(name), sql("exposure_pairs_of"),
+                                           disk=self.keep_answers and self.verdict.ok)
             elif name == "exposure_ngrams":
                 build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
             else:
@@ -194,6 +202,9 @@ class Forensics:
                     self.answers.save(self.con)
             for m in MACROS:
                 self.con.execute(sql(m))
+                if m == "exposure_pairs_of" and "exposure_pairs" not in self._grown:
+                    # the whole store's pairs, computed where they are read (a grown snapshot keeps them)
+                    self.con.execute(f"CREATE VIEW exposure_pairs AS SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)")
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
