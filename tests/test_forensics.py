@@ -474,64 +474,6 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
-def test_the_evidence_of_a_growing_store_equals_the_rule_reading_only_new_segments(tmp_path):
-    """A live store read again and again (a dashboard's refreshes): each snapshot's n-gram evidence,
-    built from the rows an earlier snapshot kept plus its new segments (evidence.py), equals the
-    rule's SQL over the whole ngrams table on the same snapshot - while new pairs, new output and
-    new requests of other tenants keep arriving. A later snapshot reads the new segments, and the
-    whole table only for incarnations or hashes not covered yet; a changed segment starts over."""
-    from engine.replay.glm53 import glm53
-    from forensics.queries import evidence
-    from forensics.queries.duckdb import sql
-    from telemetry.recorder import Telemetry
-    from tests.conftest import GLM53_SMALL
-    opened, done, seen = [], [0], []
-
-    def factory(**kw):
-        opened.append(Telemetry(tmp_path / "live", **kw))
-        return opened[-1]
-
-    def check() -> None:
-        live = not opened[0].writer.closed
-        if live:
-            opened[0].writer.flush()
-        before = dict(evidence.stats)
-        fx = Forensics(tmp_path / "live", answer_cache=False)
-        assert fx.live == live                          # a live store: nothing kept on disk, every snapshot new
-        fx.materialise()
-        got = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
-        assert got == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
-        seen.append((len(got), {k: evidence.stats[k] - before[k] for k in before}))
-        fx.close()
-
-    def progress(n, total=None):
-        done[0] += n
-        if done[0] % 3 == 0:
-            check()
-    glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
-    check()                                             # (the replay closed its store)
-    assert seen[-1][0] > 0, "the incident surfaces donor text"
-    check()                                             # the same snapshot again: nothing the answer reads changed
-    assert seen[-1][1]["reused"] == 1 and seen[-1][1]["whole_scans"] == 0
-    assert seen[-2][1]["reused"] == 0                   # (the replay's last segments changed it)
-    glm53("hardened", recorder=factory, **GLM53_SMALL | {"seed": 11})    # another run's traffic, every read checked
-    check()                                             # new segments: the rule's answer whether reused or not
-    runs = seen[-1][1]
-    assert runs["new_segment_reads"] == 2 and runs["whole_scans"] == 0, runs
-    assert len({n for n, _ in seen}) > 1, "the evidence grew while the store did"
-    assert any(d["new_segment_reads"] for _, d in seen[1:]), "a later snapshot read only the new segments"
-    assert any(d["whole_scans"] for _, d in seen[1:]), "a new exposure: its incarnations read from the whole table"
-    assert sum(d["whole_scans"] for _, d in seen) < 2 * len(seen)        # not every snapshot scans it all
-    seg = next((tmp_path / "live" / "segments" / "ngrams").glob("*.parquet"))
-    os.utime(seg)                                       # same bytes, its ctime moved: start over
-    before = evidence.stats["whole_scans"]
-    fx = Forensics(tmp_path / "live", answer_cache=False)
-    fx.materialise()
-    assert evidence.stats["whole_scans"] - before == 2
-    assert (fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
-            == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall())
-
-
 def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable):
     """A build that read the whole ngrams table leaves its rows in the state directory: the next
     process (here: this one with its memory cleared) starts from them and scans nothing; an entry
@@ -930,6 +872,16 @@ def test_answers_are_never_kept_for_a_store_that_can_change_or_does_not_verify(g
     assert _entries(store) == []
 
 
+def _grown_equal_their_sql(con) -> tuple[int, ...]:
+    """A snapshot's grown tables (grown.py) against their SQL over the same snapshot; their row counts."""
+    from forensics.queries.duckdb import sql
+    from forensics.queries.grown import WHOLE
+    return (_same_rows(con, "requests", sql("requests")),
+            _same_rows(con, "exposure_slots", sql("exposure_slots_index"), "attention_mass"),
+            _same_rows(con, "exposure_pairs", f"SELECT * FROM exposure_pairs_of({WHOLE}, false)", "attention_mass"),
+            _same_rows(con, "queues", sql("queues")))
+
+
 def _same_rows(con, table: str, text: str, mass: str | None = None) -> int:
     """Rows of ``table`` (a snapshot's view) against ``text`` (the table's SQL over the same
     snapshot), both ways; ``mass``: a float column compared to 1e-9 relative (sums in another order)."""
@@ -944,15 +896,19 @@ def _same_rows(con, table: str, text: str, mass: str | None = None) -> int:
     return len(a)
 
 
-def test_a_growing_stores_requests_and_exposure_slots_equal_a_rebuild_reading_only_new_segments(tmp_path):
-    """A live store read again and again (a dashboard's refreshes): each snapshot's ``requests``,
-    ``exposure_slots`` and ``exposure_pairs``, grown from the last snapshot's with only the new
-    segments read (grown.py), equal requests.sql, exposure_slots_index.sql and the pairs computed
-    from those slot rows (exposure_pairs_in.sql) over the whole snapshot - while requests arrive
-    and finish, exposures start and continue, and another run begins; for the whole store and for
-    one run. A changed segment starts over."""
+def test_a_growing_stores_shared_tables_equal_their_rules_reading_only_new_segments(tmp_path):
+    """A live store read again and again (a dashboard's refreshes). Each snapshot's ``requests``,
+    ``queues``, ``exposure_slots`` and ``exposure_pairs``, grown from the last snapshot's with only
+    the new segments read (grown.py), equal requests.sql, queues.sql, exposure_slots_index.sql and
+    the pairs computed from those slot rows (exposure_pairs_of.sql) over the whole snapshot; its
+    n-gram evidence, built from the rows an earlier snapshot kept plus its new segments
+    (evidence.py), equals the rule's SQL over the whole ngrams table - while requests arrive and
+    finish, exposures start and continue, new output and requests of other tenants arrive, and
+    another run begins; for the whole store and for one run. A later snapshot reads the new
+    segments, and the whole ngrams table only for incarnations or hashes not covered yet; a
+    changed segment starts over."""
     from engine.replay.glm53 import glm53
-    from forensics.queries import grown
+    from forensics.queries import evidence, grown
     from forensics.queries.duckdb import sql
     from telemetry.recorder import Telemetry
     from tests.conftest import GLM53_SMALL
@@ -963,18 +919,19 @@ def test_a_growing_stores_requests_and_exposure_slots_equal_a_rebuild_reading_on
         return opened[-1]
 
     def check(run: str | None = None) -> None:
-        if not opened[-1].writer.closed:
+        live = not opened[-1].writer.closed
+        if live:
             opened[-1].writer.flush()
-        before = dict(grown.stats)
+        before, ev_before = dict(grown.stats), dict(evidence.stats)
         fx = Forensics(tmp_path / "live", run, answer_cache=False)
-        assert fx.indexed
+        assert fx.indexed and fx.live == live           # a live store: nothing kept on disk, every snapshot new
         fx.materialise()
-        n = (_same_rows(fx.con, "requests", sql("requests")),
-             _same_rows(fx.con, "exposure_slots", sql("exposure_slots_index"), "attention_mass"),
-             _same_rows(fx.con, "exposure_pairs", f"SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)",
-                        "attention_mass"))
+        n = _grown_equal_their_sql(fx.con)
+        ng = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+        assert ng == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
         unfinished = fx.con.sql("SELECT count(*) FILTER (WHERE NOT finished) FROM requests").fetchall()[0][0]
-        seen.append((n, unfinished, {k: grown.stats[k] - before[k] for k in before}))
+        seen.append((n, unfinished, {k: grown.stats[k] - before[k] for k in before}, len(ng),
+                     {k: evidence.stats[k] - ev_before[k] for k in ev_before}))
         fx.close()
 
     def progress(n, total=None):
@@ -982,32 +939,45 @@ def test_a_growing_stores_requests_and_exposure_slots_equal_a_rebuild_reading_on
         if done[0] % 3 == 0:
             check()
     glm53("vulnerable", recorder=factory, progress=progress, **GLM53_SMALL)
-    check()
+    check()                                             # (the replay closed its store)
     assert seen[-1][0][1] > 0 and seen[-1][0][2] > 0, "the incident's slot rows and pairs"
-    assert any(u for _, u, _ in seen[:-1]), "a snapshot held requests still running"
-    assert all(d["built"] == 0 for *_, d in seen[1:]), "later snapshots grow the kept tables, never rebuild"
-    assert sum(d["grown"] for *_, d in seen) >= 10
-    assert sum(d["groups_redone"] for *_, d in seen) > 0
+    assert seen[-1][0][3] > 0, "the requests' admission times"
+    assert seen[-1][3] > 0, "the incident surfaces donor text"
+    assert any(u for _, u, *_ in seen[:-1]), "a snapshot held requests still running"
+    assert all(d["built"] == 0 for _, _, d, *_ in seen[1:]), "later snapshots grow the kept tables, never rebuild"
+    assert sum(d["grown"] for _, _, d, *_ in seen) >= 10
+    assert sum(d["groups_redone"] for _, _, d, *_ in seen) > 0
     assert len({n[1] for n, *_ in seen}) > 2, "the exposure grew while the store did"
+    assert len({x[3] for x in seen}) > 1, "the evidence grew while the store did"
+    assert any(x[4]["new_segment_reads"] for x in seen[1:]), "a later snapshot read only the new segments"
+    assert any(x[4]["whole_scans"] for x in seen[1:]), "a new exposure: its incarnations read from the whole table"
+    assert sum(x[4]["whole_scans"] for x in seen) < 2 * len(seen)        # not every snapshot scans it all
+    check()                                             # the same snapshot again: nothing the answers read changed
+    assert seen[-1][2]["unchanged"] == 2 and seen[-1][4]["reused"] == 1 and seen[-1][4]["whole_scans"] == 0
+    assert seen[-2][4]["reused"] == 0                   # (the replay's last segments changed it)
     boot = opened[0].boot
-    glm53("hardened", recorder=factory, **GLM53_SMALL | {"seed": 11})
-    check()
+    glm53("hardened", recorder=factory, **GLM53_SMALL | {"seed": 11})    # another run's traffic, every read checked
+    check()                                             # new segments: the rules' answers whether reused or not
+    assert seen[-1][2]["grown"] == 2
+    assert seen[-1][4]["new_segment_reads"] == 2 and seen[-1][4]["whole_scans"] == 0, seen[-1][4]
     check(boot[:8])                                     # one run: its own kept tables, its rows only
     assert seen[-1][2]["built"] == 2
     check(boot[:8])
     assert seen[-1][2]["unchanged"] == 2 and seen[-1][0] == seen[-2][0]
-    seg = next((tmp_path / "live" / "segments" / "spans").glob("*.parquet"))
-    os.utime(seg)                                       # same bytes, its ctime moved: start over
+    for table in ("spans", "ngrams"):                   # same bytes, its ctime moved: start over
+        os.utime(next((tmp_path / "live" / "segments" / table).glob("*.parquet")))
     check()
     assert seen[-1][2]["built"] == 1 and seen[-1][2]["unchanged"] == 1     # (the index's segments did not move)
+    assert seen[-1][4]["whole_scans"] == 2
 
 
 def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_the_sql_does(tmp_path):
     """The merge rules of grown requests, each met across segments: an unfinished request's
     arrivals in two segments (the earliest arrival's node, the largest prompt), a request that ends
     in a later segment (its arrival row replaced), a root span delivered twice in two segments
-    (grouped, any value of each column), an arrival written after its request's end (ignored):
-    every snapshot equals requests.sql over the whole store."""
+    (grouped, any value of each column), an arrival written after its request's end (ignored), a
+    request admitted twice (its queue times added up): every snapshot equals requests.sql and
+    queues.sql over the whole store."""
     import datetime as dt
 
     import pyarrow as pa
@@ -1030,10 +1000,14 @@ def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_th
         return {"Timestamp": t0 + dt.timedelta(seconds=s), "Duration": 2_000_000_000, "SpanName": "request",
                 "incarnation": inc, "node": "n1", "boot": "b1", "operation": "request", "tenant_h": f"t{inc % 2}",
                 "input_tokens": 10, "output_tokens": 4, "finish_reason": "length", **kw}
-    flushes = [
-        {"arrivals": [arrival(1, "n1", 10, 7), arrival(2, "n2", 11, 5)], "spans": [root(3, 1, ttft_s=None)]},
+    def admission(inc: int, s: int, ns: int) -> dict:
+        return {"Timestamp": t0 + dt.timedelta(seconds=s), "Duration": ns, "SpanName": "admission",
+                "incarnation": inc, "node": "n1", "boot": "b1", "operation": "admission"}
+    flushes = [         # (request 4 is admitted twice: preempted, its pages given back, admitted again)
+        {"arrivals": [arrival(1, "n1", 10, 7), arrival(2, "n2", 11, 5)],
+         "spans": [root(3, 1, ttft_s=None), admission(4, 12, 1_000)]},
         {"arrivals": [arrival(1, "n3", 5, 9), arrival(4, "n1", 12, 3)], "spans": [root(2, 11), root(3, 1, ttft_s=0.5)]},
-        {"arrivals": [arrival(3, "n2", 0, 50), arrival(4, "n2", 20, 1)], "spans": []},
+        {"arrivals": [arrival(3, "n2", 0, 50), arrival(4, "n2", 20, 1)], "spans": [admission(4, 20, 2_000)]},
         {"arrivals": [], "spans": [root(1, 5, error_type="Timeout")]},
     ]
     w = SegmentWriter(tmp_path / "s", boot="b1")
@@ -1047,6 +1021,8 @@ def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_th
             fx = Forensics(tmp_path / "s", answer_cache=False)
             fx.requests()
             _same_rows(fx.con, "requests", sql("requests"))
+            _same_rows(fx.con, "queues", sql("queues"))
+            queued = fx.con.sql("SELECT queue_ns FROM queues WHERE incarnation = 4").fetchall()
             fx.close()
         got = {r["incarnation"]: r for r in _requests_of(tmp_path / "s")}
     finally:
@@ -1054,7 +1030,7 @@ def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_th
     assert grown.stats["built"] == 1 and grown.stats["grown"] == 3
     assert [got[i]["finished"] for i in (1, 2, 3, 4)] == [True, True, True, False]
     assert got[3]["ttft_s"] == 0.5 and got[4]["node"] == "n1" and got[4]["prompt_tokens_billed"] == 3
-    assert got[1]["error_type"] == "Timeout"
+    assert got[1]["error_type"] == "Timeout" and queued == [(3_000,)]
 
 
 def _requests_of(store) -> list[dict]:
@@ -1070,7 +1046,6 @@ def test_grown_tables_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulne
     this one with its memory cleared) starts from them and builds nothing; an entry cut short, or
     written by other SQL, is ignored (built again), and the tables equal their SQL every time."""
     from forensics.queries import grown
-    from forensics.queries.duckdb import sql
     _, store = glm53_vulnerable
     monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
 
@@ -1080,10 +1055,7 @@ def test_grown_tables_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulne
         fx = Forensics(store)
         fx.answers = None                      # as on a store that changed: the tables are built
         fx.materialise()
-        n = (_same_rows(fx.con, "requests", sql("requests")),
-             _same_rows(fx.con, "exposure_slots", sql("exposure_slots_index"), "attention_mass"),
-             _same_rows(fx.con, "exposure_pairs", f"SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)",
-                        "attention_mass"))
+        n = _grown_equal_their_sql(fx.con)
         fx.close()
         return n, {k: grown.stats[k] - before[k] for k in ("built", "loaded", "saved")}
     first, did = build()

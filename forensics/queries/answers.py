@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from pathlib import Path
 
 import duckdb
@@ -168,3 +169,35 @@ class Answers:
                     leftover.unlink(missing_ok=True)
                 except OSError:
                     pass
+
+
+def write_entry(d: Path, tables: dict[str, pa.Table], meta: dict) -> bool:
+    """Write a kept entry in the state directory: each table as ``NAME-GEN.arrow``, then
+    ``meta.json`` (``meta`` with ``gen`` added) naming them, each renamed into place - a reader sees
+    a whole entry or the previous one - then remove the older generation's files. False (and no
+    error) when it cannot (an unwritable state directory)."""
+    gen = f"{time.time_ns()}-{os.getpid()}"
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        for name, table in tables.items():
+            tmp = d / f".{name}-{gen}.tmp"
+            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+            os.replace(tmp, d / f"{name}-{gen}.arrow")
+        tmp = d / f".meta-{gen}.tmp"
+        tmp.write_text(json.dumps({**meta, "gen": gen}))
+        os.replace(tmp, d / "meta.json")
+        for p in d.glob("*.arrow"):
+            if not p.name.endswith(f"-{gen}.arrow"):
+                p.unlink(missing_ok=True)
+    except (OSError, pa.ArrowException):
+        return False
+    return True
+
+
+def file_key(path: str) -> tuple[int, int, int]:
+    """How a kept entry knows a segment file again: inode, size, change time (a store replaced at
+    the same path, a segment rewritten or touched is another file)."""
+    st = os.stat(path)
+    return st.st_ino, st.st_size, st.st_ctime_ns
+

@@ -141,6 +141,8 @@ class Forensics:
         # the run's boot id, when ``run`` named one (a prefix): the views hold that run's rows only
         self.boot = None if run is None else self.con.sql("SELECT any_value(boot) FROM config_snapshots").fetchall()[0][0]
         self._grown: dict[str, object] = {}     # the Arrow tables under grown views (alive as long as con)
+        # each request's queue time, computed where it is read (ttft.sql); a grown snapshot replaces it
+        self.con.execute(f"CREATE VIEW queues AS {sql('queues')}")
         self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
         # the slot-level answers come from the exposure index where every run with a page ledger wrote
@@ -173,7 +175,7 @@ class Forensics:
                 self.from_cache.add(name)
             elif grown.enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
                 self._grown |= grown.build(con or self.con, name, self.store, self.run, self.boot, self.files,
-                                           self._text(name), sql("exposure_pairs_of"),
+                                           self._text(name), sql("queues" if name == "requests" else "exposure_pairs_of"),
                                            disk=self.keep_answers and self.verdict.ok)
             elif name == "exposure_ngrams":
                 build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)

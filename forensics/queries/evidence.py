@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -39,7 +38,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk
+from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
 from telemetry.store import table_relation
 from telemetry.store.keys import state_dir
 
@@ -92,32 +91,10 @@ def _load(key: str) -> _Kept | None:
 
 
 def _save(key: str, kept: _Kept) -> None:
-    """Write the rows (each file, then the meta that names them, renamed into place: a reader sees
-    a whole entry or the previous one), then remove the older generation. No error if it cannot."""
-    d = _dir(key)
-    gen = f"{time.time_ns()}-{os.getpid()}"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        for name, table in (("ng", kept.ng), ("hits", kept.hits)):
-            tmp = d / f".{name}-{gen}.tmp"
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-            os.replace(tmp, d / f"{name}-{gen}.arrow")
-        meta = {"store": key, "gen": gen, "files": kept.files, "incs": sorted(kept.incs),
-                "hashes": sorted(kept.hashes), "ng_rows": kept.ng.num_rows, "hits_rows": kept.hits.num_rows}
-        tmp = d / f".meta-{gen}.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, d / "meta.json")
-        for p in d.glob("*.arrow"):
-            if not p.name.endswith(f"-{gen}.arrow"):
-                p.unlink(missing_ok=True)
-    except (OSError, pa.ArrowException):
-        pass
-
-
-def _stat(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_ctime_ns
+    """Write the rows and the meta that names them (answers.write_entry). No error if it cannot."""
+    write_entry(_dir(key), {"ng": kept.ng, "hits": kept.hits},
+                {"store": key, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes),
+                 "ng_rows": kept.ng.num_rows, "hits_rows": kept.hits.num_rows})
 
 
 def _ids(con: duckdb.DuckDBPyConnection, text: str, col: str) -> set[int]:

@@ -6,7 +6,8 @@ seconds, and each rebuilt both tables from every span, arrival and exposure-inde
 0.2-0.3 s each at 30 M ledger rows, growing with the store. Segments are immutable and only ever
 added, so a snapshot whose segments include the kept ones reads only the new segments:
 
-- ``requests``: ``requests.sql`` over the new segments' spans and arrivals alone, merged with the
+- ``requests`` (and ``queues``, the admission spans' time per request: sums, added up where a
+  request's spans are in several segments): ``requests.sql`` over the new segments' spans and arrivals alone, merged with the
   kept rows: a request whose root span is new replaces its arrival row; a root span of a request
   already kept (a duplicated span) is grouped with the kept row as requests.sql groups duplicates
   (any value of each column); an unfinished request's arrivals in several segments combine as
@@ -44,7 +45,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk
+from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
 from telemetry.store import table_relation
 from telemetry.store.keys import state_dir
 
@@ -61,7 +62,7 @@ stats = {"built": 0, "grown": 0, "unchanged": 0, "groups_redone": 0, "loaded": 0
 @dataclass
 class _Kept:
     files: dict[str, tuple[int, int, int]]      # segment path -> (inode, size, ctime ns) of the tables read
-    parts: dict[str, pa.Table]      # requests: done, open; exposure_slots: raw, sizes, slots, pairs
+    parts: dict[str, pa.Table]      # requests: done, open, queues; exposure_slots: raw, sizes, slots, pairs
     scratch: duckdb.DuckDBPyConnection          # where the new segments are read (a connection costs ~40 ms)
     on_disk: int = -1                           # segments the entry in the state directory covers (-1: none)
     saved_at: float = float("-inf")             # when this process last wrote it (monotonic)
@@ -75,11 +76,6 @@ _LOCKS: dict[tuple, threading.Lock] = {}    # one per kept table: requests and e
 def enabled() -> bool:
     """KVLEDGER_GROW=0 rebuilds both tables on every snapshot (the A/B switch of the benches)."""
     return os.environ.get("KVLEDGER_GROW", "1") != "0"
-
-
-def _stat(path: str) -> tuple[int, int, int]:
-    st = os.stat(path)
-    return st.st_ino, st.st_size, st.st_ctime_ns
 
 
 def _views(s: duckdb.DuckDBPyConnection, tables: dict[str, "list[str] | pa.Table"], boot: str | None = None) -> None:
@@ -121,10 +117,10 @@ def _dir(key: tuple) -> Path:
     return state_dir() / "grown" / hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
 
 
-def _ident(text: str, pairs_sql: str) -> str:
+def _ident(text: str, more_sql: str) -> str:
     """What an entry's rows depend on besides the segments: the SQL and the DuckDB that ran it."""
     from telemetry.store.schema import SCHEMA_SQL
-    return hashlib.sha256(json.dumps([text, pairs_sql, duckdb.__version__,
+    return hashlib.sha256(json.dumps([text, more_sql, duckdb.__version__,
                                       SCHEMA_SQL.read_text()]).encode()).hexdigest()
 
 
@@ -149,29 +145,11 @@ def _load(key: tuple, ident: str) -> _Kept | None:
 
 
 def _save(key: tuple, ident: str, kept: _Kept) -> None:
-    """Write the tables (each file, then the meta that names them, renamed into place: a reader sees
-    a whole entry or the previous one), then remove the older generation. No error if it cannot."""
-    d = _dir(key)
-    gen = f"{time.time_ns()}-{os.getpid()}"
-    try:
-        d.mkdir(parents=True, exist_ok=True)
-        for name, table in kept.parts.items():
-            tmp = d / f".{name}-{gen}.tmp"
-            with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
-                w.write_table(table)
-            os.replace(tmp, d / f"{name}-{gen}.arrow")
-        meta = {"key": list(key), "ident": ident, "gen": gen, "files": kept.files,
-                "rows": {name: t.num_rows for name, t in kept.parts.items()}}
-        tmp = d / f".meta-{gen}.tmp"
-        tmp.write_text(json.dumps(meta))
-        os.replace(tmp, d / "meta.json")
-        for p in d.glob("*.arrow"):
-            if not p.name.endswith(f"-{gen}.arrow"):
-                p.unlink(missing_ok=True)
-    except (OSError, pa.ArrowException):
-        return
-    stats["saved"] += 1
-    kept.on_disk, kept.saved_at = len(kept.files), time.monotonic()
+    """Write the tables and the meta that names them (answers.write_entry). No error if it cannot."""
+    if write_entry(_dir(key), kept.parts, {"key": list(key), "ident": ident, "files": kept.files,
+                                           "rows": {name: t.num_rows for name, t in kept.parts.items()}}):
+        stats["saved"] += 1
+        kept.on_disk, kept.saved_at = len(kept.files), time.monotonic()
 
 
 def _any(column: str) -> str:
@@ -209,9 +187,22 @@ def _merge_requests(s: duckdb.DuckDBPyConnection, kept: dict[str, pa.Table], del
     return {"done": done, "open": open_}
 
 
-def _build_requests(con, text: str) -> dict[str, pa.Table]:
+def _merge_queues(s: duckdb.DuckDBPyConnection, queues: pa.Table, delta: pa.Table) -> pa.Table:
+    if not delta.num_rows:
+        return queues
+    again = _in(queues["incarnation"], delta["incarnation"])
+    if not pc.any(again).as_py():
+        return _concat(queues, delta.cast(queues.schema))
+    summed = _rows(s, "SELECT incarnation, sum(queue_ns)::BIGINT AS queue_ns FROM "
+                      "(SELECT * FROM _old UNION ALL SELECT * FROM _new) GROUP BY incarnation", queues.schema,
+                   _old=queues.filter(again), _new=delta)
+    return _concat(queues.filter(pc.invert(again)), summed)
+
+
+def _build_requests(con, text: str, queues_sql: str) -> dict[str, pa.Table]:
     full = con.sql(text).to_arrow_table()
-    return {"done": full.filter(pc.field("finished")), "open": full.filter(~pc.field("finished"))}
+    return {"done": full.filter(pc.field("finished")), "open": full.filter(~pc.field("finished")),
+            "queues": con.sql(queues_sql).to_arrow_table()}
 
 
 WHOLE = "TIMESTAMP '1970-01-01', TIMESTAMP '2262-01-01'"      # the readers' default window: the whole store
@@ -264,16 +255,16 @@ def _grow_slots(s: duckdb.DuckDBPyConnection, kept: dict[str, pa.Table], text: s
 
 
 def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str | None, boot: str | None,
-          files: dict[str, list[str]], text: str, pairs_sql: str = "", disk: bool = True) -> dict[str, pa.Table]:
-    """Create the view ``name`` (requests, or exposure_slots from the index, then exposure_pairs
-    too: ``pairs_sql`` is exposure_pairs_of.sql) in ``con``, a snapshot whose views are over
+          files: dict[str, list[str]], text: str, more_sql: str = "", disk: bool = True) -> dict[str, pa.Table]:
+    """Create the view ``name`` (requests, then queues too: ``more_sql`` is queues.sql; or
+    exposure_slots from the index, then exposure_pairs: exposure_pairs_of.sql) in ``con``, a snapshot whose views are over
     ``files`` (``segment_files``' lists) and narrowed to ``boot`` when ``run`` named one; ``text``:
     the table's SQL. Returns the Arrow tables under the views (the caller keeps them alive as long
     as ``con``). ``disk``: the state directory's entry may be read and written (a verified store,
     the reader's answer-cache switch; KVLEDGER_ANSWER_CACHE too)."""
     key = (str(Path(store).resolve()), run, name)
     disk = disk and kept_on_disk()
-    ident = _ident(text, pairs_sql) if disk else ""
+    ident = _ident(text, more_sql) if disk else ""
     reads = READS[name]
     now = {f: _stat(f) for t in reads for f in files[t]}
     with _LOCK:
@@ -289,7 +280,8 @@ def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str
         if kept is None:
             stats["built"] += 1
             scratch = duckdb.connect()
-            parts = _build_requests(con, text) if name == "requests" else _build_slots(con, scratch, text, pairs_sql)
+            parts = (_build_requests(con, text, more_sql) if name == "requests"
+                     else _build_slots(con, scratch, text, more_sql))
             kept = _Kept(now, parts, scratch)
         elif len(now) == len(kept.files):
             stats["unchanged"] += 1
@@ -298,9 +290,10 @@ def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str
             s = kept.scratch
             _views(s, {t: [f for f in files[t] if f not in kept.files] for t in reads}, boot)
             if name == "requests":
-                kept.parts = _merge_requests(s, kept.parts, s.sql(text).to_arrow_table())
+                kept.parts = {**_merge_requests(s, kept.parts, s.sql(text).to_arrow_table()),
+                              "queues": _merge_queues(s, kept.parts["queues"], s.sql(more_sql).to_arrow_table())}
             else:
-                kept.parts = _grow_slots(s, kept.parts, text, pairs_sql)
+                kept.parts = _grow_slots(s, kept.parts, text, more_sql)
             kept.files = now
         parts = kept.parts
         if disk and (kept.on_disk < 0 or len(kept.files) - kept.on_disk >= SAVE_AFTER) \
@@ -312,7 +305,7 @@ def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str
                 _LOCKS.pop(gone := next(iter(_KEPT)), None)
                 _KEPT.pop(gone).scratch.close()
     if name == "requests":
-        views = {"requests": _concat(parts["done"], parts["open"])}
+        views = {"requests": _concat(parts["done"], parts["open"]), "queues": parts["queues"]}
     else:
         views = {"exposure_slots": parts["slots"].drop_columns(["_g"]), "exposure_pairs": parts["pairs"]}
     for view, table in views.items():

@@ -5,8 +5,8 @@
 -- seen, times the tokens the response was billed for and did not get from cache, times $slack.
 -- below_floor: answered faster than its billed prompt can be prefilled. usage_dishonest: billed
 -- for more prompt tokens than were prefilled or cached - the GLM-5.3 clue.
-WITH q AS (
-    SELECT incarnation, sum("Duration") / 1e9 AS queue_s FROM spans WHERE operation = 'admission' GROUP BY ALL
+WITH q AS (     -- queues.sql: the admission spans' time per request
+    SELECT incarnation, queue_ns / 1e9 AS queue_s FROM queues
 ),
 r AS (
     SELECT r.*, coalesce(q.queue_s, 0) AS queue_s, r.ttft_s - coalesce(q.queue_s, 0) AS service_ttft_s,
