@@ -68,11 +68,11 @@ def main() -> None:
     os.environ["KVLEDGER_ANSWER_CACHE"] = "1"
     kept, kept_scripts, _ = render(3)
     kept_banner = min(banners[4:6])
-    live = _live(root, args, render, banners) if args.live else {}
     affected = next(int(x.value) for x in at.metric if x.label == "Affected responses")
     t = time.perf_counter()
     Panels(root).totals()
     totals_s = time.perf_counter() - t
+    live = _live(root, args, render, banners) if args.live else {}     # (points the app at a copy of the store)
     res = {"config": {"read_rows": m["read_rows"], "write_rows": m["write_rows"], "copies": m["copies"], "exposed_copies": m["exposed_copies"]},
            "first_render_s": renders[0], "warm_render_s": min(renders[1:]), "totals_query_s": totals_s,
            "first_script_s": scripts[0], "warm_script_s": min(scripts[1:]),

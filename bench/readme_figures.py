@@ -330,9 +330,10 @@ def dashboard_table(r: dict) -> str:
                  f"(medians of {len(r['live_renders_s'])}; the n-gram evidence from the rows an earlier render kept "
                  f"plus the new segments: `forensics/queries/evidence.py`")
         if "live_rebuilt_render_s" in r:
-            kept += (f"; requests, exposure_slots and the whole store's per-pair exposures grown from the last "
-                     f"render's with only the new segments read: `forensics/queries/grown.py`). Interleaved in the "
-                     f"same run with those three rebuilt every render (KVLEDGER_GROW=0): render "
+            kept += (f"; requests with each request's queue time, exposure_slots and the whole store's per-pair "
+                     f"exposures grown from the last render's with only the new segments read: "
+                     f"`forensics/queries/grown.py`). Interleaved in the same run with those rebuilt every render "
+                     f"(KVLEDGER_GROW=0): render "
                      f"{r['live_rebuilt_render_s']:.1f} s, the script {r['live_rebuilt_script_s']:.1f} s, the banner "
                      f"{r['live_rebuilt_banner_s']:.1f} s.")
         else:
@@ -342,10 +343,10 @@ def dashboard_table(r: dict) -> str:
     more = "".join("\n\n" + dashboard_table(json.loads(p.read_text())) for p in sparse
                    if p.exists() and not r.get("store", "").startswith("sparse"))
     import time as _t
-    on = (f" (measured {_t.strftime('%Y-%m-%d', _t.gmtime(r['unix_time']))}, CPU {_isa(r['cpu'])})"
+    on = (f"measured {_t.strftime('%Y-%m-%d', _t.gmtime(r['unix_time']))} on a CPU with {_isa(r['cpu'])}; "
           if "cpu" in r and "unix_time" in r else "")
     return "\n".join([
-        f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows{on} ({how}; "
+        f"Dashboard on {(c['read_rows'] + c['write_rows']) / 1e6:.0f} M ledger rows ({on}{how}; "
         f"{c['exposed_copies']} of {c['copies']} replicated copies are the incident), no answers kept on disk "
         f"(KVLEDGER_ANSWER_CACHE=0: the shared tables built every render): first render "
         f"{r['first_render_s']:.1f} s, warm {r['warm_render_s']:.1f} s (goal < {r['goal_s']:.0f} s), "
