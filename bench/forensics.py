@@ -109,6 +109,10 @@ def update_commands(path: Path, stores: list[Path]) -> dict:
     res["commands_measured_unix_time"] = int(time.time())
     for store in stores:
         rows = json.loads((store / "manifest.json").read_text())["read_rows"]
+        known = [res["config"]["read_rows"], *(x["read_rows"] for x in res.get("scaling", []))]
+        if rows not in known:       # another store (e.g. rebuilt on a new layout): its joins were never measured
+            raise SystemExit(f"{store} holds {rows} page_reads rows; {path.name} has figures for {known} only: "
+                             "run the bench without --commands-only (or --add-scale) on it")
         c = commands(store)
         if rows == res["config"]["read_rows"]:
             res["commands"] = c

@@ -18,7 +18,7 @@ from pathlib import Path
 import duckdb
 import polars as pl
 
-from forensics.queries import grown
+from forensics.queries.grown import WHOLE, build as grow, enabled as grow_enabled
 from forensics.queries.evidence import build as build_evidence
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
@@ -173,10 +173,10 @@ class Forensics:
         if name not in self._made:
             if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
                 self.from_cache.add(name)
-            elif grown.enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
-                self._grown |= grown.build(con or self.con, name, self.store, self.run, self.boot, self.files,
-                                           self._text(name), sql("queues" if name == "requests" else "exposure_pairs_of"),
-                                           disk=self.keep_answers and self.verdict.ok)
+            elif grow_enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
+                self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
+                                    self._text(name), sql("queues" if name == "requests" else "exposure_pairs_of"),
+                                    disk=self.keep_answers and self.verdict.ok)
             elif name == "exposure_ngrams":
                 build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
             else:
@@ -206,7 +206,7 @@ class Forensics:
                 self.con.execute(sql(m))
                 if m == "exposure_pairs_of" and "exposure_pairs" not in self._grown:
                     # the whole store's pairs, computed where they are read (a grown snapshot keeps them)
-                    self.con.execute(f"CREATE VIEW exposure_pairs AS SELECT * FROM exposure_pairs_of({grown.WHOLE}, false)")
+                    self.con.execute(f"CREATE VIEW exposure_pairs AS SELECT * FROM exposure_pairs_of({WHOLE}, false)")
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
