@@ -1,23 +1,29 @@
-"""A snapshot's shared tables ``requests`` and ``exposure_slots``, grown from the last snapshot's
-of the same store in this process instead of rebuilt from every segment.
+"""A snapshot's shared tables ``requests`` (with ``queues``) and ``exposure_slots`` (with the
+whole store's ``exposure_pairs``), grown from the last snapshot's of the same store instead of
+rebuilt from every segment.
 
 A live store (a dashboard refreshing while the engine writes) gets a new snapshot every few
-seconds, and each rebuilt both tables from every span, arrival and exposure-index row it holds:
-0.2-0.3 s each at 30 M ledger rows, growing with the store. Segments are immutable and only ever
-added, so a snapshot whose segments include the kept ones reads only the new segments:
+seconds, and each rebuilt these tables from every span, arrival and exposure-index row it holds
+(0.2 s each at 41 M ledger rows, growing with the store), and folded every slot row again for
+each query over ``exposures_in``. Segments are immutable and only ever added, so a snapshot whose
+segments include the kept ones reads only the new segments:
 
-- ``requests`` (and ``queues``, the admission spans' time per request: sums, added up where a
-  request's spans are in several segments): ``requests.sql`` over the new segments' spans and arrivals alone, merged with the
+- ``requests``: ``requests.sql`` over the new segments' spans and arrivals alone, merged with the
   kept rows: a request whose root span is new replaces its arrival row; a root span of a request
   already kept (a duplicated span) is grouped with the kept row as requests.sql groups duplicates
   (any value of each column); an unfinished request's arrivals in several segments combine as
-  requests.sql combines them (the earliest arrival and its node, the largest prompt).
+  requests.sql combines them (the earliest arrival and its node, the largest prompt); an arrival
+  after its request's end changes nothing. ``queues`` (queues.sql: each request's admission
+  spans' time) adds up where a request's spans are in several segments.
 - ``exposure_slots``, where it is read from the exposure index: a slot row depends only on the
   index rows of its (node, boot, reader, page, generation, block) group and on its run's page size.
   The groups the new index rows fall in - and the groups of a run whose first config snapshot is
   new - are recomputed by ``exposure_slots_index.sql`` from all of their index rows (kept + new);
   every other group's rows are kept as they were. Groups are told apart by a hash of their key;
   two groups sharing a hash are recomputed together, which changes nothing.
+- ``exposure_pairs`` (exposure_pairs_of.sql over the whole store: what exposures_in reads for the
+  readers' default window, exposure_pairs_in.sql): a pair's row depends only on its response's
+  slot rows, so the responses of the recomputed groups get theirs again; the rest are kept.
 
 The kept tables are Arrow, shown to the snapshot's connection as views (no copy). They are kept per
 (store, run) for the newest ``KEEP`` stores of this process; a kept segment missing from the snapshot
@@ -74,7 +80,7 @@ _LOCKS: dict[tuple, threading.Lock] = {}    # one per kept table: requests and e
 
 
 def enabled() -> bool:
-    """KVLEDGER_GROW=0 rebuilds both tables on every snapshot (the A/B switch of the benches)."""
+    """KVLEDGER_GROW=0 rebuilds the tables on every snapshot (the A/B switch of the benches)."""
     return os.environ.get("KVLEDGER_GROW", "1") != "0"
 
 
