@@ -61,6 +61,19 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype,
             want = exact or ql[b] == 1 or b in flagged_req
             assert bool(measured[b].all()) == want, (b, exact)
         torch.testing.assert_close(got.page_mass[measured], ref.page_mass[measured], atol=1e-5, rtol=1e-4)
+    if dtype == torch.bfloat16:
+        # a bf16 prefill's attention in bf16 (prefill_dtype: where the CPU multiplies bf16 natively)
+        # on the pool's values as stored, q rounded to bf16, bf16 results: a chunk from its request's
+        # start and one that continues a context (its mask) within 3e-2 of the fp32 reference (values
+        # of about +-3, one bf16 step 2^-8 of them); decode rows and chunks whose mass is measured
+        # (flagged) stay fp32, as they were
+        got = paged_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True, prefill_dtype=torch.bfloat16)
+        low = torch.tensor([ql[b] > 1 and b not in flagged_req for b in lay.tok_batch.tolist()])
+        torch.testing.assert_close(got.out[low], ref.out[low], atol=3e-2, rtol=0)
+        assert not low.any() or not torch.equal(got.out[low], ref.out[low])      # the bf16 path ran
+        torch.testing.assert_close(got.out[~low], ref.out[~low], atol=1e-5, rtol=1e-4)
+        measured = ~torch.isnan(got.page_mass)
+        torch.testing.assert_close(got.page_mass[measured], ref.page_mass[measured], atol=1e-5, rtol=1e-4)
     monkeypatch.undo()
     # the native read check and the numpy one (CPU pools) and the torch one (other devices): equal
     # field for field, on these tags and with a page's generation wrong too
