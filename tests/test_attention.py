@@ -23,12 +23,15 @@ CASES = [   # (seq_lens, query_lens, flagged (request, position) slots, page siz
 ]
 
 
+@pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
-def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype, monkeypatch):
-    """(A bf16 pool too: every path widens the same stored values and computes in fp32.)"""
+def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype, D, monkeypatch):
+    """(A bf16 pool too: every path widens the same stored values and computes in fp32. Head
+    widths 16 and 64: the native decode kernel's per-key path, and its blocked one - heads of a
+    multiple of 32 values, KB keys a block, a partial last block.)"""
     torch.manual_seed(len(seq) * 31 + S)
-    D, B = 16, len(seq)
+    B = len(seq)
     C = max(-(-n // S) for n in seq) + 1                 # one spare column: padding in every row
     P = B * C + 3
     pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
