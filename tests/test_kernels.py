@@ -113,7 +113,7 @@ def test_store_writes_each_new_tokens_k_and_v_into_its_slot_and_nothing_else(nat
     assert torch.equal(pool.buf, before)                     # those rows were the only bytes written
 
 
-@pytest.mark.parametrize("M", [1, 3, 8, 13, 16, 37])
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 6, 7, 8, 13, 16, 37])   # every remainder of a tile of 4 or 8 rows
 @pytest.mark.parametrize("N,K,bias", [(40, 24, True), (256, 64, False), (96, 200, True)])
 def test_each_projection_path_equals_f_linear(M, N, K, bias):
     """The few-rows kernel (blocks of 16 columns, N not a multiple of 16 included), oneDNN's
@@ -163,7 +163,7 @@ def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dro
 @pytest.mark.parametrize("onednn_takes_bf16", [True, False])
 @pytest.mark.parametrize("N", [72, 1040])
 @pytest.mark.parametrize("gemm", ["fp32", "bf16"])
-@pytest.mark.parametrize("M", [1, 8, 64, 65, 200])
+@pytest.mark.parametrize("M", [1, 5, 8, 64, 65, 200])
 def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, onednn_takes_bf16, monkeypatch):
     """--dtype bfloat16: the weight stays bf16. On a CPU without bf16 instructions (gemm "fp32") the
     products are fp32: up to BF16_KERNEL_ROWS rows on the widened values in the native kernel (bit for

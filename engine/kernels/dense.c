@@ -156,6 +156,10 @@ static inline __attribute__((always_inline)) v8 ldw(const void *wb, int64_t i, i
     return r;
 }
 
+/* x in every lane (a broadcast load: ``(v8){0} + x`` would add a zero first - it cannot be folded,
+   -0 + 0 being +0 - and broadcast the sum: two more instructions per row and k, on the shuffle port) */
+static inline __attribute__((always_inline)) v8 splat8(float x) { return (v8){x, x, x, x, x, x, x, x}; }
+
 static inline __attribute__((always_inline)) void linear_tile(int R, const float *x, int64_t xs, const void *wb,
                                                               int64_t K, const float *bias, float *out, int64_t os,
                                                               int64_t ncols, int bf16) {
@@ -163,7 +167,7 @@ static inline __attribute__((always_inline)) void linear_tile(int R, const float
     for (int64_t k = 0; k < K; k++) {
         const v8 w0 = ldw(wb, k * NB, bf16), w1 = ldw(wb, k * NB + 8, bf16);
         for (int r = 0; r < R; r++) {       /* R is a constant at each call site: unrolled */
-            const v8 s = (v8){0} + x[r * xs + k];
+            const v8 s = splat8(x[r * xs + k]);
             acc[2 * r] += s * w0;
             acc[2 * r + 1] += s * w1;
         }
@@ -177,6 +181,51 @@ static inline __attribute__((always_inline)) void linear_tile(int R, const float
     }
 }
 
+#if defined(__AVX512F__)
+/* With 512-bit vectors a block's 16 columns are one vector: a tile is R <= 8 rows, one weight load
+   and R broadcast-FMAs per k (the 256-bit tile above: two loads and 2 R FMAs for the same work) */
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline __attribute__((always_inline)) v16 ldw16(const void *wb, int64_t i, int bf16) {
+    v16 r;
+    if (bf16) {
+        u16x16 h;
+        __builtin_memcpy(&h, (const uint16_t *)wb + i, sizeof h);
+        const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+        __builtin_memcpy(&r, &u, sizeof r);
+    } else {
+        __builtin_memcpy(&r, (const float *)wb + i, sizeof r);
+    }
+    return r;
+}
+
+static inline __attribute__((always_inline)) void linear_tile16(int R, const float *x, int64_t xs, const void *wb,
+                                                                int64_t K, const float *bias, float *out, int64_t os,
+                                                                int64_t ncols, int bf16) {
+    v16 acc[8] = {{0}};
+    for (int64_t k = 0; k < K; k++) {
+        const v16 w = ldw16(wb, k * NB, bf16);
+        for (int r = 0; r < R; r++) {       /* R constant: unrolled */
+            const float xv = x[r * xs + k];
+            acc[r] += (v16){xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv, xv} * w;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float tmp[NB];
+        __builtin_memcpy(tmp, &acc[r], sizeof acc[0]);
+        float *o = out + r * os;
+        for (int64_t j = 0; j < ncols; j++) o[j] = bias ? tmp[j] + bias[j] : tmp[j];
+    }
+}
+#define TILE_ROWS 8
+#define TILE(R, ...) linear_tile16(R, __VA_ARGS__)
+#else
+#define TILE_ROWS 4
+#define TILE(R, ...) linear_tile(R, __VA_ARGS__)
+#endif
+
 static inline __attribute__((always_inline)) int linear(const float *x, int64_t xs, int64_t M, int64_t K,
                                                         const void *wp, int64_t N, const float *bias, float *out,
                                                         int64_t os, int nthreads, int bf16) {
@@ -188,11 +237,18 @@ static inline __attribute__((always_inline)) int linear(const float *x, int64_t 
         const int64_t ncols = N - b * NB < NB ? N - b * NB : NB;
         float *ob = out + b * NB;
         int64_t m = 0;
-        for (; m + 4 <= M; m += 4) linear_tile(4, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16);
-        switch (M - m) {
-            case 3: linear_tile(3, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
-            case 2: linear_tile(2, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
-            case 1: linear_tile(1, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+        for (; m + TILE_ROWS <= M; m += TILE_ROWS)
+            TILE(TILE_ROWS, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16);
+        switch (M - m) {        /* (each case a constant R: its loops unrolled) */
+#if TILE_ROWS > 4
+            case 7: TILE(7, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 6: TILE(6, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 5: TILE(5, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 4: TILE(4, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+#endif
+            case 3: TILE(3, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 2: TILE(2, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
+            case 1: TILE(1, x + m * xs, xs, wb, K, bb, ob + m * os, os, ncols, bf16); break;
         }
     }
     return 0;
