@@ -107,7 +107,7 @@ def engine_bf16_table(r: dict) -> str:
     return "\n".join([
         f"bf16, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, {r.get('threads', 2)} torch "
         "thread(s) for every engine (kvledger: weights and KV stored in bf16; where the CPU has bf16 instructions "
-        "the products in bf16 through oneDNN - all of them on weights of 2^18 values or more, a smaller weight's "
+        "the products in bf16 through oneDNN - all of them on weights of 2^19 values or more, a smaller weight's "
         "decode rows in fp32 - elsewhere all arithmetic fp32; transformers and vLLM-CPU: their own bf16 models):",
         "", *rows, "",
         f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "

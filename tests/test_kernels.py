@@ -161,7 +161,7 @@ def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dro
 
 
 @pytest.mark.parametrize("onednn_takes_bf16", [True, False])
-@pytest.mark.parametrize("N", [72, 1040])
+@pytest.mark.parametrize("N", [72, 2080])
 @pytest.mark.parametrize("gemm", ["fp32", "bf16"])
 @pytest.mark.parametrize("M", [1, 5, 8, 64, 65, 200])
 def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, onednn_takes_bf16, monkeypatch):

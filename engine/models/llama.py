@@ -127,9 +127,11 @@ PACK_ROWS = 32      # the row count oneDNN's weight layout is chosen for (vLLM-C
 BF16_KERNEL_ROWS = 64
 BF16_GEMM_CALLS = 0     # products run in bf16 (tests tell that path ran)
 # with bf16 products (bf16_gemm) a weight of fewer values keeps the native kernel for decode rows: at 8
-# rows oneDNN's bf16 product is 2-4x the kernel's speed on the big shape's weights (896 x 896 and up)
-# and no faster on the tiny model's (1024 x 256: about even; below, the kernel is faster)
-BF16_ONEDNN_MIN_WEIGHT = 1 << 18
+# rows oneDNN's bf16 product is faster on the big shape's weights (896 x 896 and up: 33 against 53 us on
+# an AMX CPU, 2-4x on an AVX512-BF16 one) and slower on the tiny model's (1024 x 256: 26 against 21 us,
+# 512 x 256: 26 against 13 - measured 2026-12-05 with the kernel's broadcast fixed; 2^18 before it, where
+# 1024 x 256 was about even; tiny bf16 1.13x engine alone from moving its gate_up to the kernel)
+BF16_ONEDNN_MIN_WEIGHT = 1 << 19
 
 
 def bf16_gemm() -> bool:
