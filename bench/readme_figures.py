@@ -11,7 +11,8 @@ sys.path.insert(0, str(ROOT))
 
 
 def _isa(c: dict | None) -> str:
-    return ("not recorded" if not c else "AVX-512 with bf16 instructions" if "avx512_bf16" in c["isa"]
+    return ("not recorded" if not c else "AVX-512 with bf16 instructions and AMX tiles" if "amx_bf16" in c["isa"]
+            else "AVX-512 with bf16 instructions" if "avx512_bf16" in c["isa"]
             else "AVX-512" if "avx512f" in c["isa"] else "AVX2, no AVX-512")
 
 
