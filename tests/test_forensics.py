@@ -474,11 +474,12 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
-def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable):
-    """A build that read the whole ngrams table leaves its rows in the state directory: the next
-    process (here: this one with its memory cleared) starts from them and scans nothing; an entry
-    cut short, or one whose segment changed since, is ignored (the whole table is read again), and
-    the answer is the rule's every time."""
+def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable, monkeypatch):
+    """A build that read the whole ngrams table leaves its rows and its answer in the state
+    directory: the next process (here: this one with its memory cleared) starts from them, scans
+    nothing and reuses the answer (the same pairs, rows and requests) - not where other steps' SQL
+    or another DuckDB made it; an entry cut short, or one whose segment changed since, is ignored
+    (the whole table is read again), and the answer is the rule's every time."""
     from forensics.queries import evidence
     from forensics.queries.duckdb import sql
     _, store = glm53_vulnerable
@@ -496,6 +497,10 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
         return got, {k: evidence.stats[k] - before[k] for k in before}
     first, _ = build()
     again, read = build()
+    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 1}
+    with monkeypatch.context() as m:            # other SQL made the kept answer: the rows only
+        m.setattr(evidence, "_ident", lambda sql: "other steps")
+        again, read = build()
     assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 0}
     d = evidence._dir(str(store.resolve()))
     (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")

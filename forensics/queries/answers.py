@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +38,8 @@ from telemetry.store.schema import SCHEMA_SQL
 
 ENV = "KVLEDGER_ANSWER_CACHE"
 KEEP = 3            # snapshots kept per store (the newest; older ones are removed when one is added)
+_SAVING: dict[Path, threading.Thread] = {}      # entries being written by this process (save_later)
+_SAVING_LOCK = threading.Lock()
 
 
 def enabled() -> bool:
@@ -65,6 +68,7 @@ class Answers:
         the connection's life (nothing is copied; a newer entry renamed over it later leaves this
         one's open file as it was); False when there is no usable entry (nothing is left in ``con``)."""
         if not self._attached:
+            self.wait()                 # this process's own write of this entry, if one is under way
             if not self.path.is_file():
                 return False
             try:
@@ -144,6 +148,33 @@ class Answers:
     @staticmethod
     def _key(con) -> str | None:
         return con.execute("SELECT key FROM kvledger_answers.kvledger_key").fetchone()[0]
+
+    def save_later(self, con: duckdb.DuckDBPyConnection) -> None:
+        """``save`` on a thread of its own, off the answer's path (writing the entry is a second or
+        so at 100 M ledger rows: the DuckDB file is compressed and checkpointed), through a cursor of
+        ``con`` - the snapshot's tables as they are. ``wait`` (``load`` and ``Forensics.close`` call
+        it) joins it; a process exits only after it (not a daemon thread)."""
+        cur = con.cursor()
+
+        def run() -> None:
+            try:
+                self.save(cur)
+            finally:
+                cur.close()
+        t = threading.Thread(target=run, name="kvledger-answers-save")
+        with _SAVING_LOCK:
+            _SAVING[self.path] = t
+        t.start()
+
+    def wait(self) -> None:
+        """Return once no write of this entry by this process is under way."""
+        with _SAVING_LOCK:
+            t = _SAVING.get(self.path)
+        if t is not None:
+            t.join()
+            with _SAVING_LOCK:
+                if _SAVING.get(self.path) is t:
+                    del _SAVING[self.path]
 
     def save(self, con: duckdb.DuckDBPyConnection) -> None:
         """Write the tables (a temporary file renamed into place: a reader sees a whole entry or

@@ -201,7 +201,7 @@ class Forensics:
                         f.result()
                 self._ensure(MATERIALISED[2], cached=False)
                 if self.answers is not None and len(self.from_cache) < len(MATERIALISED):
-                    self.answers.save(self.con)
+                    self.answers.save_later(self.con)       # written while the query runs
             for m in MACROS:
                 self.con.execute(sql(m))
                 if m == "exposure_pairs_of" and "exposure_pairs" not in self._grown:
@@ -271,4 +271,6 @@ class Forensics:
         return self.con.table(table).count("*").fetchall()[0][0]
 
     def close(self) -> None:
+        if self.answers is not None:
+            self.answers.wait()             # the entry being written reads this connection's tables
         self.con.close()

@@ -20,10 +20,13 @@ every request those rows name (``evidence/requests_digest``) - the kept answer i
 live store taking healthy traffic (no new exposure, none of the candidate n-grams) skips steps 2
 and 3.
 
-A build that read the whole table also leaves the kept rows in the state directory (beside the
-kept answers, ``answers.py``: the same custody and the same switch, ``KVLEDGER_ANSWER_CACHE``), at
-most every ``SAVE_EVERY`` seconds: the next process - a command, a restarted dashboard - starts
-from them and reads only the segments added since. An unreadable or partial entry is ignored.
+A build that read the whole table, or that made a new answer, also leaves the kept rows and that
+answer (its candidates and digests) in the state directory (beside the kept answers,
+``answers.py``: the same custody and the same switch, ``KVLEDGER_ANSWER_CACHE``), at most every
+``SAVE_EVERY`` seconds: the next process - a command, a restarted dashboard - starts from them and
+reads only the segments added since, and reuses the answer on the same terms as above where the
+same steps' SQL and DuckDB made it (the digests are DuckDB hashes). An unreadable or partial entry
+is ignored.
 """
 from __future__ import annotations
 
@@ -57,7 +60,7 @@ class _Kept:
     digest: tuple | None = None         # evidence/digest of the snapshot that built the answer below
     candidates: pa.Table | None = None  # its step 2 result ...
     requests: tuple | None = None       # ... evidence/requests_digest then ...
-    answer: pa.Table | None = None      # ... and exposure_ngrams (this process only: never saved)
+    answer: pa.Table | None = None      # ... and exposure_ngrams (saved with the rows, under the SQL's ident)
 
 
 _KEPT: dict[str, _Kept] = {}
@@ -70,31 +73,52 @@ def _dir(key: str) -> Path:
     return state_dir() / "evidence" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def _load(key: str) -> _Kept | None:
-    """The rows a process left for this store, or None (none, unreadable, partial)."""
+STEPS = ("pairs", "digest", "candidates", "requests_digest", "final")
+
+
+def _ident(sql) -> str:
+    """What a kept answer depends on besides the rows: the steps' SQL and the DuckDB that ran them
+    (the digests are DuckDB hashes)."""
+    return hashlib.sha256(json.dumps([[sql(f"evidence/{s}") for s in STEPS], duckdb.__version__]).encode()).hexdigest()
+
+
+def _load(key: str, ident: str) -> _Kept | None:
+    """The rows a process left for this store, or None (none, unreadable, partial); with them the
+    answer it built last (its candidates, digests and exposure_ngrams) where the same SQL and DuckDB
+    made it - a new process whose snapshot reads the same pairs and rows then runs no step 2 or 3."""
     d = _dir(key)
     try:
         meta = json.loads((d / "meta.json").read_text())
         if meta.get("store") != key:
             return None
-        tables = []
-        for name in ("ng", "hits"):
+
+        def table(name: str) -> pa.Table:
             with pa.ipc.open_file(d / f"{name}-{meta['gen']}.arrow") as f:
-                tables.append(f.read_all())
-        if [t.num_rows for t in tables] != [meta["ng_rows"], meta["hits_rows"]]:
-            return None
+                t = f.read_all()
+            if t.num_rows != meta[f"{name}_rows"]:
+                raise ValueError(f"{name}: a partial table")
+            return t
+        ng, hits = table("ng"), table("hits")
         files = {f: tuple(st) for f, st in meta["files"].items()}
+        kept = _Kept(files, set(meta["incs"]), set(meta["hashes"]), ng, hits)
+        if meta.get("answer_ident") == ident:
+            kept.candidates, kept.answer = table("candidates"), table("answer")
+            kept.digest, kept.requests = tuple(meta["digest"]), tuple(meta["requests"])
         stats["loaded"] += 1
-        return _Kept(files, set(meta["incs"]), set(meta["hashes"]), *tables)
+        return kept
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         return None
 
 
-def _save(key: str, kept: _Kept) -> None:
-    """Write the rows and the meta that names them (answers.write_entry). No error if it cannot."""
-    write_entry(_dir(key), {"ng": kept.ng, "hits": kept.hits},
-                {"store": key, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes),
-                 "ng_rows": kept.ng.num_rows, "hits_rows": kept.hits.num_rows})
+def _save(key: str, kept: _Kept, ident: str) -> None:
+    """Write the rows, the last answer and the meta that names them (answers.write_entry). No error
+    if it cannot."""
+    tables = {"ng": kept.ng, "hits": kept.hits}
+    meta = {"store": key, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes)}
+    if kept.answer is not None:
+        tables |= {"candidates": kept.candidates, "answer": kept.answer}
+        meta |= {"answer_ident": ident, "digest": list(kept.digest), "requests": list(kept.requests)}
+    write_entry(_dir(key), tables, meta | {f"{name}_rows": t.num_rows for name, t in tables.items()})
 
 
 def _ids(con: duckdb.DuckDBPyConnection, text: str, col: str) -> set[int]:
@@ -117,11 +141,12 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
     be read and written (the reader's own answer-cache switch; KVLEDGER_ANSWER_CACHE too)."""
     key = str(Path(store).resolve())
     disk = disk and kept_on_disk()
+    ident = _ident(sql) if disk else ""
     now = {f: _stat(f) for f in files}
     with _LOCK:
         kept = _KEPT.get(key)
         if kept is None and disk:
-            kept = _load(key)
+            kept = _load(key, ident)
         if kept is None or any(now.get(f) != st for f, st in kept.files.items()):
             kept = None             # another store, a segment gone, left out or changed: from scratch
         whole = con.table("ngrams")
@@ -129,6 +154,7 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
         new = [f for f in files if kept is None or f not in kept.files]
         delta = table_relation(con, "ngrams", new) if kept is not None and new else None
         old_incs, old_hashes = (kept.incs, kept.hashes) if kept is not None else (set(), set())
+        kept_answer = kept.answer if kept is not None else None
 
         def grow(table: pa.Table | None, col: str, have: set[int], want: set[int], cols: list[str]) -> tuple[pa.Table, bool]:
             """The kept rows with those of the new segments (covered values) and of the whole table
@@ -181,6 +207,9 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
                                    answer)
         while len(_KEPT) > KEEP:
             _KEPT.pop(next(iter(_KEPT)))
-        if disk and stats["whole_scans"] > scans and time.monotonic() - _SAVED.get(key, -SAVE_EVERY) >= SAVE_EVERY:
-            _save(key, fresh)
+        # saved after a build that read the whole table, or that ran steps 2 and 3 (a new answer), at
+        # most every SAVE_EVERY seconds
+        if disk and (stats["whole_scans"] > scans or answer is not kept_answer) \
+                and time.monotonic() - _SAVED.get(key, -SAVE_EVERY) >= SAVE_EVERY:
+            _save(key, fresh, ident)
             _SAVED[key] = time.monotonic()
