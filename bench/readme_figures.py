@@ -255,7 +255,7 @@ def forensics_table(r: dict) -> str:
           if len(r.get("scaling", [])) > 1 else []),
         *(["", f"The commands at {c['read_rows'] / 1e6:.0f} M rows (`kvledger forensics Q --format json`; in this "
            "process / the whole command from the shell, Python's start included; medians of 3):", "",
-           "| command | first: nothing kept | after the store changed: the n-gram evidence's rows kept | "
+           "| command | first: nothing kept | after the store changed: what an earlier command kept | "
            "later, same snapshot | goal |",
            "| --- | --- | --- | --- | --- |"]
           + [f"| `{q}` | {_cmd(r['commands'], q, 'first_')} | "
@@ -267,10 +267,13 @@ def forensics_table(r: dict) -> str:
              f"spans, exposure_slots from the index, the n-gram evidence) {r['commands']['materialise_s']:.1f} s the "
              f"first time, read them back later {r['commands'].get('read_back_s', 0):.2f} s (they are kept in the "
              f"state directory, keyed by the verified chain head: `forensics/queries/answers.py`); a later command's "
-             f"whole-store answer is itself kept there and read back (no query runs); after the store changed, the "
-             f"n-gram evidence starts from the rows an earlier command kept (`forensics/queries/evidence.py`; measured "
-             f"with no segment added, so the new segments' read is not in it); the rest is, from the shell, "
-             f"Python's start and imports."] if r.get("commands", {}).get("first_shell_s") else []),
+             f"whole-store answer is itself kept there and read back (no query runs); after the store changed, "
+             f"requests and exposure_slots start from the tables an earlier command kept "
+             f"(`forensics/queries/grown.py`) and the n-gram evidence from its rows and last answer "
+             f"(`forensics/queries/evidence.py`), reading only the segments added since (measured with no segment "
+             f"added, so that read is not in it), and the snapshot's entry is written on a thread of its own while "
+             f"the query runs - in the shell figure, the process exits once it is written; the rest is, from the "
+             f"shell, Python's start and imports."] if r.get("commands", {}).get("first_shell_s") else []),
     ])
 
 

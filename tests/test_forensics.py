@@ -758,6 +758,42 @@ def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_pa
     assert len(_entries(store)) == 2
 
 
+def test_the_answers_entry_is_written_while_the_query_answers(glm53_vulnerable, tmp_path, monkeypatch):
+    """The snapshot's answers entry (a second or so at 100 M rows) is written on a thread of its own:
+    the query answers before the entry is written; the next reader of the same entry in this
+    process, and close(), wait for it; the entry is then read back whole."""
+    import threading
+
+    from forensics.queries.answers import Answers
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    go, real_save = threading.Event(), Answers.save
+
+    def held_save(self, con):
+        assert go.wait(60)
+        real_save(self, con)
+    monkeypatch.setattr(Answers, "save", held_save)
+    fx = Forensics(store)
+    built = fx.query("exposures")                   # answered while the entry waits to be written
+    assert built.height and _entries(store) == []
+    waiter = threading.Thread(target=Forensics(store).materialise)     # a second reader: waits for it
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and _entries(store) == []
+    go.set()
+    waiter.join(60)
+    assert not waiter.is_alive() and len(_entries(store)) == 1
+    fx.close()
+    again = Forensics(store)
+    again.materialise()
+    assert again.from_cache == {"requests", "exposure_slots", "exposure_ngrams"}
+    assert_frame_equal(again.query("tenants"), fx_tenants(store))
+
+
+def fx_tenants(store) -> pl.DataFrame:
+    """tenants built with nothing kept (the reference)."""
+    return Forensics(store, answer_cache=False).query("tenants")
+
+
 def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulnerable, tmp_path, monkeypatch):
     """A query asked of the whole store is kept beside its snapshot's tables and read back by the
     next command without running it (nor building the shared tables); a damaged kept answer is run
