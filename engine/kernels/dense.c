@@ -141,20 +141,22 @@ typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
-/* 8 weights of a packed block, as fp32: loaded as they are, or widened from bf16 (the upper half
-   of an fp32: zero-extend, shift left 16) */
-static inline __attribute__((always_inline)) v8 ldw(const void *wb, int64_t i, int bf16) {
-    v8 r;
-    if (bf16) {
-        u16x8 h;
-        __builtin_memcpy(&h, (const uint16_t *)wb + i, sizeof h);
-        const u32x8 u = __builtin_convertvector(h, u32x8) << 16;
-        __builtin_memcpy(&r, &u, sizeof r);
-    } else {
-        __builtin_memcpy(&r, (const float *)wb + i, sizeof r);
+/* A vector of weights of a packed block (NAME: 8 or 16 lanes), as fp32: loaded as they are, or
+   widened from bf16 (the upper half of an fp32: zero-extend, shift left 16) */
+#define DEFINE_LDW(NAME, VF, VH, VU)                                                                   \
+    static inline __attribute__((always_inline)) VF NAME(const void *wb, int64_t i, int bf16) {     \
+        VF r;                                                                                        \
+        if (bf16) {                                                                                  \
+            VH h;                                                                                    \
+            __builtin_memcpy(&h, (const uint16_t *)wb + i, sizeof h);                                \
+            const VU u = __builtin_convertvector(h, VU) << 16;                                       \
+            __builtin_memcpy(&r, &u, sizeof r);                                                      \
+        } else {                                                                                     \
+            __builtin_memcpy(&r, (const float *)wb + i, sizeof r);                                   \
+        }                                                                                            \
+        return r;                                                                                    \
     }
-    return r;
-}
+DEFINE_LDW(ldw, v8, u16x8, u32x8)
 
 /* x in every lane (a broadcast load: ``(v8){0} + x`` would add a zero first - it cannot be folded,
    -0 + 0 being +0 - and broadcast the sum: two more instructions per row and k, on the shuffle port) */
@@ -188,18 +190,7 @@ typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 
-static inline __attribute__((always_inline)) v16 ldw16(const void *wb, int64_t i, int bf16) {
-    v16 r;
-    if (bf16) {
-        u16x16 h;
-        __builtin_memcpy(&h, (const uint16_t *)wb + i, sizeof h);
-        const u32x16 u = __builtin_convertvector(h, u32x16) << 16;
-        __builtin_memcpy(&r, &u, sizeof r);
-    } else {
-        __builtin_memcpy(&r, (const float *)wb + i, sizeof r);
-    }
-    return r;
-}
+DEFINE_LDW(ldw16, v16, u16x16, u32x16)
 
 static inline __attribute__((always_inline)) void linear_tile16(int R, const float *x, int64_t xs, const void *wb,
                                                                 int64_t K, const float *bias, float *out, int64_t os,
