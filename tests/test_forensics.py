@@ -740,9 +740,10 @@ def _same(a: dict, b: dict) -> None:
         assert_frame_equal(a[q], b[q], check_exact=False, rel_tol=1e-12)
 
 
-def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_path):
+def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_path, monkeypatch):
     """A second command on the same verified, idle store reads the shared tables back from the
     state directory instead of building them, and every answer is the one building them gives."""
+    monkeypatch.setenv("KVLEDGER_GROW", "0")      # the tables built, not grown: an answers entry is written
     store = _own_copy(glm53_vulnerable[1], tmp_path)
     cold, built = _answered(store)
     assert cold.from_cache == set() and cold.answers is not None
@@ -762,6 +763,7 @@ def test_the_answers_entry_is_written_while_the_query_answers(glm53_vulnerable, 
     """The snapshot's answers entry (a second or so at 100 M rows) is written on a thread of its own:
     the query answers before the entry is written; the next reader of the same entry in this
     process, and close(), wait for it; the entry is then read back whole."""
+    monkeypatch.setenv("KVLEDGER_GROW", "0")      # the tables built, not grown: an answers entry is written
     import threading
 
     from forensics.queries.answers import Answers
@@ -792,6 +794,30 @@ def test_the_answers_entry_is_written_while_the_query_answers(glm53_vulnerable, 
 def fx_tenants(store) -> pl.DataFrame:
     """tenants built with nothing kept (the reference)."""
     return Forensics(store, answer_cache=False).query("tenants")
+
+
+def test_grown_tables_are_not_copied_into_an_answers_entry(glm53_vulnerable, tmp_path):
+    """Where requests and exposure_slots are grown (kept by grown.py) and the evidence kept by
+    evidence.py, no answers entry copies them (seconds at a process's exit at 100 M+ rows): the next
+    process starts from those entries - nothing built from scratch, no whole ngrams scan, the
+    evidence's answer reused - and answers as the first did; whole-store answers are kept as ever."""
+    from forensics.queries import evidence, grown
+    from forensics.queries.answers import answers_dir
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    first, built = _answered(store)
+    assert first.all_kept() and _entries(store) == []
+    assert len(sorted(answers_dir(store).glob("*.arrow"))) == 3          # exposures, tenants, scores
+    grown._KEPT.clear()                           # a new process
+    evidence._KEPT.clear()
+    evidence._SAVED.clear()
+    g, e = dict(grown.stats), dict(evidence.stats)
+    fx = Forensics(store)
+    fx.materialise()
+    assert fx.from_cache == set() and _entries(store) == []
+    assert grown.stats["loaded"] - g["loaded"] == 2 and grown.stats["built"] == g["built"]
+    assert evidence.stats["whole_scans"] == e["whole_scans"] and evidence.stats["reused"] - e["reused"] == 1
+    _same(built, {q: fx.query(q) for q in ("exposures", "tenants", "scores")}
+          | {"slots": fx.exposure_slots().sort(pl.all())})
 
 
 def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulnerable, tmp_path, monkeypatch):
@@ -839,9 +865,10 @@ def test_kept_answers_of_old_snapshots_are_removed(tmp_path):
 
 
 @pytest.mark.parametrize("case", ["garbage", "other-snapshot", "truncated"])
-def test_a_damaged_or_foreign_answers_entry_is_rebuilt(glm53_vulnerable, glm53_hardened, tmp_path, case):
+def test_a_damaged_or_foreign_answers_entry_is_rebuilt(glm53_vulnerable, glm53_hardened, tmp_path, case, monkeypatch):
     """An entry that is not this snapshot's (garbage bytes, another store's entry under this key's
     name, half a file) is never read: the tables are built again, the answers are right, no traceback."""
+    monkeypatch.setenv("KVLEDGER_GROW", "0")      # the tables built, not grown: an answers entry is written
     store = _own_copy(glm53_vulnerable[1], tmp_path)
     _, built = _answered(store)
     entry = Forensics(store).answers.path
@@ -861,10 +888,11 @@ def test_a_damaged_or_foreign_answers_entry_is_rebuilt(glm53_vulnerable, glm53_h
     assert _answered(store)[0].from_cache == {"requests", "exposure_slots", "exposure_ngrams"}
 
 
-def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path):
+def test_a_store_that_grew_is_answered_afresh(glm53_vulnerable, tmp_path, monkeypatch):
     """One more segment (here: each surfaced response's matched n-grams now in its own prompt, so
     none is evidence any more) changes the chain head: the kept tables are not this snapshot's and
     the answer changes with the store."""
+    monkeypatch.setenv("KVLEDGER_GROW", "0")      # the tables built, not grown: an answers entry is written
     import pyarrow as pa
     from telemetry.store import SegmentWriter
     store = _own_copy(glm53_vulnerable[1], tmp_path, writable=True)

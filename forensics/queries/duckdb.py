@@ -183,6 +183,15 @@ class Forensics:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)
 
+    def all_kept(self) -> bool:
+        """Whether every shared table of this snapshot is kept in the state directory already:
+        requests and exposure_slots grown (grown.py keeps them, with the segments they cover) and the
+        n-gram evidence (evidence.py keeps its rows and last answer). An answers entry would copy
+        them - seconds at 100 M+ rows, that a command's process waits for at its exit (364 M read rows:
+        3.5 s) to save a later, different query on the same snapshot about 0.2 s - so none is written;
+        the next process starts from those entries instead (the whole-store answers are kept either way)."""
+        return "requests" in self._grown and "exposure_slots" in self._grown
+
     def verify_index(self) -> "IndexCheck":
         """The exposure index against the as-of join over the ledger, slot row for slot row."""
         return check_index(self.con)
@@ -200,7 +209,7 @@ class Forensics:
                     for f in [pool.submit(self._ensure, t, self.con.cursor(), False) for t in MATERIALISED[:2]]:
                         f.result()
                 self._ensure(MATERIALISED[2], cached=False)
-                if self.answers is not None and len(self.from_cache) < len(MATERIALISED):
+                if self.answers is not None and len(self.from_cache) < len(MATERIALISED) and not self.all_kept():
                     self.answers.save_later(self.con)       # written while the query runs
             for m in MACROS:
                 self.con.execute(sql(m))
