@@ -161,6 +161,9 @@ class Answers:
                 self.save(cur)
             finally:
                 cur.close()
+                with _SAVING_LOCK:          # (a long-running reader keeps no finished writer around)
+                    if _SAVING.get(self.path) is t:
+                        del _SAVING[self.path]
         t = threading.Thread(target=run, name="kvledger-answers-save")
         with _SAVING_LOCK:
             _SAVING[self.path] = t
@@ -179,7 +182,7 @@ class Answers:
     def save(self, con: duckdb.DuckDBPyConnection) -> None:
         """Write the tables (a temporary file renamed into place: a reader sees a whole entry or
         none), then keep only the newest KEEP snapshots' entries of this store."""
-        tmp = self.dir / f".{self.key[:40]}.{os.getpid()}.tmp"
+        tmp = self.dir / f".{self.key[:40]}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
             tmp.unlink(missing_ok=True)
