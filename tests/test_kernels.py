@@ -30,6 +30,27 @@ def test_add_rms_norm_equals_torch_with_and_without_a_residual(T, H):
     torch.testing.assert_close(got, llama.rms_norm(want_res, w, 1e-5))
 
 
+@pytest.mark.parametrize("T", [1, 8, 70])          # 70: rows in parallel
+@pytest.mark.parametrize("H", [8, 100])
+@pytest.mark.parametrize("x_dtype, out_dtype", [(torch.bfloat16, torch.float32), (torch.float32, torch.bfloat16),
+                                                (torch.bfloat16, torch.bfloat16)])
+def test_add_rms_norm_takes_and_gives_bf16_rows_bit_for_bit_as_the_fp32_pass_rounded(T, H, x_dtype, out_dtype):
+    """A bf16 product's result in (widened as read), the next bf16 product's input out (rounded once):
+    exactly the fp32 kernel's numbers on the widened rows, its result rounded as .to(bf16) rounds."""
+    torch.manual_seed(T + H)
+    wide = torch.randn(T, H + 8).to(x_dtype)
+    x, w = wide[:, 3:3 + H], torch.randn(H)              # strided rows
+    want = kernels.add_rms_norm(x.float(), w, 1e-6).to(out_dtype)
+    assert torch.equal(kernels.add_rms_norm(x, w, 1e-6, out_dtype=out_dtype), want)
+    res = torch.randn(T, H)
+    res_want = res.clone()
+    want = kernels.add_rms_norm(x.float(), w, 1e-5, residual=res_want).to(out_dtype)
+    got = kernels.add_rms_norm(x, w, 1e-5, residual=res, out_dtype=out_dtype)
+    assert got.dtype == out_dtype and torch.equal(got, want) and torch.equal(res, res_want)
+    # the torch fallback (no kernels) gives the same numbers up to rounding order
+    torch.testing.assert_close(llama.rms_norm(res_want, w, 1e-5).to(out_dtype), got, atol=1e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("T, inter", [(1, 64), (8, 512), (130, 1000)])
 def test_silu_mul_equals_torch(T, inter):
     gu = torch.randn(T, 2 * inter) * 4
@@ -64,7 +85,7 @@ def test_the_kernels_decline_what_they_do_not_handle_and_torch_runs_it():
     assert kernels.add_rms_norm(x, w, 1e-6) is None and kernels.silu_mul(x.half()) is None
     assert not kernels.rope(x, 1, 64, torch.ones(4, 32), torch.ones(4, 32))
     # bf16 through the model's helpers: torch's ops, the same numbers as the reference
-    torch.testing.assert_close(llama.add_rms_norm(x, w, 1e-6), llama.rms_norm(x, w, 1e-6))
+    torch.testing.assert_close(llama.add_rms_norm(x, w, 1e-6, out_dtype=torch.bfloat16), llama.rms_norm(x, w, 1e-6))
     torch.testing.assert_close(llama.silu_mul(x), F.silu(x[:, :32]) * x[:, 32:])
 
 

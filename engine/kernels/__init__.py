@@ -82,6 +82,8 @@ def _build() -> ctypes.CDLL:
     lin = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
     for name, args in (("kvl_paged_decode_f32", decode), ("kvl_paged_decode_bf16", decode),
                        ("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
+                       ("kvl_add_rms_norm_mixed", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int,
+                                                   ctypes.c_int, ctypes.c_int]),
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_silu_mul_bf16", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
@@ -152,19 +154,27 @@ def _rows_ok(*ts: torch.Tensor) -> bool:
     return True
 
 
-def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float,
-                 residual: torch.Tensor | None = None) -> torch.Tensor | None:
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
     """rms_norm(x) * w, or with ``residual``: residual += x in place, then rms_norm(residual) * w
-    (x, residual [T, H]). None: not run (torch's ops are the caller's)."""
+    (x, residual [T, H]; residual fp32). x fp32 or bf16 (a bf16 product's result, widened as it is
+    read); the result fp32 or ``out_dtype`` bf16 (rounded once, as a bf16 product rounds its input).
+    None: not run (torch's ops are the caller's)."""
     lib = native()
-    if (lib is None or not _rows_ok(x, *(() if residual is None else (residual,))) or w.dtype != torch.float32
-            or not w.is_cpu or w.dim() != 1 or not w.is_contiguous()):
+    xb, ob = x.dtype == torch.bfloat16, out_dtype == torch.bfloat16
+    if (lib is None or not (_rows_ok(x) or (xb and x.is_cpu and x.dim() == 2 and x.stride()[1] == 1))
+            or (residual is not None and not _rows_ok(residual)) or out_dtype not in STORED
+            or w.dtype != torch.float32 or not w.is_cpu or w.dim() != 1 or not w.is_contiguous()):
         return None
     T, H = x.shape
-    out = torch.empty(T, H)
-    lib.kvl_add_rms_norm_f32(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
-                             0 if residual is None else residual.stride(0), w.data_ptr(), out.data_ptr(), H, T, H,
-                             eps, torch.get_num_threads())
+    out = torch.empty(T, H, dtype=out_dtype)
+    args = (x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+            0 if residual is None else residual.stride(0), w.data_ptr(), out.data_ptr(), H, T, H, eps,
+            torch.get_num_threads())
+    if xb or ob:
+        lib.kvl_add_rms_norm_mixed(*args, int(xb), int(ob))
+    else:
+        lib.kvl_add_rms_norm_f32(*args)
     return out
 
 

@@ -4,6 +4,8 @@
    kernel runs its rows in parallel only when there are enough of them to pay for the threads.
 
    kvl_add_rms_norm_f32  residual += x (when residual is given), out = rms_norm(residual or x) * w
+   kvl_add_rms_norm_mixed  the same with x and/or out in bf16 (a bf16 product's result in, the next
+                         bf16 product's input out: no conversion op between them)
    kvl_silu_mul_f32      out[t, i] = silu(gu[t, i]) * gu[t, I + i]       (gate and up in one row)
    kvl_silu_mul_bf16     the same on bf16 rows (a bf16 prefill's MLP): fp32 arithmetic, the result
                          rounded to bf16 once (torch rounds silu's result, then the product)
@@ -26,28 +28,75 @@
 
 #define PAR_ROWS 64         /* rows below which one thread does it all */
 
-int kvl_add_rms_norm_f32(const float *x, int64_t xs, float *residual, int64_t rs, const float *w, float *out,
-                         int64_t os, int64_t T, int64_t H, float eps, int nthreads) {
+static inline uint16_t to_bf16(float f);
+static inline float from_bf16(uint16_t h);
+
+/* element i of a row stored as fp32 or bf16, as fp32 */
+static inline __attribute__((always_inline)) float ld1(const void *row, int64_t i, int bf16) {
+    return bf16 ? from_bf16(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
+/* one row of the norm: out = src * (1 / rms(src)) * w, src and out fp32 or bf16 (out rounded once) */
+static inline __attribute__((always_inline)) void norm_row(const void *src, int sb, const float *w, void *out, int ob,
+                                                           int64_t H, float eps) {
+    /* the sum of squares in 16 lanes (each lane's own sum: a vector add per 16 values; one sum in
+       order would be a chain of H scalar adds - GCC may not reorder float sums), then the lanes */
+    float lanes[16] = {0}, ss = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= H; i += 16)
+        for (int j = 0; j < 16; j++) {
+            const float v = ld1(src, i + j, sb);
+            lanes[j] += v * v;
+        }
+    for (; i < H; i++) {
+        const float v = ld1(src, i, sb);
+        ss += v * v;
+    }
+    for (int j = 0; j < 16; j++) ss += lanes[j];
+    const float inv = 1.f / sqrtf(ss / (float)H + eps);
+    if (ob) {
+        uint16_t *o = out;
+        for (i = 0; i < H; i++) o[i] = to_bf16(ld1(src, i, sb) * inv * w[i]);
+    } else {
+        float *o = out;
+        for (i = 0; i < H; i++) o[i] = ld1(src, i, sb) * inv * w[i];
+    }
+}
+
+/* residual += x (when residual is given, fp32), out = rms_norm(residual or x) * w. x (a product's
+   result) fp32 or bf16 (xb), out fp32 or bf16 (ob: the next product's input where that product runs
+   in bf16 - rounded here once, as the product would round it); strides in elements of their type */
+static inline __attribute__((always_inline)) void add_rms_norm(const void *x, int64_t xs, float *residual, int64_t rs,
+                                                               const float *w, void *out, int64_t os, int64_t T,
+                                                               int64_t H, float eps, int nthreads, int xb, int ob) {
+    const int64_t xe = xb ? 2 : 4, oe = ob ? 2 : 4;
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= PAR_ROWS)
     for (int64_t t = 0; t < T; t++) {
-        const float *xi = x + t * xs;
-        float *o = out + t * os;
+        const void *xi = (const char *)x + t * xs * xe;
+        void *o = (char *)out + t * os * oe;
         if (residual) {
             float *r = residual + t * rs;
-            for (int64_t i = 0; i < H; i++) r[i] += xi[i];
-            xi = r;
+            for (int64_t i = 0; i < H; i++) r[i] += ld1(xi, i, xb);
+            norm_row(r, 0, w, o, ob, H, eps);
+        } else {
+            norm_row(xi, xb, w, o, ob, H, eps);
         }
-        /* the sum of squares in 16 lanes (each lane's own sum: a vector add per 16 values; one sum
-           in order would be a chain of H scalar adds - GCC may not reorder float sums), then the lanes */
-        float lanes[16] = {0}, ss = 0.f;
-        int64_t i = 0;
-        for (; i + 16 <= H; i += 16)
-            for (int j = 0; j < 16; j++) lanes[j] += xi[i + j] * xi[i + j];
-        for (; i < H; i++) ss += xi[i] * xi[i];
-        for (int j = 0; j < 16; j++) ss += lanes[j];
-        const float inv = 1.f / sqrtf(ss / (float)H + eps);
-        for (int64_t i = 0; i < H; i++) o[i] = xi[i] * inv * w[i];
     }
+}
+
+int kvl_add_rms_norm_f32(const float *x, int64_t xs, float *residual, int64_t rs, const float *w, float *out,
+                         int64_t os, int64_t T, int64_t H, float eps, int nthreads) {
+    add_rms_norm(x, xs, residual, rs, w, out, os, T, H, eps, nthreads, 0, 0);
+    return 0;
+}
+
+/* the same with x and/or out in bf16 (xb, ob: 0 or 1) */
+int kvl_add_rms_norm_mixed(const void *x, int64_t xs, float *residual, int64_t rs, const float *w, void *out,
+                           int64_t os, int64_t T, int64_t H, float eps, int nthreads, int xb, int ob) {
+    if (xb && ob) add_rms_norm(x, xs, residual, rs, w, out, os, T, H, eps, nthreads, 1, 1);
+    else if (xb) add_rms_norm(x, xs, residual, rs, w, out, os, T, H, eps, nthreads, 1, 0);
+    else if (ob) add_rms_norm(x, xs, residual, rs, w, out, os, T, H, eps, nthreads, 0, 1);
+    else add_rms_norm(x, xs, residual, rs, w, out, os, T, H, eps, nthreads, 0, 0);
     return 0;
 }
 
@@ -82,7 +131,6 @@ int kvl_rope_f32(float *x, int64_t xs, int64_t H, int64_t D, const float *cos_, 
     return 0;
 }
 
-static inline uint16_t to_bf16(float f);
 static inline float from_bf16(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;

@@ -66,16 +66,18 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
 
 
-def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """rms_norm(x) * w; with ``residual``: residual += x (in place), then rms_norm(residual) * w - one
-    native pass (engine/kernels) where it runs, else torch's ops."""
-    out = kernels.add_rms_norm(x, w, eps, residual)
+def add_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None,
+                 out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """rms_norm(x) * w; with ``residual`` (fp32): residual += x (in place), then rms_norm(residual) * w -
+    one native pass (engine/kernels) where it runs, else torch's ops. x fp32 or bf16 (a bf16 product's
+    result); the result in ``out_dtype`` (bf16: the next product's input where it runs in bf16)."""
+    out = kernels.add_rms_norm(x, w, eps, residual, out_dtype)
     if out is not None:
         return out
     if residual is not None:
         residual += x
         x = residual
-    return rms_norm(x, w, eps)
+    return rms_norm(x, w, eps).to(out_dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -221,6 +223,11 @@ class Linear:
                    self.rows is not None)
         self.weight = None if covered else weight.contiguous()
 
+    def input_dtype(self, m: int) -> torch.dtype:
+        """The type this product takes ``m`` rows in: bf16 where they run in bf16 (``bf16mm``), else
+        fp32 - what the op before it (a norm) may hand over directly, no conversion op between."""
+        return torch.bfloat16 if self.bf16mm and m > self.fp32_rows else torch.float32
+
     def __call__(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
         """x @ w.T + b in fp32; ``keep_bf16``: where the product runs in bf16 (``bf16mm``) its bf16
         result as it is (the next bf16 product takes it as it is: no widening and rounding back in
@@ -345,7 +352,9 @@ class LlamaModel(nn.Module):
         freqs = rope_freqs(positions, D, c.rope_theta)
         half, full = (freqs.cos(), freqs.sin()), None                 # [T, D/2]: the native rope's; torch's below
         Hq, Hkv = c.num_heads, c.num_kv_heads
-        h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps)
+        # where a product runs in bf16 its input comes out of the norm before it in bf16, and o's and
+        # down's bf16 results go into the next norm as they are (keep_bf16): no conversion op between
+        h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps, out_dtype=self.qkv[0].input_dtype(T))
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             qkv = self.qkv[i](h)
@@ -355,12 +364,15 @@ class LlamaModel(nn.Module):
             qkv = qkv.view(T, Hq + 2 * Hkv, D)
             q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
-            h = add_rms_norm(self.o[i](a), w[p + "post_attention_layernorm.weight"], eps, residual=x)
+            h = add_rms_norm(self.o[i](a, keep_bf16=True), w[p + "post_attention_layernorm.weight"], eps, residual=x,
+                             out_dtype=self.gate_up[i].input_dtype(T))
             # where gate_up's product runs in bf16 the MLP stays bf16 up to down's (keep_bf16)
-            down = self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)))
+            down = self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)), keep_bf16=True)
             if i + 1 < c.num_layers:
-                h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x)
+                h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x,
+                                 out_dtype=self.qkv[i + 1].input_dtype(T))
             else:
                 x += down
-        x = add_rms_norm(x[logits_rows], w["model.norm.weight"], eps)
+        x = x[logits_rows]
+        x = add_rms_norm(x, w["model.norm.weight"], eps, out_dtype=self.lm_head.input_dtype(x.shape[0]))
         return self.lm_head(x).float()
