@@ -97,6 +97,38 @@ static inline __attribute__((always_inline)) void weighted_rows(const float *p, 
     }
 }
 
+/* max and sum of a row of scores in 16 lanes, then the lanes: one value at a time they are chains of
+   n dependent compares or adds (GCC vectorizes neither: float max and sums are not reordered) */
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+static inline float row_max(const float *s, int64_t n) {
+    v8 a = {-INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY, -INFINITY}, b = a;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) {      /* the larger of each lane, by a compare mask (no vector ?: in C) */
+        const v8 x = ld8(s + i), y = ld8(s + i + 8);
+        const i32x8 gx = x > a, gy = y > b;
+        a = (v8)(((i32x8)x & gx) | ((i32x8)a & ~gx));
+        b = (v8)(((i32x8)y & gy) | ((i32x8)b & ~gy));
+    }
+    float m = -INFINITY;
+    for (; i < n; i++) m = s[i] > m ? s[i] : m;
+    for (int j = 0; j < 8; j++) {
+        m = a[j] > m ? a[j] : m;
+        m = b[j] > m ? b[j] : m;
+    }
+    return m;
+}
+
+static inline float row_sum(const float *s, int64_t n) {
+    float lanes[16] = {0}, sum = 0.f;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int j = 0; j < 16; j++) lanes[j] += s[i + j];
+    for (; i < n; i++) sum += s[i];
+    for (int j = 0; j < 16; j++) sum += lanes[j];
+    return sum;
+}
+
 #define KB 8           /* keys a block: the scores of 8 keys come out of one transposing sum */
 #define DMAX 256        /* the blocked path's widest head */
 
@@ -229,11 +261,10 @@ static inline __attribute__((always_inline)) int paged_decode(
             for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, krow[i], D, bf16) * scale;
         }
         for (int64_t g = 0; g < G; g++) {          /* softmax per query head */
-            float *s = sc + g * n, m = -INFINITY, sum = 0.f;
-            for (int64_t i = 0; i < n; i++) m = s[i] > m ? s[i] : m;
+            float *s = sc + g * n;
+            const float m = row_max(s, n);
             for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);     /* (vectorizes: vexp.h) */
-            for (int64_t i = 0; i < n; i++) sum += s[i];
-            const float inv = 1.f / sum;
+            const float inv = 1.f / row_sum(s, n);
             for (int64_t i = 0; i < n; i++) s[i] *= inv;
         }
         for (int64_t i = 0; i < PF && i < n; i++) prefetch_row(vrow[i], D * es);
@@ -243,9 +274,15 @@ static inline __attribute__((always_inline)) int paged_decode(
             for (int64_t g = 0; g < G; g++)        /* out = P V per query head */
                 weighted_rows(sc + g * n, vrow, n, D, o + g * D, bf16);
         }
-        for (int64_t c = 0, i = 0; i < n; c++)     /* this KV head's mass on each page, over its G heads */
-            for (int64_t s = 0; s < S && i < n; s++, i++)
-                for (int64_t g = 0; g < G; g++) part_b[c] += sc[g * n + i];
+        for (int64_t g = 0; g < G; g++) {          /* this KV head's mass on each page, over its G heads */
+            const float *p = sc + g * n;           /* (a head's row at a time: contiguous) */
+            for (int64_t c = 0, i = 0; i < n; c++) {
+                const int64_t e = i + S < n ? i + S : n;
+                float m = 0.f;
+                for (; i < e; i++) m += p[i];
+                part_b[c] += m;
+            }
+        }
         free(sc);
     }
     if (failed) return 1;
