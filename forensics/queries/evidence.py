@@ -125,8 +125,18 @@ def _ids(con: duckdb.DuckDBPyConnection, text: str, col: str) -> set[int]:
     return {v for (v,) in con.sql(text).select(col).fetchall() if v is not None}
 
 
+IN_LIST = 1024      # incarnations up to which the lookup is a literal IN list (see _rows)
+
+
 def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: list[str]) -> pa.Table:
-    """The rows of ``rel`` whose ``col`` is one of ``values`` (joined against them, not pasted)."""
+    """The rows of ``rel`` whose ``col`` is one of ``values``: joined against them - or, for up to
+    IN_LIST incarnations, an IN list of the (integer) values, which DuckDB checks against each row
+    group's min and max: a segment's ngrams rows come in incarnation order, so the row groups of
+    other incarnations are skipped unread (121 M read rows' store: 0.48 -> 0.27 s for 60 of 520 k
+    incarnations). Hashes are spread over every row group: those are always joined."""
+    if col == "incarnation" and 0 < len(values) <= IN_LIST:
+        listed = ", ".join(str(int(v)) for v in sorted(values))
+        return rel.filter(f"{col} IN ({listed})").select(*cols).to_arrow_table()
     con.register("_want", pa.table({"v": pa.array(sorted(values), pa.int64())}))
     try:
         return rel.join(con.table("_want"), f"{col} = v", how="semi").select(*cols).to_arrow_table()
