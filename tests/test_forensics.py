@@ -474,6 +474,25 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
+@pytest.mark.parametrize("in_list", [0, 1024])
+def test_the_evidence_finds_the_pairs_rows_by_an_in_list_or_a_join_alike(glm53_vulnerable, monkeypatch, in_list):
+    """Up to IN_LIST incarnations the pairs' ngrams rows are looked up by an IN list (row groups of
+    other incarnations skipped by their min and max), beyond by a join: the rule's answer either way."""
+    from forensics.queries import evidence
+    from forensics.queries.duckdb import sql
+    _, store = glm53_vulnerable
+    monkeypatch.setattr(evidence, "IN_LIST", in_list)
+    evidence._KEPT.clear()
+    fx = Forensics(store, answer_cache=False)
+    fx.materialise()
+    incs = evidence._ids(fx.con, sql("evidence/pairs"), "incarnation")
+    assert 0 < len(incs) <= 1024                       # in_list 1024: this store's lookup is the IN list
+    got = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+    assert got and got == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
+    fx.close()
+    evidence._KEPT.clear()
+
+
 def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulnerable, monkeypatch):
     """A build that read the whole ngrams table leaves its rows and its answer in the state
     directory: the next process (here: this one with its memory cleared) starts from them, scans
