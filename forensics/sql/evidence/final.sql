@@ -9,13 +9,14 @@ hits AS MATERIALIZED (
     FROM _hits n JOIN requests r ON r.incarnation = n.incarnation
     WHERE n.hash IN (SELECT hash FROM candidates)
 ),
-common AS (
-    SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING count(DISTINCT tenant_h) >= 2
+common AS MATERIALIZED (     -- two tenants or more: min <> max (no distinct count; NULLs ignored alike)
+    SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING min(tenant_h) <> max(tenant_h)
 ),
 early AS (
     SELECT hash, tenant_h,
            min_by({'i': incarnation, 't': arrived_at}, arrived_at, 2) AS first2
-    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits)
+    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits
+          ANTI JOIN common USING (hash))     -- a common hash's candidates go anyway: not its arrivals
     GROUP BY hash, tenant_h
 ),
 tenant_own AS (
