@@ -270,6 +270,8 @@ def main() -> None:
     ap.add_argument("--projections-only", action="store_true",
                     help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
+    if args.step_tokens < 1:
+        ap.error(f"--step-tokens must be at least 1 (a step's token budget), not {args.step_tokens}")
     if not 1 <= args.threads <= 1024:
         ap.error(f"--threads must be in [1, 1024], got {args.threads}")
     if args.repeats is not None and args.repeats < 1:
