@@ -50,9 +50,19 @@ class VarlenPlan(NamedTuple):
     dec_pages: torch.Tensor      # [Bd, Cd] pages to read (clamped; masked by dec_bias)
     dec_bias: torch.Tensor       # [Bd, 1, Cd * S] 0 for a key slot inside [0, seq_len), -inf outside
     dec_seq: torch.Tensor        # [Bd] seq_len of each decode request
-    # per prefill chunk: (b, first token, q_len, pages [Cb], mask [q_len, Cb * S], whether the chunk is
-    # the request's whole context so far - its first chunk, nothing cached: plain causal attention)
+    # per prefill chunk: (b, first token, q_len, pages [Cb], keys n (its queries are positions n - q_len
+    # .. n - 1), whether the chunk is the request's whole context so far - its first chunk, nothing
+    # cached: plain causal attention)
     pre: tuple
+    masks: dict                  # chunk index -> its mask [q_len, Cb * S], built where a path needs it
+
+    def mask(self, i: int, page_size: int) -> torch.Tensor:
+        """Chunk i's mask: query r reads key slot k where k <= n - q_len + r (and k < n)."""
+        if i not in self.masks:
+            _, _, q, pages, n, _ = self.pre[i]
+            kpos = np.arange(len(pages) * page_size)
+            self.masks[i] = torch.from_numpy((kpos[None, :] <= np.arange(n - q, n)[:, None]) & (kpos[None, :] < n))
+        return self.masks[i]
 
 
 class BatchLayout(NamedTuple):
@@ -88,11 +98,9 @@ class BatchLayout(NamedTuple):
         pre = []
         for b in np.flatnonzero(ql > 1).tolist():
             q, n, cb = int(ql[b]), int(sl[b]), int(pages_of[b])
-            kpos = np.arange(cb * S)
-            mask = (kpos[None, :] <= np.arange(n - q, n)[:, None]) & (kpos[None, :] < n)
-            pre.append((b, int(starts[b]), q, t(bt[b, :cb]), t(mask), q == n))
+            pre.append((b, int(starts[b]), q, t(bt[b, :cb]), n, q == n))
         plan = VarlenPlan(t(dec_b), t(starts[dec_b]), t(np.ascontiguousarray(bt[dec_b, :Cd])), t(dec_bias),
-                          t(sl[dec_b]), tuple(pre))
+                          t(sl[dec_b]), tuple(pre), {})
         return BatchLayout(block_tables, t(sl), t(ql), t(positions), t(tok_batch), t(tok_row),
                            expected_gen, expected_tags, plan)
 
@@ -247,12 +255,17 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
     low = prefill_dtype is not None and prefill_dtype != q.dtype and kl.dtype == prefill_dtype
-    for b, t0, ql, pages, mask, from_start in plan.pre:
+    for i, (b, t0, ql, pages, n, from_start) in enumerate(plan.pre):
         cb = len(pages)
-        k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D)
-        v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D)
         qb = q[t0:t0 + ql]
         exact = exact_mass or (mass_pages is not None and bool(mass_pages[b].any()))
+        if (low and not exact and q.dtype == torch.float32
+                and kernels.paged_prefill(qb, pool, layer, pages, n, num_kv_heads, scale, out[t0:t0 + ql])):
+            page_mass[b, :cb] = float("nan")
+            continue
+        k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D)
+        v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D)
+        mask = None if from_start and not exact else plan.mask(i, S)
         if exact or not low:
             k, v = k.to(q.dtype), v.to(q.dtype)
         else:

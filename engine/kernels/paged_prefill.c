@@ -1,0 +1,280 @@
+/* Paged prefill attention on AMX tiles: one prefill chunk of a request, bf16 K and V read out of the
+   pool's page records, queries rounded to bf16, every product summed in fp32 (AMX TDPBF16PS), the
+   softmax in fp32 on AVX-512, the probabilities rounded to bf16 for the P V product - the numbers of
+   torch's bf16 flash attention (scaled_dot_product_attention) and of vLLM-CPU's AMX attention, up to
+   rounding order.
+
+   Chunk: ql query tokens at positions n - ql .. n - 1 of a request of n keys (lower-right causal:
+   query i reads keys 0 .. n - ql + i); a chunk that starts the request is the square causal case.
+
+   1. Pack (OpenMP over KV head x 32-key block): each KV head's K into the tiles' B layout for Q K^T
+      (16 keys x 16 pairs of head dims a tile: the transpose, two bf16 a 32-bit element) and V into
+      the B layout for P V (16 pairs of keys x 16 head dims a tile), keys past n zero. O(n D): the
+      product is O(n^2 D).
+   2. Tasks (OpenMP, dynamic, the costliest query blocks first): one query head x 16 query rows; keys
+      64 at a time (flash attention: a running max and sum per row, the output rescaled per block):
+      S = Q K^T in four 16x16 fp32 tiles, masked where the block crosses the diagonal, P = e^(scale
+      (S - max)) rounded to bf16, P V in up to four 16x16 tiles per 64 head dims, added to the
+      row's fp32 accumulator; blocks wholly past a block's last query are never computed.
+
+   Returns -1 (nothing written: the caller's torch path runs) where AMX is not there (not compiled
+   for it, or the kernel refuses the tile state: arch_prctl ARCH_REQ_XCOMP_PERM) or the shape is not
+   one it takes (head_dim a multiple of 32, at most 256); 1 when a scratch allocation failed. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+#define QB 16           /* query rows a task */
+#define KB 64           /* keys a block */
+#define DMAXP 256
+
+static int amx_state;   /* 0 not asked yet, 1 granted, -1 refused */
+
+static int amx_granted(void) {
+    if (amx_state == 0)     /* the kernel's permission for the tile data state, once a process */
+        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
+    return amx_state == 1;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+static void tiles_on(void) {           /* eight 16 x 64-byte tiles; per thread */
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        c.colsb[i] = 64;
+        c.rows[i] = 16;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by its
+   degree-5 Taylor polynomial in f ln 2 (relative error below 3e-6: the probabilities are rounded to
+   bf16, 2^-9, for the product), 2^n put in by scalef (0 far below the smallest float: a masked score
+   is -1e30, never -inf, so that no lane computes -inf - -inf) */
+static inline __attribute__((always_inline)) __m512 exp2_16(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.3333558e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    return _mm512_scalef_ps(p, n);
+}
+
+#define MASKED (-1e30f)
+
+/* the K row and V row of key i of KV head h (element offsets into the pool, stored elements) */
+static inline const uint16_t *kv_row(const uint16_t *kv, const int64_t *pages, int64_t i, int64_t S, int64_t h,
+                                     int64_t D, int64_t page_stride, int64_t rec_stride, int64_t off) {
+    return kv + pages[i / S] * page_stride + (i % S) * rec_stride + h * D + off;
+}
+
+int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
+                           const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                           float *out, int64_t out_tok_stride, int nthreads) {
+    if (D % 32 || D > DMAXP || ql < 1 || n < ql || Hq % Hkv || !amx_granted()) return -1;
+    const int64_t G = Hq / Hkv, np = (n + KB - 1) / KB * KB, P = D / 2;   /* P: 32-bit pairs a row */
+    const int64_t ns = D / 32;
+    uint16_t *kc = aligned_alloc(64, sizeof(uint16_t) * Hkv * np * D);    /* [Hkv][np][D] */
+    uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * Hkv * np * D);    /* [Hkv][D][np] */
+    if (!kc || !vt) {
+        free(kc);
+        free(vt);
+        return 1;
+    }
+#pragma omp parallel for schedule(static) num_threads(nthreads)
+    for (int64_t t = 0; t < Hkv * (np / 32); t++) {
+        const int64_t h = t / (np / 32), i0 = t % (np / 32) * 32;
+        uint16_t *vh = vt + h * D * np;
+        for (int64_t i = i0; i < i0 + 32; i++) {
+            uint16_t *kr = kc + (h * np + i) * D;
+            if (i >= n) {
+                memset(kr, 0, sizeof(uint16_t) * D);
+                for (int64_t d = 0; d < D; d++) vh[d * np + i] = 0;
+                continue;
+            }
+            memcpy(kr, kv_row(kv, pages, i, S, h, D, page_stride, rec_stride, k_off), sizeof(uint16_t) * D);
+            const uint16_t *vr = kv_row(kv, pages, i, S, h, D, page_stride, rec_stride, v_off);
+            for (int64_t d = 0; d < D; d++) vh[d * np + i] = vr[d];
+        }
+    }
+#ifdef ONLY_PACK
+    free(kc); free(vt); return 0;
+#endif
+    const int64_t nqb = (ql + QB - 1) / QB, first = n - ql;    /* position of query row 0 */
+    const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    /* interleave two rows of 16 bf16 (key 2k in the low half of each 32-bit pair, key 2k + 1 high) */
+    const __m512i zip = _mm512_setr_epi32(0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                          0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                          0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
+#pragma omp parallel num_threads(nthreads)
+    {
+        tiles_on();
+        uint32_t qt[DMAXP / 2 * QB] __attribute__((aligned(64)));   /* Q^T as B tiles: [D / 32][16 pairs][16 rows] */
+        uint32_t pt[KB / 2 * QB] __attribute__((aligned(64)));      /* P^T as B tiles: [32 key pairs][16 rows] */
+        float st[KB * QB] __attribute__((aligned(64)));             /* S^T [64 keys][16 rows], then O^T parts */
+        float acc[DMAXP * QB] __attribute__((aligned(64)));         /* O^T [D][16 rows] */
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < Hq * nqb; t++) {
+            const int64_t qb = nqb - 1 - t / Hq, hq = t % Hq, h = hq / G;
+            const int64_t r0 = qb * QB, rows = ql - r0 < QB ? ql - r0 : QB;
+            for (int64_t m = 0; m < QB; m++) {
+                uint16_t row[DMAXP] __attribute__((aligned(64)));
+                if (m < rows) {
+                    const float *src = q + (r0 + m) * q_tok_stride + hq * D;
+                    for (int64_t d = 0; d < D; d += 16)
+                        _mm256_store_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
+                } else {
+                    memset(row, 0, sizeof(uint16_t) * D);
+                }
+                for (int64_t p = 0; p < P; p++) {
+                    uint32_t u;
+                    memcpy(&u, row + 2 * p, 4);
+                    qt[p * QB + m] = u;             /* tile p / 16, row p % 16, column m */
+                }
+            }
+            /* keys row m reads: 0 .. lim[m] - 1 (rows past the chunk: its last row's) */
+            const __m512i lim = _mm512_add_epi32(_mm512_set1_epi32((int)(first + r0 + 1)),
+                                                 _mm512_min_epi32(lane, _mm512_set1_epi32((int)rows - 1)));
+            const int64_t keys = first + r0 + rows, lo = first + r0 + 1;
+            __m512 mx = _mm512_set1_ps(MASKED), sum = _mm512_setzero_ps();
+            memset(acc, 0, sizeof(float) * QB * D);
+            const uint16_t *kh = kc + h * np * D, *vh = vt + h * D * np;
+            const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);   /* scale log2(e) */
+            for (int64_t k0 = 0; k0 < keys; k0 += KB) {
+                /* S^T = K Q^T: four tiles of 16 keys x 16 rows */
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t s = 0; s < ns; s++) {
+                    const uint16_t *ks = kh + k0 * D + s * 32;
+                    _tile_loadd(4, qt + s * 256, 64);
+                    _tile_loadd(6, ks, D * 2);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_loadd(7, ks + 16 * D, D * 2);
+                    _tile_dpbf16ps(1, 7, 4);
+                    _tile_loadd(6, ks + 32 * D, D * 2);
+                    _tile_dpbf16ps(2, 6, 4);
+                    _tile_loadd(7, ks + 48 * D, D * 2);
+                    _tile_dpbf16ps(3, 7, 4);
+                }
+                _tile_stored(0, st, 64);
+                _tile_stored(1, st + 256, 64);
+                _tile_stored(2, st + 512, 64);
+                _tile_stored(3, st + 768, 64);
+#ifndef NO_SOFTMAX
+                /* the softmax, 16 rows a vector: masks, max and sums without horizontal reductions */
+                __m512 bm = mx;
+                if (k0 + KB > lo) {                 /* the block crosses some row's last key */
+                    for (int64_t j = 0; j < KB; j++) {
+                        const __mmask16 ok = _mm512_cmpgt_epi32_mask(lim, _mm512_set1_epi32((int)(k0 + j)));
+                        const __m512 v = _mm512_mask_mov_ps(_mm512_set1_ps(MASKED), ok,
+                                                            _mm512_load_ps(st + j * QB));
+                        _mm512_store_ps(st + j * QB, v);
+                        bm = _mm512_max_ps(bm, v);
+                    }
+                } else {
+                    for (int64_t j = 0; j < KB; j++) bm = _mm512_max_ps(bm, _mm512_load_ps(st + j * QB));
+                }
+                const __m512 alpha = exp2_16(_mm512_mul_ps(_mm512_sub_ps(mx, bm), sc));
+                mx = bm;
+                const __m512 ms = _mm512_mul_ps(bm, sc);
+                __m512 tot0 = _mm512_setzero_ps(), tot1 = _mm512_setzero_ps();
+                for (int64_t j = 0; j < KB; j += 2) {
+                    const __m512 p0 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st + j * QB), sc, ms));
+                    const __m512 p1 = exp2_16(_mm512_fmsub_ps(_mm512_load_ps(st + (j + 1) * QB), sc, ms));
+                    tot0 = _mm512_add_ps(tot0, p0);
+                    tot1 = _mm512_add_ps(tot1, p1);
+                    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);   /* p0 low half, p1 high */
+                    _mm512_store_si512(pt + (j / 2) * QB, _mm512_permutexvar_epi16(zip, both));
+                }
+                sum = _mm512_fmadd_ps(sum, alpha, _mm512_add_ps(tot0, tot1));
+#else
+                const __m512 alpha = sc;
+#endif
+#ifndef NO_PV
+                /* O^T += V^T P^T, 64 head dims (four tiles of 16 dims x 16 rows) at a time */
+                _tile_loadd(4, pt, 64);
+                _tile_loadd(5, pt + 256, 64);
+                for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                    const int64_t dn = D - d0 < 64 ? D - d0 : 64;
+                    const uint16_t *va = vh + d0 * np + k0;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_loadd(6, va, np * 2);
+                    _tile_dpbf16ps(0, 6, 4);
+                    _tile_loadd(7, va + 32, np * 2);
+                    _tile_dpbf16ps(0, 7, 5);
+                    _tile_loadd(6, va + 16 * np, np * 2);
+                    _tile_dpbf16ps(1, 6, 4);
+                    _tile_loadd(7, va + 16 * np + 32, np * 2);
+                    _tile_dpbf16ps(1, 7, 5);
+                    if (dn > 32) {
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        _tile_loadd(6, va + 32 * np, np * 2);
+                        _tile_dpbf16ps(2, 6, 4);
+                        _tile_loadd(7, va + 32 * np + 32, np * 2);
+                        _tile_dpbf16ps(2, 7, 5);
+                        _tile_loadd(6, va + 48 * np, np * 2);
+                        _tile_dpbf16ps(3, 6, 4);
+                        _tile_loadd(7, va + 48 * np + 32, np * 2);
+                        _tile_dpbf16ps(3, 7, 5);
+                    }
+                    _tile_stored(0, st, 64);
+                    _tile_stored(1, st + 256, 64);
+                    if (dn > 32) {
+                        _tile_stored(2, st + 512, 64);
+                        _tile_stored(3, st + 768, 64);
+                    }
+                    float *a = acc + d0 * QB;
+                    for (int64_t d = 0; d < dn; d++)
+                        _mm512_store_ps(a + d * QB, _mm512_fmadd_ps(_mm512_load_ps(a + d * QB), alpha,
+                                                                    _mm512_load_ps(st + d * QB)));
+                }
+#endif
+            }
+            float inv[QB] __attribute__((aligned(64)));
+            _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+            for (int64_t m = 0; m < rows; m++) {
+                float *o = out + (r0 + m) * out_tok_stride + hq * D;
+                for (int64_t d = 0; d < D; d++) o[d] = acc[d * QB + m] * inv[m];
+            }
+        }
+        _tile_release();
+    }
+    free(kc);
+    free(vt);
+    return 0;
+}
+
+#else
+
+int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
+                           const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                           int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                           float *out, int64_t out_tok_stride, int nthreads) {
+    (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv; (void)D;
+    (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale; (void)out; (void)out_tok_stride;
+    (void)nthreads;
+    return -1;              /* no AMX in this build: the caller's torch path */
+}
+
+#endif
