@@ -267,3 +267,78 @@ def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeyp
     for t in (pool.k(1), pool.v(1)):     # put the old bytes back: nothing else was written
         t[pages, offs] = before.view(torch.bfloat16).as_strided(t.shape, t.stride(), t.storage_offset())[pages, offs]
     assert torch.equal(pool.buf, before) and not torch.equal(after, before)
+
+
+def _amx_prefill_runs() -> bool:
+    from engine.kv.pool import KVPool
+    pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, torch.bfloat16), dtype=torch.bfloat16)
+    return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
+
+
+@pytest.mark.parametrize("Hq, Hkv, D, S, n, ql", [
+    (4, 2, 64, 16, 100, 100),       # a whole prompt: square causal, a partial last query and key block
+    (4, 2, 64, 16, 300, 13),        # a continuing chunk: lower-right causal, 13 rows
+    (14, 2, 64, 16, 200, 200),      # Qwen2's 7 query heads a KV head
+    (2, 2, 32, 8, 50, 50),          # head_dim 32: half a 64-dim tile group
+    (4, 1, 128, 16, 130, 70),       # head_dim 128: two tile groups
+    (8, 2, 96, 4, 65, 2),           # 96: one and a half groups; keys just past one 64-key block
+    (4, 2, 64, 16, 1, 1),           # a one-token prompt
+])
+def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq, Hkv, D, S, n, ql):
+    """paged_prefill.c against fp32 attention over the same bf16 K/V and bf16-rounded queries, the
+    chunk's rows at positions n - ql .. n - 1 (lower-right causal), read from pages out of order:
+    within what rounding the probabilities to bf16 for the P V product allows (torch's bf16 SDPA
+    is measured against the same reference and must not be closer)."""
+    from engine.kv.pool import KVPool
+    if not _amx_prefill_runs():
+        pytest.skip("no AMX tiles on this CPU (or the OS refuses them): the torch path runs")
+    g = torch.Generator().manual_seed(n * 7 + ql)
+    P = (n + S - 1) // S
+    pool = KVPool(2, Hkv * D, S, (P + 5) * KVPool.page_bytes_for(2, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
+    pages = torch.randperm(pool.num_pages, generator=g)[:P]
+    slot = torch.arange(n)
+    k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    pool.store(1, pages[slot // S], slot % S, k, v)
+    q = torch.randn(ql, Hq, D, generator=g)
+    buf = torch.full((ql + 3, Hq * D + 8), float("nan"))       # a strided view: rows wider than the heads
+    out = buf[1:ql + 1, :Hq * D].unflatten(1, (Hq, D))
+    calls = kernels.CALLS
+    assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out) and kernels.CALLS == calls + 1
+    assert torch.isnan(buf[0]).all() and torch.isnan(buf[ql + 1:]).all() and torch.isnan(buf[1:ql + 1, Hq * D:]).all()
+    kb = pool.k(1)[pages].reshape(-1, Hkv, D)[:n].float().transpose(0, 1)[None]
+    vb = pool.v(1)[pages].reshape(-1, Hkv, D)[:n].float().transpose(0, 1)[None]
+    mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
+    qr = q.to(torch.bfloat16).float().transpose(0, 1)[None]
+    want = F.scaled_dot_product_attention(qr, kb, vb, attn_mask=mask, scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    sdpa_bf16 = F.scaled_dot_product_attention(qr.bfloat16(), kb.bfloat16(), vb.bfloat16(), attn_mask=mask,
+                                               scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1).float()
+    err = (out - want).abs().max().item()
+    assert err <= max(1e-5, (sdpa_bf16 - want).abs().max().item()) and err < 1e-2
+
+
+def test_prefill_attention_declines_what_it_does_not_take_and_writes_nothing():
+    from engine.kv.pool import KVPool
+    fp32 = KVPool(1, 64, 4, 4 * KVPool.page_bytes_for(1, 64, 4))
+    bf16 = KVPool(1, 48, 4, 4 * KVPool.page_bytes_for(1, 48, 4, torch.bfloat16), dtype=torch.bfloat16)
+    for pool, D in ((fp32, 64), (bf16, 48)):       # an fp32 pool; head_dim 48 (not a multiple of 32)
+        out = torch.full((2, 1, D), 7.0)
+        assert not kernels.paged_prefill(torch.randn(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0, out)
+        assert bool((out == 7.0).all())
+
+
+def test_prefill_attention_leaves_the_threads_tiles_to_torch_as_it_found_them():
+    """torch's bf16 SDPA and oneDNN's bf16 products configure AMX tiles per thread too: run before and
+    after the kernel on the same threads they give the same numbers (the kernel puts the thread's tile
+    configuration back; a palette torch thinks is set but is not would fault or compute garbage)."""
+    from engine.kv.pool import KVPool
+    if not _amx_prefill_runs():
+        pytest.skip("no AMX tiles on this CPU (or the OS refuses them)")
+    q, k, v = (torch.randn(1, 4, 300, 64).bfloat16() for _ in range(3))
+    a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
+    before = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
+    pool = KVPool(1, 128, 16, 24 * KVPool.page_bytes_for(1, 128, 16, torch.bfloat16), dtype=torch.bfloat16)
+    for _ in range(3):
+        assert kernels.paged_prefill(torch.randn(300, 4, 64), pool, 0, torch.arange(19), 300, 2, 0.125,
+                                     torch.empty(300, 4, 64))
+        after = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
+        assert all(torch.equal(x, y) for x, y in zip(before, after))

@@ -7,15 +7,18 @@
    Chunk: ql query tokens at positions n - ql .. n - 1 of a request of n keys (lower-right causal:
    query i reads keys 0 .. n - ql + i); a chunk that starts the request is the square causal case.
 
-   1. Pack (OpenMP over KV head x 32-key block): each KV head's K into the tiles' B layout for Q K^T
-      (16 keys x 16 pairs of head dims a tile: the transpose, two bf16 a 32-bit element) and V into
-      the B layout for P V (16 pairs of keys x 16 head dims a tile), keys past n zero. O(n D): the
-      product is O(n^2 D).
-   2. Tasks (OpenMP, dynamic, the costliest query blocks first): one query head x 16 query rows; keys
-      64 at a time (flash attention: a running max and sum per row, the output rescaled per block):
-      S = Q K^T in four 16x16 fp32 tiles, masked where the block crosses the diagonal, P = e^(scale
-      (S - max)) rounded to bf16, P V in up to four 16x16 tiles per 64 head dims, added to the
-      row's fp32 accumulator; blocks wholly past a block's last query are never computed.
+   1. Pack (OpenMP over KV head x 32-key block): each KV head's K rows into one contiguous [keys, D]
+      bf16 block (a tile's 16 rows read at one stride) and V transposed, [D, keys] (the tiles' A
+      operand for V^T); keys past n zero. O(n D): the products are O(n^2 D).
+   2. Tasks (OpenMP, dynamic, the costliest query blocks first): one query head x 16 query rows,
+      keys 64 at a time (flash attention: a running max and sum per row, the output rescaled per
+      block). Everything is computed transposed - S^T = K Q^T, O^T = V^T P^T - so that a vector of
+      16 lanes holds the 16 query rows: the softmax's masks, maxima, sums and rescaling are vertical
+      (no horizontal reductions, no per-row scalars), and P^T's bf16 rows go straight into the B
+      operand (pairs of keys interleaved). Blocks wholly past a block's last query are not computed.
+      e^x is 2^(x log2 e) by a degree-5 polynomial: the probabilities are rounded to bf16 for P V.
+      Measured (2 threads, one causal 3000-token chunk, 4 heads of 64, this tree's bench machine):
+      1040 GFLOP/s against torch SDPA's 610-660 on the same bf16 values.
 
    Returns -1 (nothing written: the caller's torch path runs) where AMX is not there (not compiled
    for it, or the kernel refuses the tile state: arch_prctl ARCH_REQ_XCOMP_PERM) or the shape is not
@@ -49,7 +52,12 @@ typedef struct {
     uint8_t rows[16];
 } __attribute__((packed)) tile_config;
 
-static void tiles_on(void) {           /* eight 16 x 64-byte tiles; per thread */
+/* eight 16 x 64-byte tiles, per thread; the thread's tile configuration before is kept in ``saved``
+   and put back by tiles_off: a library that configured this thread's tiles earlier (oneDNN, torch's
+   brgemm keep the palette they last set per thread) finds it as it left it - the tiles' contents are
+   never kept across calls by anyone */
+static void tiles_on(tile_config *saved) {
+    _tile_storeconfig(saved);
     tile_config c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
@@ -58,6 +66,11 @@ static void tiles_on(void) {           /* eight 16 x 64-byte tiles; per thread *
         c.rows[i] = 16;
     }
     _tile_loadconfig(&c);
+}
+
+static void tiles_off(const tile_config *saved) {
+    if (saved->palette) _tile_loadconfig(saved);
+    else _tile_release();
 }
 
 /* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by its
@@ -114,9 +127,6 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
             for (int64_t d = 0; d < D; d++) vh[d * np + i] = vr[d];
         }
     }
-#ifdef ONLY_PACK
-    free(kc); free(vt); return 0;
-#endif
     const int64_t nqb = (ql + QB - 1) / QB, first = n - ql;    /* position of query row 0 */
     const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     /* interleave two rows of 16 bf16 (key 2k in the low half of each 32-bit pair, key 2k + 1 high) */
@@ -125,7 +135,8 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
                                           0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
 #pragma omp parallel num_threads(nthreads)
     {
-        tiles_on();
+        tile_config saved;
+        tiles_on(&saved);
         uint32_t qt[DMAXP / 2 * QB] __attribute__((aligned(64)));   /* Q^T as B tiles: [D / 32][16 pairs][16 rows] */
         uint32_t pt[KB / 2 * QB] __attribute__((aligned(64)));      /* P^T as B tiles: [32 key pairs][16 rows] */
         float st[KB * QB] __attribute__((aligned(64)));             /* S^T [64 keys][16 rows], then O^T parts */
@@ -179,7 +190,6 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
                 _tile_stored(1, st + 256, 64);
                 _tile_stored(2, st + 512, 64);
                 _tile_stored(3, st + 768, 64);
-#ifndef NO_SOFTMAX
                 /* the softmax, 16 rows a vector: masks, max and sums without horizontal reductions */
                 __m512 bm = mx;
                 if (k0 + KB > lo) {                 /* the block crosses some row's last key */
@@ -206,10 +216,6 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
                     _mm512_store_si512(pt + (j / 2) * QB, _mm512_permutexvar_epi16(zip, both));
                 }
                 sum = _mm512_fmadd_ps(sum, alpha, _mm512_add_ps(tot0, tot1));
-#else
-                const __m512 alpha = sc;
-#endif
-#ifndef NO_PV
                 /* O^T += V^T P^T, 64 head dims (four tiles of 16 dims x 16 rows) at a time */
                 _tile_loadd(4, pt, 64);
                 _tile_loadd(5, pt + 256, 64);
@@ -249,7 +255,6 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
                         _mm512_store_ps(a + d * QB, _mm512_fmadd_ps(_mm512_load_ps(a + d * QB), alpha,
                                                                     _mm512_load_ps(st + d * QB)));
                 }
-#endif
             }
             float inv[QB] __attribute__((aligned(64)));
             _mm512_store_ps(inv, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
@@ -258,7 +263,7 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
                 for (int64_t d = 0; d < D; d++) o[d] = acc[d * QB + m] * inv[m];
             }
         }
-        _tile_release();
+        tiles_off(&saved);
     }
     free(kc);
     free(vt);
