@@ -224,10 +224,12 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       materialises the scores) unless the chunk reads a page the read check flagged (``mass_pages``;
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
-      ``prefill_dtype`` bf16 with a bf16 pool: SDPA runs on the pool's bf16 K/V as stored (no
-      widened copy) and q rounded to bf16 - fp32 accumulation inside, bf16 results, as vLLM-CPU and
-      transformers attend in bf16 - where the CPU multiplies bf16 natively (the model decides:
-      ``llama.bf16_gemm``); elsewhere, and for a chunk whose mass is measured, fp32.
+      ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (engine/kernels/paged_prefill.c:
+      K/V read from the page records, no gather, no mask tensor; 1.6x SDPA on a 3000-token chunk)
+      where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
+      either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
+      where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and
+      for a chunk whose mass is measured, fp32.
     The read check itself always covers every slot read."""
     T, Hq, D = q.shape
     B, C = lay.block_tables.shape

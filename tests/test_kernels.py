@@ -275,16 +275,17 @@ def _amx_prefill_runs() -> bool:
     return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
 
 
-@pytest.mark.parametrize("Hq, Hkv, D, S, n, ql", [
-    (4, 2, 64, 16, 100, 100),       # a whole prompt: square causal, a partial last query and key block
-    (4, 2, 64, 16, 300, 13),        # a continuing chunk: lower-right causal, 13 rows
-    (14, 2, 64, 16, 200, 200),      # Qwen2's 7 query heads a KV head
-    (2, 2, 32, 8, 50, 50),          # head_dim 32: half a 64-dim tile group
-    (4, 1, 128, 16, 130, 70),       # head_dim 128: two tile groups
-    (8, 2, 96, 4, 65, 2),           # 96: one and a half groups; keys just past one 64-key block
-    (4, 2, 64, 16, 1, 1),           # a one-token prompt
+@pytest.mark.parametrize("Hq, Hkv, D, S, n, ql, spread", [
+    (4, 2, 64, 16, 100, 100, 1.0),       # a whole prompt: square causal, a partial last query and key block
+    (4, 2, 64, 16, 300, 13, 1.0),        # a continuing chunk: lower-right causal, 13 rows
+    (14, 2, 64, 16, 200, 200, 1.0),      # Qwen2's 7 query heads a KV head
+    (2, 2, 32, 8, 50, 50, 1.0),          # head_dim 32: half a 64-dim tile group
+    (4, 1, 128, 16, 130, 70, 1.0),       # head_dim 128: two tile groups
+    (8, 2, 96, 4, 65, 2, 1.0),           # 96: one and a half groups; keys just past one 64-key block
+    (4, 2, 64, 16, 1, 1, 1.0),           # a one-token prompt
+    (4, 2, 64, 16, 150, 150, 40.0),      # scores spread over hundreds: probabilities below 2^-126 flushed to 0
 ])
-def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq, Hkv, D, S, n, ql):
+def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq, Hkv, D, S, n, ql, spread):
     """paged_prefill.c against fp32 attention over the same bf16 K/V and bf16-rounded queries, the
     chunk's rows at positions n - ql .. n - 1 (lower-right causal), read from pages out of order:
     within what rounding the probabilities to bf16 for the P V product allows (torch's bf16 SDPA
@@ -299,7 +300,7 @@ def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq,
     slot = torch.arange(n)
     k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
     pool.store(1, pages[slot // S], slot % S, k, v)
-    q = torch.randn(ql, Hq, D, generator=g)
+    q = torch.randn(ql, Hq, D, generator=g) * spread
     buf = torch.full((ql + 3, Hq * D + 8), float("nan"))       # a strided view: rows wider than the heads
     out = buf[1:ql + 1, :Hq * D].unflatten(1, (Hq, D))
     calls = kernels.CALLS
@@ -336,9 +337,11 @@ def test_prefill_attention_leaves_the_threads_tiles_to_torch_as_it_found_them():
     q, k, v = (torch.randn(1, 4, 300, 64).bfloat16() for _ in range(3))
     a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
     before = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
+    tiny = torch.tensor([1e-39, 2e-40])             # subnormal: the kernel flushes them on its threads only
     pool = KVPool(1, 128, 16, 24 * KVPool.page_bytes_for(1, 128, 16, torch.bfloat16), dtype=torch.bfloat16)
     for _ in range(3):
         assert kernels.paged_prefill(torch.randn(300, 4, 64), pool, 0, torch.arange(19), 300, 2, 0.125,
                                      torch.empty(300, 4, 64))
         after = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
         assert all(torch.equal(x, y) for x, y in zip(before, after))
+        assert bool(((tiny * 1.0) == tiny).all()) and float((tiny + 0.0)[0]) > 0       # MXCSR put back
