@@ -541,7 +541,18 @@ def gpu_table(r: dict) -> str:
         "(kernel, split-K epilogue, output allocations), `triton.testing.do_bench`:", "", *rows, *split_rows])
 
 
-SECTIONS = {"engine": engine_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+def prefill_attention_table(r: dict) -> str:
+    rows = [f"| {label} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['amx']:.2f} ms, "
+            f"{c['gflops']['amx']:.0f} GFLOP/s | {c['ms']['sdpa']:.2f} ms, {c['gflops']['sdpa']:.0f} GFLOP/s | "
+            f"**{c['ratio_amx_vs_sdpa']:.2f}x** |" for label, c in r["cases"].items()]
+    return "\n".join([
+        f"Prefill attention alone (`bench/prefill_attention.py`, {_isa(r.get('cpu'))}, {r['threads']} threads, "
+        f"medians of {r['repeats']} interleaved calls on the same bf16 pages; SDPA after the engine's page gather, "
+        "with its mask where the chunk continues a request):", "",
+        "| chunk | heads (query:KV x dim) | AMX kernel | torch SDPA | ratio |", "| --- | --- | --- | --- | --- |", *rows])
+
+
+SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 

@@ -225,7 +225,7 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
       ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (engine/kernels/paged_prefill.c:
-      K/V read from the page records, no gather, no mask tensor; 1.6x SDPA on a 3000-token chunk)
+      K/V read from the page records, no gather, no mask tensor; 1.7-2.4x SDPA: bench/prefill_attention.py)
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and

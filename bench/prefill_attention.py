@@ -1,0 +1,81 @@
+"""Prefill attention alone: the AMX kernel (engine/kernels/paged_prefill.c) against torch's SDPA on the
+same bf16 pages, as the engine would call each (SDPA after its page gather; with its mask where the
+chunk continues a request), interleaved, medians; GFLOP/s of the causal products (2 * Hq * D * keys
+read). Writes bench/results/prefill_attention.json.
+
+    .venv/bin/python bench/prefill_attention.py [--repeats 9] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench._common import interleaved, write  # noqa: E402
+from engine import kernels  # noqa: E402
+from engine.kv.pool import KVPool  # noqa: E402
+
+CASES = [   # (label, query heads, KV heads, head dim, keys n, query rows ql): rows at positions n - ql .. n - 1
+    ("long: a 3000-token prompt", 4, 2, 64, 3000, 3000),
+    ("long: 1000 rows continuing 2000", 4, 2, 64, 3000, 1000),
+    ("big: a 600-token prompt", 14, 2, 64, 600, 600),
+]
+
+
+def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int) -> dict:
+    S = 16
+    P = (n + S - 1) // S
+    g = torch.Generator().manual_seed(0)
+    pool = KVPool(2, Hkv * D, S, (P + 2) * KVPool.page_bytes_for(2, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
+    pages = torch.randperm(pool.num_pages, generator=g)[:P]
+    slot = torch.arange(n)
+    pool.store(1, pages[slot // S], slot % S, torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g))
+    q = torch.randn(ql, Hq, D, generator=g)
+    out = torch.empty(ql, Hq, D)
+    mask = None if ql == n else torch.arange(P * S)[None, :] <= torch.arange(n - ql, n)[:, None]
+
+    def sdpa():
+        k = pool.k(1).index_select(0, pages).view(P * S, Hkv, D)
+        v = pool.v(1).index_select(0, pages).view(P * S, Hkv, D)
+        if mask is None:
+            k, v = k[:ql], v[:ql]
+        o = F.scaled_dot_product_attention(q.to(torch.bfloat16).transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                           v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
+                                           scale=D ** -0.5, enable_gqa=True)
+        out.copy_(o[0].transpose(0, 1))
+
+    def amx():
+        assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out)
+
+    sdpa(), amx()
+    t = interleaved({"sdpa": sdpa, "amx": amx}, repeats)
+    flops = 2 * Hq * D * (n * n - (n - ql) ** 2)     # Q K^T and P V over the keys each row reads
+    return {"ms": {k: v * 1e3 for k, v in t.items()}, "gflops": {k: flops / v / 1e9 for k, v in t.items()},
+            "ratio_amx_vs_sdpa": t["sdpa"] / t["amx"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved runs per variant, the median kept (default 9)")
+    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    args = ap.parse_args()
+    if args.repeats < 1 or not 1 <= args.threads <= 1024:
+        ap.error(f"--repeats must be >= 1 and --threads in [1, 1024], got {args.repeats} and {args.threads}")
+    torch.set_num_threads(args.threads)
+    pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, torch.bfloat16), dtype=torch.bfloat16)
+    if not kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32)):
+        sys.exit(f"kvledger: error: the AMX prefill kernel does not run here ({kernels.why_not() or 'no AMX tiles'})")
+    res = {"threads": args.threads, "repeats": args.repeats, "cases": {}}
+    for label, Hq, Hkv, D, n, ql in CASES:
+        r = res["cases"][label] = {"heads": [Hq, Hkv, D], "keys": n, "rows": ql} | case(Hq, Hkv, D, n, ql, args.repeats)
+        print(f"{label}: AMX {r['ms']['amx']:.2f} ms ({r['gflops']['amx']:.0f} GFLOP/s) vs SDPA {r['ms']['sdpa']:.2f} ms "
+              f"({r['gflops']['sdpa']:.0f}) -> {r['ratio_amx_vs_sdpa']:.2f}x", flush=True)
+    print(f"wrote {write('prefill_attention', res)}")
+
+
+if __name__ == "__main__":
+    main()
