@@ -8,6 +8,8 @@ fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is nei
 on the CPU. A bf16 pool or weight (``--dtype bfloat16``: half the bytes) is widened to fp32 as the
 kernels load it; every product and sum is fp32, and new K/V rows are rounded to bf16 as torch's
 ``.to(torch.bfloat16)`` rounds them.
+``paged_prefill`` (paged_prefill.c) is a bf16 pool's prefill chunk attention on AMX tiles, where the
+CPU has them (else it declines and torch's SDPA runs): K/V read from the records, no gather, no mask.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
