@@ -552,7 +552,21 @@ def prefill_attention_table(r: dict) -> str:
         "| chunk | heads (query:KV x dim) | AMX kernel | torch SDPA | ratio |", "| --- | --- | --- | --- | --- |", *rows])
 
 
-SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+def decode_attention_table(r: dict) -> str:
+    rows = [f"| {label} | {c['layers']} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | "
+            f"{c['ms_per_step']['amx']:.3f} ms, {c['gb_per_s']['amx']:.0f} GB/s | "
+            f"{c['ms_per_step']['vector']:.3f} ms, {c['gb_per_s']['vector']:.0f} GB/s | "
+            f"**{c['ratio_amx_vs_vector']:.2f}x** | {c['max_abs_diff']:.0e} |" for label, c in r["cases"].items()]
+    return "\n".join([
+        f"Decode attention alone (`bench/decode_attention.py`, {_isa(r.get('cpu'))}, {r['threads']} threads, "
+        f"medians of {r['repeats']} interleaved steps - one call per layer, every layer - on the same bf16 pages; "
+        "GB/s of the K and V bytes read; the largest difference between the two kernels' outputs):", "",
+        "| step | layers | heads (query:KV x dim) | AMX kernel | vector kernel (fp32 products) | ratio | max diff |",
+        "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+
+
+SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table,
+            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 

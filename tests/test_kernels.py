@@ -345,3 +345,86 @@ def test_prefill_attention_leaves_the_threads_tiles_to_torch_as_it_found_them():
         after = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
         assert all(torch.equal(x, y) for x, y in zip(before, after))
         assert bool(((tiny * 1.0) == tiny).all()) and float((tiny + 0.0)[0]) > 0       # MXCSR put back
+
+
+def _decode(pool, layer, q, pages, seq, Hkv, amx: bool, monkeypatch):
+    """One native decode call over ``pages`` [B, C] up to ``seq`` [B]: (out, page mass, whether the
+    AMX kernel answered)."""
+    monkeypatch.setattr(kernels, "DECODE_AMX", amx)
+    B, C = pages.shape
+    out, pm = torch.full_like(q, float("nan")), torch.full((B + 1, C), float("nan"))
+    before = kernels.AMX_DECODES
+    assert kernels.paged_decode(q, torch.arange(B), pool, layer, pages, seq, Hkv, q.shape[2] ** -0.5, out, pm,
+                                torch.arange(1, B + 1))
+    return out, pm[1:], kernels.AMX_DECODES - before == 1
+
+
+@pytest.mark.parametrize("Hq, Hkv, D, S, seq", [
+    (4, 2, 64, 16, [3000, 2500, 17, 1]),     # the long workload's shape; a partial tile; one key
+    (14, 2, 64, 16, [600, 333, 512]),        # Qwen2's 7 query heads a KV head
+    (4, 2, 32, 32, [100, 64, 31]),           # head_dim 32 (one chunk); pages of 32 slots (two tiles)
+    (8, 1, 128, 16, [130, 47]),              # 128: two passes over the keys, 64 dims each
+    (8, 1, 256, 16, [40]),                   # 256 (DMAX): 8 query heads on one KV head, 2G = 16 tile rows
+    (6, 2, 96, 16, [70, 16]),                # 96: a pass of 64 dims and one of 32
+])
+def test_decode_attention_on_amx_tiles_equals_the_fp32_vector_kernel(Hq, Hkv, D, S, seq, monkeypatch):
+    """paged_decode.c's AMX kernel (bf16 products, queries and probabilities split into bf16 hi + lo)
+    against its vector kernel (every product in fp32) on the same bf16 pages, read out of order, the
+    unused slots of each last page holding NaN: the same outputs and page mass within fp32-level
+    error (1e-5), nothing outside the requests' rows written."""
+    from engine.kv.pool import KVPool
+    g = torch.Generator().manual_seed(sum(seq) + D)
+    C = max(-(-n // S) for n in seq)
+    pool = KVPool(3, Hkv * D, S, (len(seq) * C + 4) * KVPool.page_bytes_for(3, Hkv * D, S, torch.bfloat16),
+                  dtype=torch.bfloat16)
+    pool.buf.view(torch.bfloat16)[:] = torch.randn(pool.buf.numel() // pool.esize, generator=g)
+    pages = torch.randperm(pool.num_pages, generator=g)[:len(seq) * C].view(len(seq), C)
+    for b, n in enumerate(seq):          # whatever a page's unused slots hold is never read
+        if n % S:
+            pool.k(1)[pages[b, n // S], n % S:] = float("nan")
+            pool.v(1)[pages[b, n // S], n % S:] = float("nan")
+    q = torch.randn(len(seq), Hq, D, generator=g) * 2
+    seq = torch.tensor(seq)
+    vec_out, vec_pm, amx = _decode(pool, 1, q, pages, seq, Hkv, False, monkeypatch)
+    assert not amx
+    out, pm, amx = _decode(pool, 1, q, pages, seq, Hkv, True, monkeypatch)
+    if not amx:
+        pytest.skip("no AMX tiles on this CPU (or the OS refuses them): the vector kernel runs")
+    torch.testing.assert_close(out, vec_out, atol=1e-5, rtol=1e-4)
+    measured = torch.arange(C)[None, :] * S < seq[:, None]
+    torch.testing.assert_close(pm[measured], vec_pm[measured], atol=1e-6, rtol=1e-4)
+    assert torch.isfinite(pm[measured]).all() and torch.equal(pm[~measured], vec_pm[~measured])
+
+
+def test_decode_attention_declines_to_the_vector_kernel_what_the_tiles_do_not_take(monkeypatch):
+    """Pages of 8 slots (a tile is 16 of one page), head_dim 48, 16 query heads on one KV head: the
+    AMX kernel writes nothing and the vector kernel answers (the same call succeeds)."""
+    from engine.kv.pool import KVPool
+    for Hq, Hkv, D, S in ((4, 2, 64, 8), (2, 1, 48, 16), (16, 1, 64, 16)):
+        pool = KVPool(1, Hkv * D, S, 6 * KVPool.page_bytes_for(1, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
+        pool.buf.view(torch.bfloat16)[:] = torch.randn(pool.buf.numel() // pool.esize)
+        q = torch.randn(1, Hq, D)
+        out, pm, amx = _decode(pool, 0, q, torch.tensor([[0, 1]]), torch.tensor([S + 3]), Hkv, True, monkeypatch)
+        assert not amx and torch.isfinite(out).all() and torch.isfinite(pm).all()
+        assert torch.equal(out, _decode(pool, 0, q, torch.tensor([[0, 1]]), torch.tensor([S + 3]), Hkv, False,
+                                        monkeypatch)[0])
+
+
+def test_decode_attention_leaves_the_threads_tiles_to_torch_as_it_found_them(monkeypatch):
+    """As the prefill kernel: torch's bf16 SDPA and products before and after it on the same threads
+    give the same numbers, and the caller's subnormals are not flushed."""
+    from engine.kv.pool import KVPool
+    q, k, v = (torch.randn(1, 4, 300, 64).bfloat16() for _ in range(3))
+    a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
+    before = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
+    tiny = torch.tensor([1e-39, 2e-40])
+    pool = KVPool(1, 128, 16, 24 * KVPool.page_bytes_for(1, 128, 16, torch.bfloat16), dtype=torch.bfloat16)
+    pool.buf.view(torch.bfloat16)[:] = torch.randn(pool.buf.numel() // pool.esize)
+    for _ in range(3):
+        _, _, amx = _decode(pool, 0, torch.randn(4, 4, 64), torch.arange(20).view(4, 5), torch.tensor([80, 3, 50, 77]),
+                            2, True, monkeypatch)
+        if not amx:
+            pytest.skip("no AMX tiles on this CPU (or the OS refuses them)")
+        after = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
+        assert all(torch.equal(x, y) for x, y in zip(before, after))
+        assert bool(((tiny * 1.0) == tiny).all()) and float((tiny + 0.0)[0]) > 0

@@ -7,7 +7,10 @@ ops around it; the kernel is one call per layer, no copy. The torch path stays t
 fallback: no compiler, a failed build, ``KVLEDGER_NATIVE=0``, a pool that is neither fp32 nor bf16
 on the CPU. A bf16 pool or weight (``--dtype bfloat16``: half the bytes) is widened to fp32 as the
 kernels load it; every product and sum is fp32, and new K/V rows are rounded to bf16 as torch's
-``.to(torch.bfloat16)`` rounds them.
+``.to(torch.bfloat16)`` rounds them. A bf16 pool's decode runs on AMX tiles where the CPU has them
+(``kvl_paged_decode_bf16_amx``: queries and probabilities split into bf16 hi + lo, so the products
+keep fp32 accuracy; 1.5-2.5x the vector kernel, bench/decode_attention.py); else, or for a shape the
+tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple of 32), the vector one.
 ``paged_prefill`` (paged_prefill.c) is a bf16 pool's prefill chunk attention on AMX tiles, where the
 CPU has them (else it declines and torch's SDPA runs): K/V read from the records, no gather, no mask.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
@@ -35,13 +38,15 @@ import numpy as np
 import torch
 
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c")]
-_HDRS = [Path(__file__).with_name("vexp.h")]       # included by both: part of the build's cache key
+_HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h")]     # included: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: ctypes.CDLL | None = None
 _why_not: str | None = None     # why the native path is off (None: not tried yet, or on)
 _tried = False
 CALLS = 0                       # successful native calls (tests tell the kernel ran)
+AMX_DECODES = 0                 # bf16 decode calls the AMX kernel answered (paged_decode.c)
+DECODE_AMX = True               # try it first (tests and benches switch it off to compare with the vector kernel)
 # the stored element types the kernels read (pool K/V, packed weights): each kernel's variant by name
 STORED = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
 
@@ -83,6 +88,7 @@ def _build() -> ctypes.CDLL:
     scatter = [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]
     lin = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
     for name, args in (("kvl_paged_decode_f32", decode), ("kvl_paged_decode_bf16", decode),
+                       ("kvl_paged_decode_bf16_amx", decode),
                        ("kvl_add_rms_norm_f32", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int]),
                        ("kvl_add_rms_norm_mixed", [p, i64, p, i64, p, p, i64, i64, i64, f32, ctypes.c_int,
                                                    ctypes.c_int, ctypes.c_int]),
@@ -138,11 +144,17 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
     pages, seq_lens = pages.contiguous(), seq_lens.contiguous()
     toks, rows = toks.contiguous(), rows.contiguous()
     part = torch.empty(Bd * num_kv_heads * max(Cd, 1), dtype=torch.float32)
-    rc = getattr(lib, "kvl_paged_decode" + STORED[pool.dtype])(
-        q.data_ptr(), q.stride(0), toks.data_ptr(), k.untyped_storage().data_ptr(), pages.data_ptr(),
-        seq_lens.data_ptr(), Bd, Cd, pool.page_size, Hq, num_kv_heads, D, k.stride(0), k.stride(1),
-        k.storage_offset(), v.storage_offset(), scale, out.data_ptr(), out.stride(0), part.data_ptr(),
-        page_mass.data_ptr(), rows.data_ptr(), page_mass.stride(0), torch.get_num_threads())
+    args = (q.data_ptr(), q.stride(0), toks.data_ptr(), k.untyped_storage().data_ptr(), pages.data_ptr(),
+            seq_lens.data_ptr(), Bd, Cd, pool.page_size, Hq, num_kv_heads, D, k.stride(0), k.stride(1),
+            k.storage_offset(), v.storage_offset(), scale, out.data_ptr(), out.stride(0), part.data_ptr(),
+            page_mass.data_ptr(), rows.data_ptr(), page_mass.stride(0), torch.get_num_threads())
+    global AMX_DECODES
+    rc = -1
+    if pool.dtype == torch.bfloat16 and DECODE_AMX:     # AMX tiles where they run (-1: not here, not this shape)
+        rc = lib.kvl_paged_decode_bf16_amx(*args)
+        AMX_DECODES += rc == 0
+    if rc == -1:
+        rc = getattr(lib, "kvl_paged_decode" + STORED[pool.dtype])(*args)
     if rc != 0:
         return False
     global CALLS

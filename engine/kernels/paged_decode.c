@@ -13,6 +13,10 @@
    a contiguous block the G heads read, the scores of KB keys summed by one transposing sum
    (hsum8) instead of one horizontal sum per key and head; else key by key.
 
+   kvl_paged_decode_bf16_amx (below, where the compiler targets AMX): the bf16 kernel's outputs with
+   its products on AMX tiles, kept at fp32 accuracy by splitting queries and probabilities into bf16
+   hi + lo; the Python side tries it first and runs kvl_paged_decode_bf16 where it declines.
+
    Layout (element strides of the pool buffer viewed as float): K of slot s of page p for head h
    at  kv + p * page_stride + s * rec_stride + k_off + h * D  (V: v_off). The numbers are those of
    torch's bmm + softmax path up to float rounding order (tests/test_attention.py holds both to the
@@ -296,6 +300,221 @@ static inline __attribute__((always_inline)) int paged_decode(
     }
     return 0;
 }
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#include "amx.h"
+
+/* The bf16 decode on AMX tiles: the same outputs as kvl_paged_decode_bf16 (scores, two-pass softmax,
+   out = P V, page mass: the code after the scores is that kernel's), the products on TDPBF16PS
+   instead of widened vector FMAs.
+
+   bf16 products keep fp32 accuracy: a query (or a probability) is split into hi = bf16(x) and
+   lo = bf16(x - hi), whose sum is x to ~16 significant bits; K and V are bf16 already, so
+   K hi + K lo (and P V likewise) is fp32 work up to the rounding of lo (2^-17 of x) - not the
+   2^-9 of one bf16 rounding.
+   - Scores, one tile of 16 keys (16 slots of one page: a tile's rows read straight out of the
+     records at the record stride, no copy): S[16 keys, G heads] += K[16, 32 dims] Q^T, with Q^T's hi
+     and then its lo half as the B operand (tile 6 accumulates both); each head's 16 scores gathered
+     out of the stored tile.
+   - Values, 32 keys a block: O[2G rows, 16 dims] += P[2G, 32 keys] V[32 keys, 16 dims], P's rows
+     each head's hi and lo probabilities; V's B operand is two keys' rows interleaved (the records
+     hold a key's dims side by side, the tile wants key pairs), copied once per block; keys past the
+     request's last are zero there (a page's unused slots may hold anything). Four 16-dim output
+     tiles at a time (tiles 0-3); heads wider than 64 dims go over the keys again per 64 dims.
+   Tiles: 0-3 O (2G rows), 4 P (2G rows), 5 Q^T or V (16 rows), 6 S (16 rows), 7 K (16 rows).
+   Takes head_dim a multiple of 32 up to 256, at most 8 query heads a KV head, pages a multiple of
+   16 slots; returns -1 (nothing written) otherwise or without AMX, 1 when an allocation failed. */
+static const int32_t ZIP[16] = {0x00100000, 0x00110001, 0x00120002, 0x00130003, 0x00140004, 0x00150005,
+                                0x00160006, 0x00170007, 0x00180008, 0x00190009, 0x001a000a, 0x001b000b,
+                                0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f};
+
+/* 32 floats x0 (first 16), x1 as bf16 pairs hi = bf16(x) and lo = bf16(x - hi), in order */
+static inline __attribute__((always_inline)) void split_bf16(__m512 x0, __m512 x1, __m512i *hi, __m512i *lo) {
+    const __m512i h = (__m512i)_mm512_cvtne2ps_pbh(x1, x0);
+    const __m512 w0 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(h)), 16);
+    const __m512 w1 = (__m512)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(h, 1)), 16);
+    *hi = h;
+    *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, w1), _mm512_sub_ps(x0, w0));
+}
+
+int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_t *toks,
+                              const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
+                              int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                              float *out, int64_t out_tok_stride, float *part, float *page_mass,
+                              const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+    if (D % 32 || D > DMAX || Hq % Hkv || Hq / Hkv > 8 || S % 16 || !amx_granted()) return -1;
+    const int64_t G = Hq / Hkv, ns = D / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(nthreads) reduction(| : failed)
+    {
+        tile_config saved;
+        const uint8_t trows[8] = {2 * G, 2 * G, 2 * G, 2 * G, 2 * G, 16, 16, 16};
+        tiles_set(&saved, trows);
+        const unsigned csr = _mm_getcsr();
+        _mm_setcsr(csr | 0x8040);       /* FTZ | DAZ on this thread (paged_prefill.c), put back after */
+        const __m512i zip = _mm512_loadu_si512(ZIP);
+        const __m512i col = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(16));
+        uint32_t qt[2][DMAX / 32][16 * 16] __attribute__((aligned(64)));   /* Q^T hi, lo: [chunk][pair][head] */
+        uint16_t vb[4][16 * 32] __attribute__((aligned(64)));              /* V key pairs, 4 x 16 dims */
+        float st[16 * 16] __attribute__((aligned(64)));
+        float ot[4][16 * 16] __attribute__((aligned(64)));
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < Bd * Hkv; t++) {
+            const int64_t b = t / Hkv, h = t % Hkv;
+            int64_t n = seq_lens[b];
+            if (n > Cd * S) n = Cd * S;
+            float *part_b = part + (b * Hkv + h) * Cd;
+            memset(part_b, 0, sizeof(float) * Cd);
+            float *o = out + toks[b] * out_tok_stride + h * G * D;
+            if (n <= 0) {
+                memset(o, 0, sizeof(float) * G * D);
+                continue;
+            }
+            const int64_t nblk = (n + 31) / 32;
+            /* scores [G, n], then P's tiles [block][2G rows][32 keys] */
+            float *sc = malloc(sizeof(float) * G * (n + 32) + sizeof(uint16_t) * nblk * 2 * G * 32 + 64);
+            if (!sc) { failed = 1; continue; }
+            uint16_t *pa = (uint16_t *)(((uintptr_t)(sc + G * (n + 32)) + 63) & ~(uintptr_t)63);
+            /* Q^T: column g of chunk s, pair p = (q[32 s + 2 p], q[32 s + 2 p + 1]) of head g, hi and lo */
+            memset(qt, 0, sizeof(uint32_t) * 2 * ns * 256);
+            for (int64_t g = 0; g < G; g++) {
+                const float *qg = q + toks[b] * q_tok_stride + (h * G + g) * D;
+                for (int64_t s = 0; s < ns; s++) {
+                    __m512i hi, lo;
+                    split_bf16(_mm512_loadu_ps(qg + 32 * s), _mm512_loadu_ps(qg + 32 * s + 16), &hi, &lo);
+                    uint32_t h32[16], l32[16];
+                    _mm512_storeu_si512(h32, hi);
+                    _mm512_storeu_si512(l32, lo);
+                    for (int p = 0; p < 16; p++) {
+                        qt[0][s][p * 16 + g] = h32[p];
+                        qt[1][s][p * 16 + g] = l32[p];
+                    }
+                }
+            }
+            const __m512 vscale = _mm512_set1_ps(scale);
+            for (int64_t k0 = 0; k0 < n; k0 += 16) {
+                const uint16_t *kr = kv + pages[b * Cd + k0 / S] * page_stride + (k0 % S) * rec_stride + h * D + k_off;
+                if (k0 + 16 < n) {         /* the next tile's K rows (a record apart: no hardware prefetch) */
+                    const char *nk = (const char *)(kv + pages[b * Cd + (k0 + 16) / S] * page_stride
+                                                    + ((k0 + 16) % S) * rec_stride + h * D + k_off);
+                    for (int r = 0; r < 16; r++)
+                        for (int64_t x = 0; x < D * 2 + 64; x += 64) _mm_prefetch(nk + r * rec_stride * 2 + x, _MM_HINT_T0);
+                }
+                _tile_zero(6);
+                for (int64_t s = 0; s < ns; s++) {
+                    _tile_loadd(7, kr + 32 * s, rec_stride * 2);
+                    _tile_loadd(5, qt[0][s], 64);
+                    _tile_dpbf16ps(6, 7, 5);
+                    _tile_loadd(5, qt[1][s], 64);
+                    _tile_dpbf16ps(6, 7, 5);
+                }
+                _tile_stored(6, st, 64);
+                for (int64_t g = 0; g < G; g++)     /* sc has 32 floats of room past n per head */
+                    _mm512_storeu_ps(sc + g * (n + 32) + k0,
+                                     _mm512_mul_ps(_mm512_i32gather_ps(_mm512_add_epi32(col, _mm512_set1_epi32((int)g)),
+                                                                       st, 4), vscale));
+            }
+            for (int64_t g = 0; g < G; g++) {          /* softmax per query head (kvl_paged_decode's) */
+                float *s = sc + g * (n + 32);
+                const float m = row_max(s, n);
+                for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);
+                const float inv = 1.f / row_sum(s, n);
+                for (int64_t i = 0; i < n; i++) s[i] *= inv;
+                for (int64_t i = n; i < nblk * 32; i++) s[i] = 0.f;
+                for (int64_t c = 0, i = 0; i < n; c++) {       /* its mass on each page */
+                    const int64_t e = i + S < n ? i + S : n;
+                    float mm = 0.f;
+                    for (; i < e; i++) mm += s[i];
+                    part_b[c] += mm;
+                }
+                for (int64_t k = 0; k < nblk; k++) {    /* P's rows 2g (hi) and 2g + 1 (lo) of each block */
+                    __m512i hi, lo;
+                    split_bf16(_mm512_loadu_ps(s + 32 * k), _mm512_loadu_ps(s + 32 * k + 16), &hi, &lo);
+                    uint16_t *row = pa + (k * 2 * G + 2 * g) * 32;
+                    _mm512_store_si512(row, hi);
+                    _mm512_store_si512(row + 32, lo);
+                }
+            }
+            for (int64_t d0 = 0; d0 < D; d0 += 64) {   /* O = P V, 64 dims (four tiles) at a time */
+                const int64_t nc = D - d0 < 64 ? (D - d0) / 16 : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t k = 0; k < nblk; k++) {
+                    /* the block's two 16-key halves each lie in one page (S a multiple of 16) */
+                    const uint16_t *half[2];
+                    for (int64_t e = 0; e < 2; e++) {
+                        const int64_t i = 32 * k + 16 * e;
+                        half[e] = i < n ? kv + pages[b * Cd + i / S] * page_stride + (i % S) * rec_stride
+                                          + h * D + v_off + d0 : NULL;
+                    }
+                    for (int64_t r = 0; r < 16; r++) {  /* keys 32k + 2r, 32k + 2r + 1, interleaved */
+                        const int64_t i = 32 * k + 2 * r, j = (2 * r) & 15;
+                        const uint16_t *va = i < n ? half[r >> 3] + j * rec_stride : NULL;
+                        const uint16_t *vz = i + 1 < n ? half[r >> 3] + (j + 1) * rec_stride : NULL;
+                        for (int64_t c = 0; c < nc; c++) {
+                            const __m256i a = va ? _mm256_loadu_si256((const __m256i *)(va + 16 * c)) : _mm256_setzero_si256();
+                            const __m256i z = vz ? _mm256_loadu_si256((const __m256i *)(vz + 16 * c)) : _mm256_setzero_si256();
+                            _mm512_store_si512(vb[c] + r * 32, _mm512_permutexvar_epi16(
+                                zip, _mm512_inserti64x4(_mm512_castsi256_si512(a), z, 1)));
+                        }
+                    }
+                    _tile_loadd(4, pa + k * 2 * G * 32, 64);
+                    _tile_loadd(5, vb[0], 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_loadd(5, vb[1], 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                    if (nc > 2) {
+                        _tile_loadd(5, vb[2], 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_loadd(5, vb[3], 64);
+                        _tile_dpbf16ps(3, 4, 5);
+                    }
+                }
+                _tile_stored(0, ot[0], 64);
+                _tile_stored(1, ot[1], 64);
+                _tile_stored(2, ot[2], 64);
+                _tile_stored(3, ot[3], 64);
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t c = 0; c < nc; c++)
+                        _mm512_storeu_ps(o + g * D + d0 + 16 * c, _mm512_add_ps(_mm512_load_ps(ot[c] + 2 * g * 16),
+                                                                               _mm512_load_ps(ot[c] + (2 * g + 1) * 16)));
+            }
+            free(sc);
+        }
+        _mm_setcsr(csr);
+        tiles_off(&saved);
+    }
+    if (failed) return 1;
+    for (int64_t b = 0; b < Bd; b++) {             /* page mass: mean over the Hq query heads */
+        float *pm = page_mass + rows[b] * mass_row_stride;
+        for (int64_t c = 0; c < Cd; c++) {
+            float s = 0.f;
+            for (int64_t h = 0; h < Hkv; h++) s += part[(b * Hkv + h) * Cd + c];
+            pm[c] = s / (float)Hq;
+        }
+    }
+    return 0;
+}
+
+#else
+
+int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_t *toks,
+                              const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
+                              int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                              int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                              float *out, int64_t out_tok_stride, float *part, float *page_mass,
+                              const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+    (void)q; (void)q_tok_stride; (void)toks; (void)kv; (void)pages; (void)seq_lens; (void)Bd; (void)Cd; (void)S;
+    (void)Hq; (void)Hkv; (void)D; (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale;
+    (void)out; (void)out_tok_stride; (void)part; (void)page_mass; (void)rows; (void)mass_row_stride; (void)nthreads;
+    return -1;              /* no AMX in this build: kvl_paged_decode_bf16 */
+}
+
+#endif
 
 int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *toks,
                          const float *kv, const int64_t *pages, const int64_t *seq_lens,

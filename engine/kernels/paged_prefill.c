@@ -30,49 +30,16 @@
 #include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
 #define QB 16           /* query rows a task */
 #define KB 64           /* keys a block */
 #define DMAXP 256
 
-static int amx_state;   /* 0 not asked yet, 1 granted, -1 refused */
-
-static int amx_granted(void) {
-    if (amx_state == 0)     /* the kernel's permission for the tile data state, once a process */
-        amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return amx_state == 1;
-}
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} __attribute__((packed)) tile_config;
-
-/* eight 16 x 64-byte tiles, per thread; the thread's tile configuration before is kept in ``saved``
-   and put back by tiles_off: a library that configured this thread's tiles earlier (oneDNN, torch's
-   brgemm keep the palette they last set per thread) finds it as it left it - the tiles' contents are
-   never kept across calls by anyone */
+/* eight 16 x 64-byte tiles (amx.h: the thread's configuration before is put back by tiles_off) */
 static void tiles_on(tile_config *saved) {
-    _tile_storeconfig(saved);
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int i = 0; i < 8; i++) {
-        c.colsb[i] = 64;
-        c.rows[i] = 16;
-    }
-    _tile_loadconfig(&c);
-}
-
-static void tiles_off(const tile_config *saved) {
-    if (saved->palette) _tile_loadconfig(saved);
-    else _tile_release();
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    tiles_set(saved, rows);
 }
 
 /* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by its
