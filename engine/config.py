@@ -47,4 +47,6 @@ class EngineConfig:
     node_id: str = "node0"
     role: str = "unified"
     seed: int = 0
+    keep_freed_buffers: bool = True     # glibc: freed activation buffers stay in the heap, not unmapped
+                                        # (engine/osutil.py: each step's would fault in afresh)
     extra: dict = field(default_factory=dict)

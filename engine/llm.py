@@ -21,6 +21,7 @@ from engine.errors import InputError, ReadCheckViolation
 from engine.kv.host import HostTier
 from engine.kv.pool import KVPool
 from engine.kv.prefix_cache import PrefixCache
+from engine.osutil import keep_freed_buffers
 from engine.kv.preflight import preflight
 from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
@@ -51,6 +52,8 @@ class LLMEngine:
         _check_backend(cfg.attention_backend)
         if cfg.isolation_level not in ISOLATION_LEVELS:
             raise InputError(f"isolation_level must be one of {ISOLATION_LEVELS}, got {cfg.isolation_level!r}")
+        if cfg.keep_freed_buffers:
+            keep_freed_buffers()
         self.preflight = preflight(model, cfg)          # before the pool is allocated
         self.pool = KVPool(model.num_layers, model.kv_dim, cfg.page_size, cfg.kv_memory_budget,
                            dtype=dtype, zero_on_free=cfg.zero_on_free, shared_path=cfg.shared_pool_path)

@@ -35,3 +35,27 @@ def run_child(argv: list[str], env: dict) -> int:
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+HEAP_KEEP = 1 << 30     # freed blocks up to this size stay in the process's heap (keep_freed_buffers)
+_heap_kept: bool | None = None
+
+
+def keep_freed_buffers() -> bool:
+    """glibc: serve allocations up to HEAP_KEEP from the heap and keep what is freed there, instead of
+    mapping each large one afresh and unmapping it when freed. A step's activations are new tensors
+    of megabytes (a 4096-token prefill's q/k/v alone 8 MB on the tiny model): mapped afresh, every
+    4 KB page of each faults in again at first touch - a tenth of a long bf16 run here (A/B in
+    separate processes, README). The price: the process keeps its peak heap (up to HEAP_KEEP of
+    freed blocks) instead of giving it back. Once a process; True where glibc took both settings."""
+    global _heap_kept
+    if _heap_kept is None:
+        import ctypes
+        try:
+            mallopt = ctypes.CDLL(None).mallopt
+        except (OSError, AttributeError):      # not glibc (or no mallopt): the allocator's own policy
+            _heap_kept = False
+        else:
+            # M_MMAP_THRESHOLD (-3), M_TRIM_THRESHOLD (-1); mallopt returns 1 on success
+            _heap_kept = mallopt(-3, HEAP_KEEP) == 1 and mallopt(-1, HEAP_KEEP) == 1
+    return _heap_kept

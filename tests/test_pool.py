@@ -1,6 +1,11 @@
 """The tag plane lives in the pool buffer and travels with every record copy."""
 from __future__ import annotations
 
+import ctypes
+import subprocess
+import sys
+
+import pytest
 import torch
 
 from engine.kv.host import HostTier
@@ -62,3 +67,36 @@ def test_host_offload_copies_the_page_as_it_is_when_the_dma_runs():
     host.drain()
     host.reload(hp, [4])
     assert pool.tags[4, 0].item() == 8 and pool.writers[4, 0].item() == 3
+
+
+_MAPPED = r"""
+import ctypes, sys, torch
+class Mallinfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = Mallinfo2
+if sys.argv[1] == "1":
+    from engine.osutil import keep_freed_buffers
+    assert keep_freed_buffers()
+mapped = []
+for _ in range(3):                      # a step's activations: allocated, freed, allocated again
+    t = torch.empty(16 << 20)           # 64 MB
+    t.fill_(1.0)
+    mapped.append(libc.mallinfo2().hblkhd)
+    del t
+print(max(mapped))
+"""
+
+
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "mallinfo2"), reason="not glibc >= 2.33")
+def test_freed_activation_buffers_stay_in_the_heap_instead_of_being_mapped_afresh():
+    """engine/osutil.keep_freed_buffers (LLMEngine calls it unless EngineConfig.keep_freed_buffers is
+    False): a 64 MB buffer comes from the heap - glibc's own policy maps such a block on its own and
+    unmaps it when freed, so each step's buffers fault in page by page again."""
+    got = {}
+    for keep in ("0", "1"):
+        r = subprocess.run([sys.executable, "-c", _MAPPED, keep], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        got[keep] = int(r.stdout.split()[-1])
+    assert got["0"] >= 64 << 20 and got["1"] < 64 << 20, got
