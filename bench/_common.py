@@ -63,6 +63,20 @@ def workload_parser(description: str, repeats: int) -> argparse.ArgumentParser:
     return ap
 
 
+def kernel_bench_args(description: str) -> argparse.Namespace:
+    """A kernel bench's --repeats and --threads (bench/prefill_attention.py, decode_attention.py),
+    checked, torch's threads set to them."""
+    import torch
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=9, help="interleaved runs per variant, the median kept (default 9)")
+    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    args = ap.parse_args()
+    if args.repeats < 1 or not 1 <= args.threads <= 1024:
+        ap.error(f"--repeats must be >= 1 and --threads in [1, 1024], got {args.repeats} and {args.threads}")
+    torch.set_num_threads(args.threads)
+    return args
+
+
 def tiny_llama_workload(batch: int, seed: int = 0):
     """A tiny Llama (hidden 256, 4 layers) built locally with transformers, and ``batch`` random
     prompts of 16-199 tokens: the workload the engine, guard and telemetry benches share.

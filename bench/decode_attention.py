@@ -8,14 +8,13 @@ the K and V bytes a call reads. Writes bench/results/decode_attention.json.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, write  # noqa: E402
+from bench._common import interleaved, kernel_bench_args, write  # noqa: E402
 from engine import kernels  # noqa: E402
 from engine.kv.pool import KVPool  # noqa: E402
 
@@ -60,15 +59,9 @@ def case(L: int, Hq: int, Hkv: int, D: int, seqs: list[int], repeats: int) -> di
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=9, help="interleaved runs per variant, the median kept (default 9)")
-    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
-    args = ap.parse_args()
-    if args.repeats < 1 or not 1 <= args.threads <= 1024:
-        ap.error(f"--repeats must be >= 1 and --threads in [1, 1024], got {args.repeats} and {args.threads}")
+    args = kernel_bench_args(__doc__)
     if kernels.native() is None:
         sys.exit(f"kvledger: error: the native kernels do not run here ({kernels.why_not()})")
-    torch.set_num_threads(args.threads)
     res = {"threads": args.threads, "repeats": args.repeats, "cases": {}}
     for label, L, Hq, Hkv, D, seqs in CASES:
         r = res["cases"][label] = {"layers": L, "heads": [Hq, Hkv, D], "keys": seqs} | case(L, Hq, Hkv, D, seqs,

@@ -7,7 +7,6 @@ read). Writes bench/results/prefill_attention.json.
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import interleaved, write  # noqa: E402
+from bench._common import interleaved, kernel_bench_args, write  # noqa: E402
 from engine import kernels  # noqa: E402
 from engine.kv.pool import KVPool  # noqa: E402
 
@@ -59,13 +58,7 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--repeats", type=int, default=9, help="interleaved runs per variant, the median kept (default 9)")
-    ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
-    args = ap.parse_args()
-    if args.repeats < 1 or not 1 <= args.threads <= 1024:
-        ap.error(f"--repeats must be >= 1 and --threads in [1, 1024], got {args.repeats} and {args.threads}")
-    torch.set_num_threads(args.threads)
+    args = kernel_bench_args(__doc__)
     pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, torch.bfloat16), dtype=torch.bfloat16)
     if not kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32)):
         sys.exit(f"kvledger: error: the AMX prefill kernel does not run here ({kernels.why_not() or 'no AMX tiles'})")

@@ -222,6 +222,50 @@ static inline __attribute__((always_inline)) void blocked_values(const float *sc
     }
 }
 
+/* a task's start: its keys (at most its pages'), its page-mass row zeroed, its output rows; a task
+   with no keys gets zero outputs (returns 0) */
+static inline __attribute__((always_inline)) int64_t task_start(const int64_t *seq_lens, int64_t b, int64_t h,
+                                                                int64_t Cd, int64_t S, int64_t Hkv, int64_t G,
+                                                                int64_t D, float *part, float *out,
+                                                                const int64_t *toks, int64_t out_tok_stride,
+                                                                float **part_b, float **o) {
+    int64_t n = seq_lens[b];
+    if (n > Cd * S) n = Cd * S;
+    *part_b = part + (b * Hkv + h) * Cd;
+    memset(*part_b, 0, sizeof(float) * Cd);
+    *o = out + toks[b] * out_tok_stride + h * G * D;
+    if (n <= 0) memset(*o, 0, sizeof(float) * G * D);
+    return n;
+}
+
+/* one query head's scores s[0, n) to probabilities in place, and their sum over each page added to
+   part_b (this KV head's mass on each page) */
+static inline __attribute__((always_inline)) void softmax_mass(float *s, int64_t n, int64_t S, float *part_b) {
+    const float m = row_max(s, n);
+    for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);     /* (vectorizes: vexp.h) */
+    const float inv = 1.f / row_sum(s, n);
+    for (int64_t i = 0; i < n; i++) s[i] *= inv;
+    for (int64_t c = 0, i = 0; i < n; c++) {       /* a head's row at a time: contiguous */
+        const int64_t e = i + S < n ? i + S : n;
+        float mm = 0.f;
+        for (; i < e; i++) mm += s[i];
+        part_b[c] += mm;
+    }
+}
+
+/* page_mass[rows[b], c] = the mean over the Hq query heads of the tasks' part rows */
+static inline void mass_rows(const float *part, float *page_mass, const int64_t *rows, int64_t mass_row_stride,
+                             int64_t Bd, int64_t Cd, int64_t Hq, int64_t Hkv) {
+    for (int64_t b = 0; b < Bd; b++) {
+        float *pm = page_mass + rows[b] * mass_row_stride;
+        for (int64_t c = 0; c < Cd; c++) {
+            float s = 0.f;
+            for (int64_t h = 0; h < Hkv; h++) s += part[(b * Hkv + h) * Cd + c];
+            pm[c] = s / (float)Hq;
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) int paged_decode(
         const float *q, int64_t q_tok_stride, const int64_t *toks, const void *kv, const int64_t *pages,
         const int64_t *seq_lens, int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
@@ -233,15 +277,9 @@ static inline __attribute__((always_inline)) int paged_decode(
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) reduction(| : failed)
     for (int64_t t = 0; t < Bd * Hkv; t++) {
         const int64_t b = t / Hkv, h = t % Hkv;
-        int64_t n = seq_lens[b];
-        if (n > Cd * S) n = Cd * S;
-        float *part_b = part + (b * Hkv + h) * Cd;
-        memset(part_b, 0, sizeof(float) * Cd);
-        float *o = out + toks[b] * out_tok_stride + h * G * D;
-        if (n <= 0) {
-            memset(o, 0, sizeof(float) * G * D);
-            continue;
-        }
+        float *part_b, *o;
+        const int64_t n = task_start(seq_lens, b, h, Cd, S, Hkv, G, D, part, out, toks, out_tok_stride, &part_b, &o);
+        if (n <= 0) continue;
         /* scores [G, n], then the K and V row of each key (slot records are kilobytes apart) */
         float *sc = malloc(sizeof(float) * G * n + 2 * sizeof(float *) * n);
         if (!sc) { failed = 1; continue; }
@@ -264,13 +302,7 @@ static inline __attribute__((always_inline)) int paged_decode(
             if (i + PF < n) prefetch_row(krow[i + PF], D * es);
             for (int64_t g = 0; g < G; g++) sc[g * n + i] = dot(qb + g * D, krow[i], D, bf16) * scale;
         }
-        for (int64_t g = 0; g < G; g++) {          /* softmax per query head */
-            float *s = sc + g * n;
-            const float m = row_max(s, n);
-            for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);     /* (vectorizes: vexp.h) */
-            const float inv = 1.f / row_sum(s, n);
-            for (int64_t i = 0; i < n; i++) s[i] *= inv;
-        }
+        for (int64_t g = 0; g < G; g++) softmax_mass(sc + g * n, n, S, part_b);    /* per query head */
         for (int64_t i = 0; i < PF && i < n; i++) prefetch_row(vrow[i], D * es);
         if (blocked) {                             /* out = P V, the G heads' rows side by side in o */
             blocked_values(sc, vrow, n, G, D, o, es, bf16);
@@ -278,26 +310,10 @@ static inline __attribute__((always_inline)) int paged_decode(
             for (int64_t g = 0; g < G; g++)        /* out = P V per query head */
                 weighted_rows(sc + g * n, vrow, n, D, o + g * D, bf16);
         }
-        for (int64_t g = 0; g < G; g++) {          /* this KV head's mass on each page, over its G heads */
-            const float *p = sc + g * n;           /* (a head's row at a time: contiguous) */
-            for (int64_t c = 0, i = 0; i < n; c++) {
-                const int64_t e = i + S < n ? i + S : n;
-                float m = 0.f;
-                for (; i < e; i++) m += p[i];
-                part_b[c] += m;
-            }
-        }
         free(sc);
     }
     if (failed) return 1;
-    for (int64_t b = 0; b < Bd; b++) {             /* page mass: mean over the Hq query heads */
-        float *pm = page_mass + rows[b] * mass_row_stride;
-        for (int64_t c = 0; c < Cd; c++) {
-            float s = 0.f;
-            for (int64_t h = 0; h < Hkv; h++) s += part[(b * Hkv + h) * Cd + c];
-            pm[c] = s / (float)Hq;
-        }
-    }
+    mass_rows(part, page_mass, rows, mass_row_stride, Bd, Cd, Hq, Hkv);
     return 0;
 }
 
@@ -363,15 +379,9 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < Bd * Hkv; t++) {
             const int64_t b = t / Hkv, h = t % Hkv;
-            int64_t n = seq_lens[b];
-            if (n > Cd * S) n = Cd * S;
-            float *part_b = part + (b * Hkv + h) * Cd;
-            memset(part_b, 0, sizeof(float) * Cd);
-            float *o = out + toks[b] * out_tok_stride + h * G * D;
-            if (n <= 0) {
-                memset(o, 0, sizeof(float) * G * D);
-                continue;
-            }
+            float *part_b, *o;
+            const int64_t n = task_start(seq_lens, b, h, Cd, S, Hkv, G, D, part, out, toks, out_tok_stride, &part_b, &o);
+            if (n <= 0) continue;
             const int64_t nblk = (n + 31) / 32;
             /* scores [G, n], then P's tiles [block][2G rows][32 keys] */
             float *sc = malloc(sizeof(float) * G * (n + 32) + sizeof(uint16_t) * nblk * 2 * G * 32 + 64);
@@ -418,17 +428,8 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
             }
             for (int64_t g = 0; g < G; g++) {          /* softmax per query head (kvl_paged_decode's) */
                 float *s = sc + g * (n + 32);
-                const float m = row_max(s, n);
-                for (int64_t i = 0; i < n; i++) s[i] = kvl_exp(s[i] - m);
-                const float inv = 1.f / row_sum(s, n);
-                for (int64_t i = 0; i < n; i++) s[i] *= inv;
+                softmax_mass(s, n, S, part_b);
                 for (int64_t i = n; i < nblk * 32; i++) s[i] = 0.f;
-                for (int64_t c = 0, i = 0; i < n; c++) {       /* its mass on each page */
-                    const int64_t e = i + S < n ? i + S : n;
-                    float mm = 0.f;
-                    for (; i < e; i++) mm += s[i];
-                    part_b[c] += mm;
-                }
                 for (int64_t k = 0; k < nblk; k++) {    /* P's rows 2g (hi) and 2g + 1 (lo) of each block */
                     __m512i hi, lo;
                     split_bf16(_mm512_loadu_ps(s + 32 * k), _mm512_loadu_ps(s + 32 * k + 16), &hi, &lo);
@@ -489,14 +490,7 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
         tiles_off(&saved);
     }
     if (failed) return 1;
-    for (int64_t b = 0; b < Bd; b++) {             /* page mass: mean over the Hq query heads */
-        float *pm = page_mass + rows[b] * mass_row_stride;
-        for (int64_t c = 0; c < Cd; c++) {
-            float s = 0.f;
-            for (int64_t h = 0; h < Hkv; h++) s += part[(b * Hkv + h) * Cd + c];
-            pm[c] = s / (float)Hq;
-        }
-    }
+    mass_rows(part, page_mass, rows, mass_row_stride, Bd, Cd, Hq, Hkv);
     return 0;
 }
 
