@@ -9,8 +9,9 @@ on the CPU. A bf16 pool or weight (``--dtype bfloat16``: half the bytes) is wide
 kernels load it; every product and sum is fp32, and new K/V rows are rounded to bf16 as torch's
 ``.to(torch.bfloat16)`` rounds them. A bf16 pool's decode runs on AMX tiles where the CPU has them
 (``kvl_paged_decode_bf16_amx``: queries and probabilities split into bf16 hi + lo, so the products
-keep fp32 accuracy; 1.5-2.5x the vector kernel, bench/decode_attention.py); else, or for a shape the
-tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple of 32), the vector one.
+keep fp32 accuracy; 1.1-1.8x the vector kernel a step, bench/decode_attention.py); else, or for a shape
+the tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple of 32 or above 256,
+more than 8 query heads a KV head), the vector one.
 ``paged_prefill`` (paged_prefill.c) is a bf16 pool's prefill chunk attention on AMX tiles, where the
 CPU has them (else it declines and torch's SDPA runs): K/V read from the records, no gather, no mask.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
