@@ -1,7 +1,9 @@
-"""Prefill attention alone: the AMX kernel (engine/kernels/paged_prefill.c) against torch's SDPA on the
-same bf16 pages, as the engine would call each (SDPA after its page gather; with its mask where the
-chunk continues a request), interleaved, medians; GFLOP/s of the causal products (2 * Hq * D * keys
-read). Writes bench/results/prefill_attention.json.
+"""Prefill attention alone: the native kernels (engine/kernels/paged_prefill.c - AMX tiles for a bf16
+pool, AVX-512 FMAs for an fp32 one) against torch's SDPA on the same pages, as the engine would call
+each (SDPA after its page gather; with its mask where the chunk continues a request), interleaved,
+medians; GFLOP/s of the causal products (2 * Hq * D * keys read). The pool has the long bench
+model's 4 layers (a key's record holds every layer's K and V). Writes
+bench/results/prefill_attention.json.
 
     .venv/bin/python bench/prefill_attention.py [--repeats 9] [--threads 2]
 """
@@ -22,14 +24,15 @@ CASES = [   # (label, query heads, KV heads, head dim, keys n, query rows ql): r
     ("long: a 3000-token prompt", 4, 2, 64, 3000, 3000),
     ("long: 1000 rows continuing 2000", 4, 2, 64, 3000, 1000),
     ("big: a 600-token prompt", 14, 2, 64, 600, 600),
+    ("tiny: a 150-token prompt", 4, 2, 64, 150, 150),
 ]
 
 
-def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int) -> dict:
-    S = 16
+def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.dtype) -> dict:
+    S, L = 16, 4
     P = (n + S - 1) // S
     g = torch.Generator().manual_seed(0)
-    pool = KVPool(2, Hkv * D, S, (P + 2) * KVPool.page_bytes_for(2, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
+    pool = KVPool(L, Hkv * D, S, (P + 2) * KVPool.page_bytes_for(L, Hkv * D, S, dtype), dtype=dtype)
     pages = torch.randperm(pool.num_pages, generator=g)[:P]
     slot = torch.arange(n)
     pool.store(1, pages[slot // S], slot % S, torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g))
@@ -42,31 +45,44 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int) -> dict:
         v = pool.v(1).index_select(0, pages).view(P * S, Hkv, D)
         if mask is None:
             k, v = k[:ql], v[:ql]
-        o = F.scaled_dot_product_attention(q.to(torch.bfloat16).transpose(0, 1)[None], k.transpose(0, 1)[None],
+        o = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                            scale=D ** -0.5, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
-    def amx():
+    def kernel():
         assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out)
 
-    sdpa(), amx()
-    t = interleaved({"sdpa": sdpa, "amx": amx}, repeats)
+    sdpa(), kernel()
+    t = interleaved({"sdpa": sdpa, "kernel": kernel}, repeats)
     flops = 2 * Hq * D * (n * n - (n - ql) ** 2)     # Q K^T and P V over the keys each row reads
     return {"ms": {k: v * 1e3 for k, v in t.items()}, "gflops": {k: flops / v / 1e9 for k, v in t.items()},
-            "ratio_amx_vs_sdpa": t["sdpa"] / t["amx"]}
+            "ratio_kernel_vs_sdpa": t["sdpa"] / t["kernel"]}
+
+
+def runs(dtype: torch.dtype) -> bool:
+    """Whether the native prefill kernel for a pool of this type runs on this machine."""
+    pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, dtype), dtype=dtype)
+    return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
+
+
+KERNELS = {torch.bfloat16: "AMX tiles (bf16 products)", torch.float32: "AVX-512 FMAs (fp32 products)"}
 
 
 def main() -> None:
     args = kernel_bench_args(__doc__)
-    pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, torch.bfloat16), dtype=torch.bfloat16)
-    if not kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32)):
-        sys.exit(f"kvledger: error: the AMX prefill kernel does not run here ({kernels.why_not() or 'no AMX tiles'})")
-    res = {"threads": args.threads, "repeats": args.repeats, "cases": {}}
-    for label, Hq, Hkv, D, n, ql in CASES:
-        r = res["cases"][label] = {"heads": [Hq, Hkv, D], "keys": n, "rows": ql} | case(Hq, Hkv, D, n, ql, args.repeats)
-        print(f"{label}: AMX {r['ms']['amx']:.2f} ms ({r['gflops']['amx']:.0f} GFLOP/s) vs SDPA {r['ms']['sdpa']:.2f} ms "
-              f"({r['gflops']['sdpa']:.0f}) -> {r['ratio_amx_vs_sdpa']:.2f}x", flush=True)
+    here = [dt for dt in KERNELS if runs(dt)]
+    if not here:
+        sys.exit(f"kvledger: error: no native prefill kernel runs here ({kernels.why_not() or 'no AMX tiles, no AVX-512'})")
+    res = {"threads": args.threads, "repeats": args.repeats, "kernels": {}}
+    for dt in here:
+        name = str(dt).removeprefix("torch.")
+        cases = res["kernels"][name] = {"kernel": KERNELS[dt], "cases": {}}
+        for label, Hq, Hkv, D, n, ql in CASES:
+            r = cases["cases"][label] = ({"heads": [Hq, Hkv, D], "keys": n, "rows": ql}
+                                         | case(Hq, Hkv, D, n, ql, args.repeats, dt))
+            print(f"{name} {label}: kernel {r['ms']['kernel']:.2f} ms ({r['gflops']['kernel']:.0f} GFLOP/s) vs SDPA "
+                  f"{r['ms']['sdpa']:.2f} ms ({r['gflops']['sdpa']:.0f}) -> {r['ratio_kernel_vs_sdpa']:.2f}x", flush=True)
     print(f"wrote {write('prefill_attention', res)}")
 
 

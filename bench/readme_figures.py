@@ -542,14 +542,18 @@ def gpu_table(r: dict) -> str:
 
 
 def prefill_attention_table(r: dict) -> str:
-    rows = [f"| {label} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['amx']:.2f} ms, "
-            f"{c['gflops']['amx']:.0f} GFLOP/s | {c['ms']['sdpa']:.2f} ms, {c['gflops']['sdpa']:.0f} GFLOP/s | "
-            f"**{c['ratio_amx_vs_sdpa']:.2f}x** |" for label, c in r["cases"].items()]
+    rows = [f"| {label} | {dt} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['kernel']:.2f} ms, "
+            f"{c['gflops']['kernel']:.0f} GFLOP/s | {c['ms']['sdpa']:.2f} ms, {c['gflops']['sdpa']:.0f} GFLOP/s | "
+            f"**{c['ratio_kernel_vs_sdpa']:.2f}x** |"
+            for dt, k in r["kernels"].items() for label, c in k["cases"].items()]
+    names = "; ".join(f"{dt}: {k['kernel']}" for dt, k in r["kernels"].items())
     return "\n".join([
         f"Prefill attention alone (`bench/prefill_attention.py`, {_isa(r.get('cpu'))}, {r['threads']} threads, "
-        f"medians of {r['repeats']} interleaved calls on the same bf16 pages; SDPA after the engine's page gather, "
-        "with its mask where the chunk continues a request):", "",
-        "| chunk | heads (query:KV x dim) | AMX kernel | torch SDPA | ratio |", "| --- | --- | --- | --- | --- |", *rows])
+        f"medians of {r['repeats']} interleaved calls on the same pages of a 4-layer pool; the native kernel - "
+        f"{names} - against SDPA after the engine's page gather, with its mask where the chunk continues a "
+        "request):", "",
+        "| chunk | pool | heads (query:KV x dim) | native kernel | torch SDPA | ratio |",
+        "| --- | --- | --- | --- | --- | --- |", *rows])
 
 
 def decode_attention_table(r: dict) -> str:

@@ -224,8 +224,10 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       materialises the scores) unless the chunk reads a page the read check flagged (``mass_pages``;
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
-      ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (engine/kernels/paged_prefill.c:
-      K/V read from the page records, no gather, no mask tensor; 1.7-2.4x SDPA: bench/prefill_attention.py)
+      An fp32 pool's chunks: the native kernel (engine/kernels/paged_prefill.c: K/V read from the page
+      records, no gather, no mask tensor; every product in fp32) where the CPU has AVX2 or AVX-512, else
+      SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.7-2.4x SDPA:
+      bench/prefill_attention.py)
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and
@@ -257,11 +259,13 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
     low = prefill_dtype is not None and prefill_dtype != q.dtype and kl.dtype == prefill_dtype
+    # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX), an fp32 pool's (fp32 FMAs)
+    native = q.dtype == torch.float32 and (low if kl.dtype == torch.bfloat16 else kl.dtype == torch.float32)
     for i, (b, t0, ql, pages, n, from_start) in enumerate(plan.pre):
         cb = len(pages)
         qb = q[t0:t0 + ql]
         exact = exact_mass or (mass_pages is not None and bool(mass_pages[b].any()))
-        if (low and not exact and q.dtype == torch.float32
+        if (native and not exact
                 and kernels.paged_prefill(qb, pool, layer, pages, n, num_kv_heads, scale, out[t0:t0 + ql])):
             page_mass[b, :cb] = float("nan")
             continue

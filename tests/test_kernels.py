@@ -317,11 +317,57 @@ def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq,
     assert err <= max(1e-5, (sdpa_bf16 - want).abs().max().item()) and err < 1e-2
 
 
+@pytest.mark.parametrize("Hq, Hkv, D, S, n, ql, spread", [
+    (4, 2, 64, 16, 100, 100, 1.0),       # a whole prompt: square causal, partial query and key blocks
+    (4, 2, 64, 16, 300, 13, 1.0),        # a continuing chunk: lower-right causal, 13 rows
+    (4, 2, 64, 16, 1100, 1000, 1.0),     # many 64-key blocks, the costliest query blocks first
+    (14, 2, 64, 16, 200, 200, 1.0),      # Qwen2's 7 query heads a KV head
+    (2, 2, 32, 8, 50, 50, 1.0),          # head_dim 32: one register block of head dims (AVX-512: two vectors)
+    (4, 1, 128, 16, 130, 70, 1.0),       # head_dim 128
+    (8, 2, 96, 4, 65, 2, 1.0),           # 96: not a multiple of 64; keys just past one 64-key block
+    (2, 1, 256, 16, 90, 90, 1.0),        # 256, the largest
+    (3, 3, 16, 16, 40, 40, 1.0),         # 16: one vector (AVX-512) of head dims
+    (4, 2, 64, 16, 1, 1, 1.0),           # a one-token prompt
+    (4, 2, 64, 16, 150, 150, 40.0),      # scores spread over hundreds: most probabilities 0
+])
+def test_prefill_attention_of_an_fp32_pool_equals_fp32_attention(Hq, Hkv, D, S, n, ql, spread):
+    """paged_prefill.c's fp32 kernel (vector FMAs, K/V packed out of the records) against attention in
+    float64 over the same pages, read out of order, the unused slots of the last page NaN (never read):
+    within fp32 rounding - no farther than torch's own fp32 SDPA from it (x4, at least 2e-6) -
+    nothing outside the chunk's rows written."""
+    from engine.kv.pool import KVPool
+    g = torch.Generator().manual_seed(n * 11 + ql + D)
+    P = (n + S - 1) // S
+    pool = KVPool(3, Hkv * D, S, (P + 5) * KVPool.page_bytes_for(3, Hkv * D, S), dtype=torch.float32)
+    pages = torch.randperm(pool.num_pages, generator=g)[:P]
+    slot = torch.arange(n)
+    k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
+    pool.store(1, pages[slot // S], slot % S, k, v)
+    if n % S:
+        pool.k(1)[pages[-1], n % S:] = float("nan")
+        pool.v(1)[pages[-1], n % S:] = float("nan")
+    q = torch.randn(ql, Hq, D, generator=g) * spread
+    buf = torch.full((ql + 3, Hq * D + 8), float("nan"))       # a strided view: rows wider than the heads
+    out = buf[1:ql + 1, :Hq * D].unflatten(1, (Hq, D))
+    calls = kernels.CALLS
+    if not kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out):
+        pytest.skip(f"the fp32 prefill kernel does not run here ({kernels.why_not() or 'no AVX2 or AVX-512'})")
+    assert kernels.CALLS == calls + 1
+    assert torch.isnan(buf[0]).all() and torch.isnan(buf[ql + 1:]).all() and torch.isnan(buf[1:ql + 1, Hq * D:]).all()
+    mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
+    qt, kt, vt = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+    want = F.scaled_dot_product_attention(qt.double(), kt.double(), vt.double(), attn_mask=mask, scale=D ** -0.5,
+                                          enable_gqa=True)[0].transpose(0, 1)
+    sdpa = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask, scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1)
+    err = (out.double() - want).abs().max().item()
+    assert err <= max(2e-6, 4 * (sdpa.double() - want).abs().max().item()), err
+
+
 def test_prefill_attention_declines_what_it_does_not_take_and_writes_nothing():
     from engine.kv.pool import KVPool
-    fp32 = KVPool(1, 64, 4, 4 * KVPool.page_bytes_for(1, 64, 4))
+    fp32 = KVPool(1, 40, 4, 4 * KVPool.page_bytes_for(1, 40, 4))
     bf16 = KVPool(1, 48, 4, 4 * KVPool.page_bytes_for(1, 48, 4, torch.bfloat16), dtype=torch.bfloat16)
-    for pool, D in ((fp32, 64), (bf16, 48)):       # an fp32 pool; head_dim 48 (not a multiple of 32)
+    for pool, D in ((fp32, 20), (bf16, 48)):       # head_dim 20 (not a multiple of a vector); 48 (of 32)
         out = torch.full((2, 1, D), 7.0)
         assert not kernels.paged_prefill(torch.randn(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0, out)
         assert bool((out == 7.0).all())
