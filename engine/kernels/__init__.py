@@ -12,8 +12,10 @@ kernels load it; every product and sum is fp32, and new K/V rows are rounded to 
 keep fp32 accuracy; 1.1-1.8x the vector kernel a step, bench/decode_attention.py); else, or for a shape
 the tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple of 32 or above 256,
 more than 8 query heads a KV head), the vector one.
-``paged_prefill`` (paged_prefill.c) is a bf16 pool's prefill chunk attention on AMX tiles, where the
-CPU has them (else it declines and torch's SDPA runs): K/V read from the records, no gather, no mask.
+``paged_prefill`` (paged_prefill.c) is a prefill chunk's attention: a bf16 pool's on AMX tiles where
+the CPU has them (bf16 products, as SDPA's bf16 path), an fp32 pool's on AVX-512 FMAs (fp32 products:
+1.3-2.1x SDPA, bench/prefill_attention.py); K/V read from the records, no gather into the engine's
+tensors, no mask tensor. Where it declines torch's SDPA runs.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
@@ -179,10 +181,10 @@ def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int
     ql, Hq, D = q.shape
     k = pool.k(layer)
     pages = pages.contiguous()
-    rc = getattr(lib, "kvl_paged_prefill" + STORED[pool.dtype])(q.data_ptr(), q.stride(0), ql, n, k.untyped_storage().data_ptr(), pages.data_ptr(),
-                                    pool.page_size, Hq, num_kv_heads, D, k.stride(0), k.stride(1), k.storage_offset(),
-                                    pool.v(layer).storage_offset(), scale, out.data_ptr(), out.stride(0),
-                                    torch.get_num_threads())
+    rc = getattr(lib, "kvl_paged_prefill" + STORED[pool.dtype])(
+        q.data_ptr(), q.stride(0), ql, n, k.untyped_storage().data_ptr(), pages.data_ptr(), pool.page_size, Hq,
+        num_kv_heads, D, k.stride(0), k.stride(1), k.storage_offset(), pool.v(layer).storage_offset(), scale,
+        out.data_ptr(), out.stride(0), torch.get_num_threads())
     if rc != 0:
         return False
     global CALLS
