@@ -31,6 +31,17 @@
 
 #include "vexp.h"
 
+/* a kernel this build cannot run (no AMX, no AVX-512): -1, nothing written */
+#define DECLINED(name, kv_t)                                                                                  \
+    int name(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const kv_t *kv, const int64_t *pages, \
+             int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t page_stride, int64_t rec_stride,            \
+             int64_t k_off, int64_t v_off, float scale, float *out, int64_t out_tok_stride, int nthreads) {     \
+        (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv;   \
+        (void)D; (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale; (void)out;       \
+        (void)out_tok_stride; (void)nthreads;                                                                 \
+        return -1;                                                                                            \
+    }
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "amx.h"
 
@@ -249,15 +260,7 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
 
 #else
 
-int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
-                           const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                           int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                           float *out, int64_t out_tok_stride, int nthreads) {
-    (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv; (void)D;
-    (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale; (void)out; (void)out_tok_stride;
-    (void)nthreads;
-    return -1;              /* no AMX in this build: the caller's torch path */
-}
+DECLINED(kvl_paged_prefill_bf16, uint16_t)     /* no AMX in this build: the caller's torch path */
 
 #endif
 
@@ -483,15 +486,8 @@ int kvl_paged_prefill_f32(const float *q, int64_t q_tok_stride, int64_t ql, int6
 
 #else
 
-int kvl_paged_prefill_f32(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const float *kv,
-                          const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                          int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                          float *out, int64_t out_tok_stride, int nthreads) {
-    (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv; (void)D;
-    (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale; (void)out; (void)out_tok_stride;
-    (void)nthreads;
-    return -1;              /* no AVX-512 in this build: the caller's torch path (an AVX2 build of this kernel
-                               ran at 0.7x of its AVX-512 build: not measured against SDPA on an AVX2 CPU) */
-}
+/* no AVX-512 in this build: the caller's torch path (an AVX2 build of this kernel ran at 0.7x of its
+   AVX-512 build: not measured against SDPA on an AVX2 CPU) */
+DECLINED(kvl_paged_prefill_f32, float)
 
 #endif
