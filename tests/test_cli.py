@@ -7,8 +7,11 @@ import argparse
 import json
 
 import pytest
+import torch
 
 from engine.commands.main import build_parser, main
+from engine.kv.pool import KVPool
+from engine.models.llama import LlamaModel
 
 
 def _options():
@@ -191,7 +194,8 @@ def test_replay_and_generate_print_one_json_object(capsys):
 
 def test_generate_stores_weights_and_kv_in_bf16_when_asked(tiny_llama, capsys):
     """--dtype bfloat16: the same memory budget holds about twice the tokens (each slot's K and V in
-    half the bytes; the tag and writer planes stay), and the model generates."""
+    half the bytes; the tag area and the page header stay: exactly the pages of each record size),
+    and the model generates."""
     pools = {}
     for dtype in ("float32", "bfloat16"):
         assert main(["generate", "--model", str(tiny_llama), "--prompt", "hello there", "--max-tokens", "6",
@@ -199,7 +203,10 @@ def test_generate_stores_weights_and_kv_in_bf16_when_asked(tiny_llama, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["completion_tokens"] == 6 and out["read_check"] is True
         pools[dtype] = out["pool_tokens"]
-    assert 1.8 * pools["float32"] < pools["bfloat16"] < 2 * pools["float32"]
+    m = LlamaModel.from_pretrained(tiny_llama)
+    for dtype, n in pools.items():
+        assert n == 16 * ((8 << 20) // KVPool.page_bytes_for(m.num_layers, m.kv_dim, 16, getattr(torch, dtype)))
+    assert 1.7 * pools["float32"] < pools["bfloat16"] < 2 * pools["float32"]
 
 
 def test_serve_sizes_each_pool_by_the_bytes_its_dtype_stores(tiny_llama):

@@ -2,8 +2,20 @@
 
 Byte layout of one page (all offsets multiples of 8):
 
-    [ generation: int64 ][ slot 0 record ][ slot 1 record ] ... [ slot S-1 record ]
-    slot record = [ content tag: int64 ][ writer incarnation: int64 ][ K: L x kv_dim ][ V: L x kv_dim ]
+    [ generation: int64, padding ][ slot 0 record ][ slot 1 record ] ... [ slot S-1 record ]
+    slot record = [ content tag: int64 ][ writer incarnation: int64 ][ padding ][ K: L x kv_dim ][ V: L x kv_dim ][ padding ]
+
+The header, the tag area and every record are whole 64-byte cache lines (``ALIGN``), so a head's
+K or V row of 64 dims (128 bytes in bf16) is two lines, not three: the decode kernel reads a row
+out of every record (records are kilobytes apart), and a row straddling a line boundary cost it a
+third line each time (aligned: its call 1.05-1.5x, bench/decode_attention.py). The padding is
+zeros from the buffer's allocation and travels with the record like the rest.
+
+A CPU pool's buffer is an anonymous mapping advised onto transparent huge pages (where the kernel
+allows them: ``madvise`` mode or ``always``; ``KVLEDGER_POOL_HUGEPAGES=0`` turns it off): a decode
+step reads one row out of every record of every request, a new 4 KB page every other row, and
+with 4 KB pages most of those reads missed the TLB (2 MB pages: the call 1.2x). The mapping's
+pages are zero as the kernel hands them out, like ``torch.zeros``'.
 
 Because the content tag and writer sit inside the same slot record as the K/V bytes, whatever
 copies K/V by record (transfer landing, offload, reload) copies the tags in the same copy; no
@@ -16,17 +28,40 @@ page is (re)allocated, and record copies never touch it. Freed pages are NOT zer
 """
 from __future__ import annotations
 
+import mmap
+import os
+
 import torch
 
 from engine import kernels
 from engine.errors import InputError
 
-_HDR = 8        # bytes of page header (generation)
-_TAGB = 16      # bytes of tag + writer at the start of each slot record
+ALIGN = 64      # bytes: header, tag area and records are whole cache lines
+_HDR = ALIGN    # bytes of page header (generation, then padding)
+TAG_BYTES = ALIGN   # bytes of tag + writer (then padding) at the start of each slot record
+HUGE = 2 << 20  # a transparent huge page
 
 
-def _round8(n: int) -> int:
-    return (n + 7) // 8 * 8
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _zeroed(nbytes: int) -> torch.Tensor:
+    """``nbytes`` zero bytes on transparent huge pages where the kernel grants them (module doc),
+    else ``torch.zeros``'."""
+    if os.environ.get("KVLEDGER_POOL_HUGEPAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(nbytes, dtype=torch.uint8)
+    m = mmap.mmap(-1, nbytes + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:     # THP off in this kernel: 4 KB pages, as torch's allocator would give
+        pass
+    start = -torch.frombuffer(m, dtype=torch.uint8, count=1).data_ptr() % HUGE     # to a huge page boundary
+    # (a storage of its own from there: the pool's views set their storage offsets themselves;
+    # the tensor holds the mapping as long as a view of it lives)
+    buf = torch.frombuffer(m, dtype=torch.uint8, offset=start, count=nbytes)
+    buf.zero_()     # every page faulted in now, as torch.zeros' would be, not during the first requests
+    return buf
 
 
 class KVPool:
@@ -40,7 +75,7 @@ class KVPool:
         self.zero_on_free = zero_on_free
         esize = torch.empty((), dtype=dtype).element_size()
         self.esize = esize
-        self.rec_bytes = _round8(_TAGB + 2 * num_layers * kv_dim * esize)
+        self.rec_bytes = _aligned(TAG_BYTES + 2 * num_layers * kv_dim * esize)
         self.page_bytes = self.page_bytes_for(num_layers, kv_dim, page_size, dtype)
         self.num_pages = memory_budget // self.page_bytes
         if self.num_pages < 1:
@@ -48,7 +83,8 @@ class KVPool:
                              f"tokens needs {self.page_bytes} B")
         self.memory_bytes = self.num_pages * self.page_bytes
         if shared_path is None:
-            self.buf = torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device)
+            self.buf = (_zeroed(self.memory_bytes) if torch.device(device).type == "cpu"
+                        else torch.zeros(self.memory_bytes, dtype=torch.uint8, device=device))
         else:
             # the buffer is a shared file mapping (e.g. under /dev/shm): another process - a
             # prefill node - maps the same bytes and writes records into it (engine/disagg/procs.py)
@@ -64,7 +100,7 @@ class KVPool:
         self.writers = i64.as_strided((P, S), (pw, rw), _HDR // 8 + 1)
         el = self.buf.view(dtype)
         pe, re_ = self.page_bytes // esize, self.rec_bytes // esize
-        base = (_HDR + _TAGB) // esize
+        base = (_HDR + TAG_BYTES) // esize
         self._k = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + l * kv_dim) for l in range(num_layers)]
         self._v = [el.as_strided((P, S, kv_dim), (pe, re_, 1), base + (num_layers + l) * kv_dim)
                    for l in range(num_layers)]
@@ -77,7 +113,7 @@ class KVPool:
     @staticmethod
     def page_bytes_for(num_layers: int, kv_dim: int, page_size: int, dtype: torch.dtype = torch.float32) -> int:
         esize = torch.empty((), dtype=dtype).element_size()
-        return _HDR + page_size * _round8(_TAGB + 2 * num_layers * kv_dim * esize)
+        return _HDR + page_size * _aligned(TAG_BYTES + 2 * num_layers * kv_dim * esize)
 
     @property
     def capacity_tokens(self) -> int:

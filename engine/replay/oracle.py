@@ -17,7 +17,7 @@
   rewritten after the read never changes who is named.
 - Every request is judged, failed ones too: what a request the read check stopped had read is
   returned by the same ``exposures`` call; the caller files it as *blocked* (it returned nothing).
-The tag plane (content tags, writer ids) is never consulted: fingerprints skip those 16 bytes.
+The tag plane (content tags, writer ids) is never consulted: fingerprints skip the record's tag area.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-_TAGB = 16
+from engine.kv.pool import TAG_BYTES
 SKETCH = 16
 
 
@@ -70,7 +70,7 @@ class Oracle:
 
     # ---- fingerprints ------------------------------------------------------------------------
     def _fingerprint(self, pool, records: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        body = records[:, _TAGB:].contiguous()
+        body = records[:, TAG_BYTES:].contiguous()
         words = body.view(torch.int64)
         if self._w is None or self._w.numel() != words.shape[1]:
             self._w = torch.randint(1, 2 ** 62, (words.shape[1],), generator=self._g) * 2 + 1
