@@ -38,6 +38,55 @@ def test_capacity_is_derived_from_the_memory_budget():
     assert pool.num_pages == 10 and pool.capacity_tokens == 40
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers, kv_dim", [(4, 128), (2, 64), (3, 6), (1, 40)])
+def test_every_record_and_head_row_starts_on_a_cache_line(dtype, layers, kv_dim):
+    """The decode kernels read one head's row out of every record: records on whole 64-byte lines,
+    and where a layer's rows are whole lines (heads of 32 dims or a multiple: every K and V row of
+    every layer, at any head) a row never straddles one line more. Zero, as torch.zeros' was."""
+    pool = KVPool(layers, kv_dim, 16, 5 * KVPool.page_bytes_for(layers, kv_dim, 16, dtype), dtype=dtype)
+    es, base = pool.esize, pool.buf.data_ptr()
+    assert base % 64 == 0 and pool.page_bytes % 64 == 0 and pool.rec_bytes % 64 == 0
+    assert pool.rec_bytes - 2 * layers * kv_dim * es < 128        # the tag area and less than a line of padding
+    assert pool.tags.data_ptr() % 64 == 0 and pool.k(0).data_ptr() % 64 == 0
+    for layer in range(layers):
+        for t in (pool.k(layer), pool.v(layer)):
+            assert (t.stride(0) * es, t.stride(1) * es) == (pool.page_bytes, pool.rec_bytes)
+            if kv_dim * es % 64 == 0:
+                assert (t.data_ptr() - base) % 64 == 0
+    assert int(pool.buf.count_nonzero()) == 0
+
+
+def _smaps_field(addr: int, field: str) -> str | None:
+    """``field`` of the mapping of this process holding ``addr`` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= addr < hi
+        elif inside and line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+def test_a_cpu_pools_buffer_is_advised_onto_huge_pages_unless_turned_off(monkeypatch):
+    """A decode step reads a row out of every record, a new 4 KB page every other row: the pool asks
+    for transparent huge pages (MADV_HUGEPAGE) - eligible wherever the kernel's THP is not "never" -
+    and KVLEDGER_POOL_HUGEPAGES=0 keeps torch's own allocation."""
+    thp = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    pb = KVPool.page_bytes_for(4, 128, 16, torch.bfloat16)
+    pool = KVPool(4, 128, 16, 200 * pb, dtype=torch.bfloat16)
+    assert pool.buf.data_ptr() % (2 << 20) == 0                 # from a huge page boundary
+    assert _smaps_field(pool.buf.data_ptr(), "THPeligible") == ("0" if "[never]" in thp else "1")
+    if "[never]" not in thp:
+        assert "hg" in (_smaps_field(pool.buf.data_ptr(), "VmFlags") or "").split()   # the madvise
+    monkeypatch.setenv("KVLEDGER_POOL_HUGEPAGES", "0")
+    plain = KVPool(4, 128, 16, 200 * pb, dtype=torch.bfloat16)
+    assert "hg" not in (_smaps_field(plain.buf.data_ptr(), "VmFlags") or "").split()
+    assert (plain.page_bytes, plain.rec_bytes) == (pool.page_bytes, pool.rec_bytes)
+
+
 def test_host_tier_round_trip_carries_tags():
     pool = KVPool(1, 4, 2, 6 * KVPool.page_bytes_for(1, 4, 2))
     host = HostTier(pool, 1 << 20)

@@ -55,8 +55,9 @@ static inline __attribute__((always_inline)) float kv1(const void *row, int64_t 
     return f;
 }
 
-static inline void prefetch_row(const void *p, int64_t bytes) {
-    for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch((const char *)p + i, 0, 3);
+static inline void prefetch_row(const void *p, int64_t bytes) {  /* every line the row touches */
+    const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63), *end = (const char *)p + bytes;
+    for (; line < end; line += 64) __builtin_prefetch(line, 0, 3);
 }
 
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const void *restrict b, int64_t D,
@@ -409,8 +410,8 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
                 if (k0 + 16 < n) {         /* the next tile's K rows (a record apart: no hardware prefetch) */
                     const char *nk = (const char *)(kv + pages[b * Cd + (k0 + 16) / S] * page_stride
                                                     + ((k0 + 16) % S) * rec_stride + h * D + k_off);
-                    for (int r = 0; r < 16; r++)
-                        for (int64_t x = 0; x < D * 2 + 64; x += 64) _mm_prefetch(nk + r * rec_stride * 2 + x, _MM_HINT_T0);
+                    for (int r = 0; r < 16; r++)    /* the lines of the row (two at 64 dims: the pool's rows are line-aligned) */
+                        prefetch_row(nk + r * rec_stride * 2, D * 2);
                 }
                 _tile_zero(6);
                 for (int64_t s = 0; s < ns; s++) {
