@@ -567,7 +567,21 @@ def decode_attention_table(r: dict) -> str:
         f"medians of {r['repeats']} interleaved steps - one call per layer, every layer - on the same bf16 pages; "
         "GB/s of the K and V bytes read; the largest difference between the two kernels' outputs):", "",
         "| step | layers | heads (query:KV x dim) | AMX kernel | vector kernel (fp32 products) | ratio | max diff |",
-        "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+        "| --- | --- | --- | --- | --- | --- | --- |", *rows, *_layout_rows(r)])
+
+
+def _layout_rows(r: dict) -> list[str]:
+    """The AMX kernel on the pool's earlier layouts (bench/decode_attention.py rebuilds them)."""
+    cases = {k: c for k, c in r["cases"].items() if "amx_4k_pages_8b_records" in c["ms_per_step"]}
+    if not cases:
+        return []
+    rows = [f"| {label} | {c['ms_per_step']['amx']:.3f} ms | {c['ms_per_step']['amx_4k_pages']:.3f} ms "
+            f"(**{c['ratio_vs_4k_pages']:.2f}x**) | {c['ms_per_step']['amx_4k_pages_8b_records']:.3f} ms "
+            f"(**{c['ratio_vs_old_layout']:.2f}x**) |" for label, c in cases.items()]
+    return ["", "The AMX kernel on the same values in the pool's layouts before the sixteenth session (the "
+            "ratios: how much faster the pool as it is now runs the step):", "",
+            "| step | pool now: 2 MB pages, records on 64-byte lines | on 4 KB pages | on 4 KB pages, records on 8 bytes |",
+            "| --- | --- | --- | --- |", *rows]
 
 
 SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table,
