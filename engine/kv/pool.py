@@ -1,6 +1,6 @@
 """The KV page pool: K/V and the tag plane in ONE preallocated buffer.
 
-Byte layout of one page (all offsets multiples of 8):
+Byte layout of one page (header, tag area and records: whole 64-byte cache lines):
 
     [ generation: int64, padding ][ slot 0 record ][ slot 1 record ] ... [ slot S-1 record ]
     slot record = [ content tag: int64 ][ writer incarnation: int64 ][ padding ][ K: L x kv_dim ][ V: L x kv_dim ][ padding ]
@@ -8,14 +8,15 @@ Byte layout of one page (all offsets multiples of 8):
 The header, the tag area and every record are whole 64-byte cache lines (``ALIGN``), so a head's
 K or V row of 64 dims (128 bytes in bf16) is two lines, not three: the decode kernel reads a row
 out of every record (records are kilobytes apart), and a row straddling a line boundary cost it a
-third line each time (aligned: its call 1.05-1.5x, bench/decode_attention.py). The padding is
-zeros from the buffer's allocation and travels with the record like the rest.
+third line each time (the AMX decode kernel on 4 KB pages: 1.03-1.10x a step aligned,
+bench/decode_attention.py). The padding is zeros from the buffer's allocation and travels with the
+record like the rest; a record grows by at most 112 bytes.
 
 A CPU pool's buffer is an anonymous mapping advised onto transparent huge pages (where the kernel
 allows them: ``madvise`` mode or ``always``; ``KVLEDGER_POOL_HUGEPAGES=0`` turns it off): a decode
 step reads one row out of every record of every request, a new 4 KB page every other row, and
-with 4 KB pages most of those reads missed the TLB (2 MB pages: the call 1.2x). The mapping's
-pages are zero as the kernel hands them out, like ``torch.zeros``'.
+with 4 KB pages most of those reads missed the TLB (2 MB pages: 1.1-1.9x a step, the same bench).
+The mapping's pages are zero as the kernel hands them out, like ``torch.zeros``'.
 
 Because the content tag and writer sit inside the same slot record as the K/V bytes, whatever
 copies K/V by record (transfer landing, offload, reload) copies the tags in the same copy; no
