@@ -30,6 +30,16 @@
 
 #define PF 4            /* slots ahead to prefetch */
 
+/* the exported kernels' parameter list (the C ABI engine/kernels/__init__.py declares), and its names */
+#define DECODE_PARAMS(kv_t)                                                                                       \
+    const float *q, int64_t q_tok_stride, const int64_t *toks, const kv_t *kv, const int64_t *pages,              \
+    const int64_t *seq_lens, int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,                \
+    int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale, float *out,               \
+    int64_t out_tok_stride, float *part, float *page_mass, const int64_t *rows, int64_t mass_row_stride,          \
+    int nthreads
+#define DECODE_ARGS q, q_tok_stride, toks, kv, pages, seq_lens, Bd, Cd, S, Hq, Hkv, D, page_stride, rec_stride,    \
+    k_off, v_off, scale, out, out_tok_stride, part, page_mass, rows, mass_row_stride, nthreads
+
 typedef float v8 __attribute__((vector_size(32)));
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -354,12 +364,7 @@ static inline __attribute__((always_inline)) void split_bf16(__m512 x0, __m512 x
     *lo = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(x1, w1), _mm512_sub_ps(x0, w0));
 }
 
-int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_t *toks,
-                              const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
-                              int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                              int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                              float *out, int64_t out_tok_stride, float *part, float *page_mass,
-                              const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+int kvl_paged_decode_bf16_amx(DECODE_PARAMS(uint16_t)) {
     if (D % 32 || D > DMAX || Hq % Hkv || Hq / Hkv > 8 || S % 16 || !amx_granted()) return -1;
     const int64_t G = Hq / Hkv, ns = D / 32;
     int failed = 0;
@@ -497,12 +502,7 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
 
 #else
 
-int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_t *toks,
-                              const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
-                              int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                              int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                              float *out, int64_t out_tok_stride, float *part, float *page_mass,
-                              const int64_t *rows, int64_t mass_row_stride, int nthreads) {
+int kvl_paged_decode_bf16_amx(DECODE_PARAMS(uint16_t)) {
     (void)q; (void)q_tok_stride; (void)toks; (void)kv; (void)pages; (void)seq_lens; (void)Bd; (void)Cd; (void)S;
     (void)Hq; (void)Hkv; (void)D; (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale;
     (void)out; (void)out_tok_stride; (void)part; (void)page_mass; (void)rows; (void)mass_row_stride; (void)nthreads;
@@ -511,22 +511,6 @@ int kvl_paged_decode_bf16_amx(const float *q, int64_t q_tok_stride, const int64_
 
 #endif
 
-int kvl_paged_decode_f32(const float *q, int64_t q_tok_stride, const int64_t *toks,
-                         const float *kv, const int64_t *pages, const int64_t *seq_lens,
-                         int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                         int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                         float *out, int64_t out_tok_stride, float *part, float *page_mass,
-                         const int64_t *rows, int64_t mass_row_stride, int nthreads) {
-    return paged_decode(q, q_tok_stride, toks, kv, pages, seq_lens, Bd, Cd, S, Hq, Hkv, D, page_stride, rec_stride,
-                        k_off, v_off, scale, out, out_tok_stride, part, page_mass, rows, mass_row_stride, nthreads, 0);
-}
+int kvl_paged_decode_f32(DECODE_PARAMS(float)) { return paged_decode(DECODE_ARGS, 0); }
 
-int kvl_paged_decode_bf16(const float *q, int64_t q_tok_stride, const int64_t *toks,
-                          const uint16_t *kv, const int64_t *pages, const int64_t *seq_lens,
-                          int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                          int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                          float *out, int64_t out_tok_stride, float *part, float *page_mass,
-                          const int64_t *rows, int64_t mass_row_stride, int nthreads) {
-    return paged_decode(q, q_tok_stride, toks, kv, pages, seq_lens, Bd, Cd, S, Hq, Hkv, D, page_stride, rec_stride,
-                        k_off, v_off, scale, out, out_tok_stride, part, page_mass, rows, mass_row_stride, nthreads, 1);
-}
+int kvl_paged_decode_bf16(DECODE_PARAMS(uint16_t)) { return paged_decode(DECODE_ARGS, 1); }
