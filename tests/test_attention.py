@@ -108,6 +108,52 @@ def test_the_native_decode_kernel_builds_and_loads_where_a_compiler_is():
     assert kernels.native() is not None, kernels.why_not()
 
 
+@pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
+def test_bf16_queries_with_their_fp32_rows_give_the_fp32_queries_numbers(seq, ql, flagged, S, hkv, g, monkeypatch):
+    """A bf16 pool attending prefill in bf16: q handed over in bf16 (rounded as the prefill rounds
+    it) with ``q_exact`` for the rows that want it unrounded - decode rows, a chunk whose mass is
+    measured (a flagged page, exact_mass) - gives bit for bit what the fp32 q gives: outputs, mass,
+    check; the native kernels and torch's path alike."""
+    from engine.models.llama import bf16_gemm  # noqa: F401  (the model decides prefill_dtype; here it is given)
+    torch.manual_seed(len(seq) * 17 + S)
+    D, B, dtype = 64, len(seq), torch.bfloat16
+    C = max(-(-n // S) for n in seq) + 1
+    P = B * C + 3
+    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
+    pool.buf.view(dtype)[:] = torch.randn(pool.buf.numel() // pool.esize)
+    bt = torch.full((B, C), -1, dtype=torch.long)
+    perm, i = torch.randperm(P), 0
+    for b, n in enumerate(seq):
+        k = -(-n // S)
+        bt[b, :k], i = perm[i:i + k], i + k
+    tags = pool.tags[bt.clamp(min=0)].reshape(B, C * S).clone()
+    for b, pos in flagged:
+        tags[b, pos] ^= 0x5A5A
+    lay = BatchLayout.build(bt, seq, ql, pool.generation[bt.clamp(min=0)].clone(), tags)
+    q = torch.randn(sum(ql), hkv * g, D)
+    asked = []
+
+    def q_exact(rows):
+        asked.extend(rows.tolist())
+        return q.index_select(0, rows)
+    paths = [("native", kernels.native())] * (kernels.native() is not None) + [("torch", None)]
+    for (path, lib), exact in itertools.product(paths, (False, True)):
+        monkeypatch.setattr(kernels, "_lib", lib)
+        args = (pool, 1, lay, hkv, D, D ** -0.5, True)
+        want = paged_attention(q, *args, exact_mass=exact, prefill_dtype=dtype)
+        asked.clear()
+        got = paged_attention(q.to(dtype), *args, exact_mass=exact, prefill_dtype=dtype, q_exact=q_exact)
+        assert got.out.dtype == torch.float32 and torch.equal(got.out, want.out), (path, exact)
+        assert torch.equal(got.page_mass.nan_to_num(-1), want.page_mass.nan_to_num(-1))
+        assert all(torch.equal(a, b) for a, b in zip(got.check[:5], want.check[:5]))
+        # the fp32 rows asked for: the decode rows and the chunks whose mass is measured, no others
+        starts = [sum(ql[:b]) for b in range(B)]
+        flagged_req = {b for b, _ in flagged}
+        rows = {t for b in range(B) if ql[b] == 1 or exact or b in flagged_req
+                for t in range(starts[b], starts[b] + ql[b])}
+        assert set(asked) == rows, (path, exact)
+
+
 def test_later_layers_measure_the_pages_layer_0_flagged():
     """Layer 0 decides from its own check; later layers get the flagged pages passed in."""
     S, hkv, D = 8, 2, 16

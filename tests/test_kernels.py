@@ -80,6 +80,27 @@ def test_rope_in_place_equals_torch_and_leaves_v_alone(T, Hq, Hkv, D):
     assert torch.equal(qkv[:, (Hq + Hkv) * D:], v)
 
 
+@pytest.mark.parametrize("T, Hq, Hkv, D", [(1, 4, 2, 64), (100, 14, 2, 64), (70, 4, 4, 16), (3, 2, 1, 6)])
+def test_rope_on_bf16_rows_is_the_fp32_rotation_rounded_once(T, Hq, Hkv, D):
+    """kvl_rope_bf16 (a bf16 product's q and k, out of place): bit for bit kvl_rope_f32 on the rows
+    widened, then rounded to bf16 as torch rounds - below and above the threading threshold, half
+    widths that fill no vector - into a strided out, x and the columns past the heads untouched."""
+    torch.manual_seed(T + D)
+    qkv = (torch.randn(T, (Hq + 2 * Hkv) * D) * 30).to(torch.bfloat16)
+    before = qkv.clone()
+    f = llama.rope_freqs(torch.randint(0, 4000, (T,)), D, 10000.0)
+    wide = qkv.float()
+    assert kernels.rope(wide, Hq + Hkv, D, f.cos(), f.sin())
+    want = wide[:, :(Hq + Hkv) * D].to(torch.bfloat16)
+    buf = torch.full((T, (Hq + Hkv) * D + 8), 7.0, dtype=torch.bfloat16)
+    assert kernels.rope_bf16(qkv, Hq + Hkv, D, f.cos(), f.sin(), buf[:, 3:3 + (Hq + Hkv) * D])
+    assert torch.equal(buf[:, 3:3 + (Hq + Hkv) * D].view(torch.int16), want.view(torch.int16))
+    assert (buf[:, :3] == 7).all() and (buf[:, 3 + (Hq + Hkv) * D:] == 7).all() and torch.equal(qkv, before)
+    # what it declines: fp32 rows, an out too narrow
+    assert not kernels.rope_bf16(wide, Hq + Hkv, D, f.cos(), f.sin(), buf)
+    assert not kernels.rope_bf16(qkv, Hq + Hkv, D, f.cos(), f.sin(), buf[:, :D])
+
+
 def test_the_kernels_decline_what_they_do_not_handle_and_torch_runs_it():
     x, w = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(64, dtype=torch.bfloat16)
     assert kernels.add_rms_norm(x, w, 1e-6) is None and kernels.silu_mul(x.half()) is None
@@ -264,9 +285,13 @@ def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeyp
         assert torch.equal(torch.isnan(got), nan) and int(nan.sum()) == (src is k)
         assert torch.equal(got.view(torch.int16)[~nan], want.view(torch.int16)[~nan])
     after = pool.buf.clone()
+    rows16 = [t[pages, offs].view(-1, Hkv, D).clone() for t in (pool.k(1), pool.v(1))]
     for t in (pool.k(1), pool.v(1)):     # put the old bytes back: nothing else was written
         t[pages, offs] = before.view(torch.bfloat16).as_strided(t.shape, t.stride(), t.storage_offset())[pages, offs]
     assert torch.equal(pool.buf, before) and not torch.equal(after, before)
+    # bf16 rows in (a bf16 product's K and V, rounded already): copied as they are, the same bytes
+    pool.store(1, pages, offs, *rows16)
+    assert torch.equal(pool.buf, after)
 
 
 def _amx_prefill_runs() -> bool:
@@ -315,6 +340,10 @@ def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq,
                                                scale=D ** -0.5, enable_gqa=True)[0].transpose(0, 1).float()
     err = (out - want).abs().max().item()
     assert err <= max(1e-5, (sdpa_bf16 - want).abs().max().item()) and err < 1e-2
+    # bf16 queries (a bf16 product's, rotated and rounded by rope_bf16): the same bits out
+    out16 = torch.empty_like(out)
+    assert kernels.paged_prefill(q.to(torch.bfloat16), pool, 1, pages, n, Hkv, D ** -0.5, out16)
+    assert torch.equal(out16, out)
 
 
 @pytest.mark.parametrize("Hq, Hkv, D, S, n, ql, spread", [

@@ -183,3 +183,38 @@ def test_a_step_s_mlp_in_row_tiles_gives_the_numbers_of_one_pass(tiny_llama, mon
     assert toks == whole_toks
     for a, b in zip(whole_logits, logits):
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_bf16_prefill_s_qkv_kept_in_bf16_gives_the_numbers_of_the_fp32_detour(kind, request, monkeypatch):
+    """bf16 products (KVLEDGER_BF16_GEMM=1) on a bf16 pool: a step with prefill rows hands its qkv
+    product to the attention in bf16 (q and k rotated and rounded once: kernels.rope_bf16; decode
+    rows' q rotated in fp32 from the product) instead of widening it, rotating in fp32 and rounding
+    K into the pool and q in the prefill kernel: the same tokens and bit for bit the same logits -
+    100 tokens a step (more than BF16_KERNEL_ROWS: the products in bf16) so that prompts are chunked
+    and steps mix prefill chunks with decode rows."""
+    from engine import kernels, step
+    from engine.models import llama
+    from engine.step import StepContext
+    monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1")
+    if kernels.native() is None:
+        pytest.skip(f"native kernels not built here: {kernels.why_not()}")
+    model = LlamaModel.from_pretrained(request.getfixturevalue(f"tiny_{kind}"), torch.bfloat16)
+    seen = []           # per attention call: q's type, decode rows, prefill chunks
+    real = step.paged_attention
+
+    def spy(q, pool, layer, lay, *a, **kw):
+        seen.append((q.dtype, len(lay.plan.dec_b), len(lay.plan.pre)))
+        return real(q, pool, layer, lay, *a, **kw)
+    monkeypatch.setattr(step, "paged_attention", spy)
+    toks, logits = _greedy_with_logits(model, BF16_PROMPTS, MAX_NEW, max_step_tokens=100)
+    assert 100 > llama.BF16_KERNEL_ROWS
+    mixed = [(dt, d, c) for dt, d, c in seen if d and c]
+    assert mixed and all(dt == torch.bfloat16 for dt, _, _ in mixed)       # mixed steps took the bf16 path ...
+    assert all(dt == torch.float32 for dt, _, c in seen if not c)           # ... decode-only ones did not
+    seen.clear()
+    monkeypatch.setattr(StepContext, "bf16_queries", property(lambda ctx: False))
+    toks32, logits32 = _greedy_with_logits(model, BF16_PROMPTS, MAX_NEW, max_step_tokens=100)
+    assert all(dt == torch.float32 for dt, _, _ in seen)
+    assert toks == toks32
+    assert all(torch.equal(a, b) for x, y in zip(logits, logits32) for a, b in zip(x, y))

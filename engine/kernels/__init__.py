@@ -98,11 +98,13 @@ def _build() -> ctypes.CDLL:
                        ("kvl_silu_mul_f32", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_silu_mul_bf16", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
+                       ("kvl_rope_bf16", [p, i64, i64, i64, p, p, i64, p, i64, ctypes.c_int]),
                        ("kvl_scatter_rows_f32", scatter), ("kvl_scatter_rows_bf16", scatter),
+                       ("kvl_scatter_rows_b16", scatter),
                        ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_f32"):
+    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_bf16q", "kvl_paged_prefill_f32"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64,
                                        ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
@@ -169,19 +171,20 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
 def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int, num_kv_heads: int,
                   scale: float, out: torch.Tensor) -> bool:
     """Attention of one prefill chunk (paged_prefill.c): q [ql, Hq, D] fp32 (the chunk's rows: any row
-    stride, heads adjacent), its queries at positions n - ql .. n - 1 of a request whose n keys are on
+    stride, heads adjacent; with a bf16 pool also bf16: queries rounded already, as the kernel rounds them), its queries at positions n - ql .. n - 1 of a request whose n keys are on
     ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's on AMX tiles (the products in bf16, as
     SDPA's bf16 path), an fp32 pool's on vector FMAs (every product in fp32). False (nothing written)
     when the native path cannot run this call."""
     lib = native()
-    if (lib is None or pool.dtype not in STORED or not pool.buf.is_cpu or q.dtype != torch.float32
+    bf16q = q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16     # rounded already (rope_bf16)
+    if (lib is None or pool.dtype not in STORED or not pool.buf.is_cpu or (q.dtype != torch.float32 and not bf16q)
             or out.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
             or out.stride(2) != 1 or out.stride(1) != out.shape[2] or pages.dtype != torch.long):
         return False
     ql, Hq, D = q.shape
     k = pool.k(layer)
     pages = pages.contiguous()
-    rc = getattr(lib, "kvl_paged_prefill" + STORED[pool.dtype])(
+    rc = getattr(lib, "kvl_paged_prefill" + ("_bf16q" if bf16q else STORED[pool.dtype]))(
         q.data_ptr(), q.stride(0), ql, n, k.untyped_storage().data_ptr(), pages.data_ptr(), pool.page_size, Hq,
         num_kv_heads, D, k.stride(0), k.stride(1), k.storage_offset(), pool.v(layer).storage_offset(), scale,
         out.data_ptr(), out.stride(0), torch.get_num_threads())
@@ -192,11 +195,11 @@ def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int
     return True
 
 
-def _rows_ok(*ts: torch.Tensor) -> bool:
-    """fp32 CPU tensors of 2-D rows, each row contiguous (any row stride). (Called several times a
-    layer: written with the cheapest attribute reads, ``is_cpu`` not ``device.type``.)"""
+def _rows_ok(*ts: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
+    """fp32 (``dtype``) CPU tensors of 2-D rows, each row contiguous (any row stride). (Called several
+    times a layer: written with the cheapest attribute reads, ``is_cpu`` not ``device.type``.)"""
     for t in ts:
-        if t.dtype != torch.float32 or not t.is_cpu or t.dim() != 2 or t.stride()[1] != 1:
+        if t.dtype != dtype or not t.is_cpu or t.dim() != 2 or t.stride()[1] != 1:
             return False
     return True
 
@@ -250,20 +253,37 @@ def rope(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: tor
     return True
 
 
+def rope_bf16(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+              out: torch.Tensor) -> bool:
+    """``rope``'s rotation of the first ``heads`` heads of bf16 rows x ([T, >= heads * D]) into bf16
+    rows out ([T, >= heads * D]), x untouched: fp32 arithmetic, each result rounded to bf16 once -
+    bit for bit ``rope`` on x widened, then rounded. False: not run."""
+    lib = native()
+    if (lib is None or not _rows_ok(cos, sin) or not (cos.is_contiguous() and sin.is_contiguous())
+            or not _rows_ok(x, out, dtype=torch.bfloat16) or out.shape[0] != x.shape[0]
+            or min(x.shape[1], out.shape[1]) < heads * head_dim):
+        return False
+    lib.kvl_rope_bf16(x.data_ptr(), x.stride(0), heads, head_dim, cos.data_ptr(), sin.data_ptr(), x.shape[0],
+                      out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return True
+
+
 def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, src: torch.Tensor) -> bool:
     """dst[pages[r], offsets[r]] = src[r] for a pool view dst [P, S, W] (rows contiguous) and src
-    [n, W] rows (any row stride; a [n, H, D] view whose heads are adjacent counts). False: not run."""
+    [n, W] rows (any row stride; a [n, H, D] view whose heads are adjacent counts): fp32 rows (rounded
+    into a bf16 pool), or bf16 rows into a bf16 pool. False: not run."""
     lib = native()
     if src.dim() == 3:          # [n, H, D] with adjacent heads: the same rows as [n, H * D]
         if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
             return False
         src = src.as_strided((src.shape[0], src.shape[1] * src.shape[2]), (src.stride(0), 1), src.storage_offset())
+    b16 = src.dtype == torch.bfloat16 and dst.dtype == torch.bfloat16      # bf16 rows: copied as they are
     if (lib is None or dst.dtype not in STORED or not dst.is_cpu or dst.stride(2) != 1
-            or not _rows_ok(src) or src.shape[1] != dst.shape[2] or pages.dtype != torch.long
-            or offsets.dtype != torch.long):
+            or not _rows_ok(src, dtype=src.dtype if b16 else torch.float32) or src.shape[1] != dst.shape[2]
+            or pages.dtype != torch.long or offsets.dtype != torch.long):
         return False
     pages, offsets = pages.contiguous(), offsets.contiguous()
-    getattr(lib, "kvl_scatter_rows" + STORED[dst.dtype])(
+    getattr(lib, "kvl_scatter_rows" + ("_b16" if b16 else STORED[dst.dtype]))(
         dst.untyped_storage().data_ptr(), pages.data_ptr(), offsets.data_ptr(), src.shape[0], dst.stride(0),
         dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0), src.shape[1], torch.get_num_threads())
     return True

@@ -10,11 +10,13 @@
    kvl_silu_mul_bf16     the same on bf16 rows (a bf16 prefill's MLP): fp32 arithmetic, the result
                          rounded to bf16 once (torch rounds silu's result, then the product)
    kvl_rope_f32          rotate-half RoPE in place on H heads of D per token, cos/sin [T, D/2]
+   kvl_rope_bf16         the same on bf16 rows, out of place, the result rounded to bf16 once
    kvl_linear_f32        out = x @ w.T + b for few rows of x (a decode step's projections), w packed
                          at load in blocks of 16 output columns
    kvl_linear_bf16       the same with w stored in bf16 (widened to fp32 as it is loaded: half the
                          weight bytes read, fp32 arithmetic)
-   kvl_scatter_rows_*    a layer's new K or V rows into their slots, fp32 or rounded to bf16
+   kvl_scatter_rows_*    a layer's new K or V rows into their slots, fp32 or rounded to bf16 (_b16:
+                         bf16 rows into a bf16 pool)
    kvl_read_check        the read check of engine/attention.py over a step's block tables, one pass */
 /* the loops GCC vectorizes itself (silu, norms, RoPE) in 512-bit vectors where the CPU has them
    (its default on such a CPU is 256: silu_mul on bf16 rows 1.25x a call with 512, 2026-12-05) */
@@ -113,6 +115,13 @@ int kvl_silu_mul_f32(const float *gu, int64_t gs, float *out, int64_t os, int64_
     return 0;
 }
 
+/* one rotated pair, the same expression for both kernels below (kvl_rope_bf16's results are
+   kvl_rope_f32's rounded to bf16, bit for bit: tests/test_kernels.py) */
+static inline __attribute__((always_inline)) void rot(float x1, float x2, float c, float s, float *y1, float *y2) {
+    *y1 = x1 * c - x2 * s;
+    *y2 = x2 * c + x1 * s;
+}
+
 int kvl_rope_f32(float *x, int64_t xs, int64_t H, int64_t D, const float *cos_, const float *sin_, int64_t T,
                  int nthreads) {
     const int64_t h2 = D / 2;
@@ -121,10 +130,30 @@ int kvl_rope_f32(float *x, int64_t xs, int64_t H, int64_t D, const float *cos_, 
         const float *c = cos_ + t * h2, *s = sin_ + t * h2;
         for (int64_t h = 0; h < H; h++) {
             float *a = x + t * xs + h * D, *b = a + h2;
+            for (int64_t i = 0; i < h2; i++) rot(a[i], b[i], c[i], s[i], a + i, b + i);
+        }
+    }
+    return 0;
+}
+
+/* RoPE on bf16 rows (a bf16 product's q and k), out of place: out[t] (row stride os) = the first H
+   heads of x[t] rotated in fp32 and rounded to bf16 once - what widening, kvl_rope_f32 and rounding
+   give, in one pass over half the bytes; x is left as it was (its q rows can still be rotated in
+   fp32 where the attention needs them unrounded) */
+int kvl_rope_bf16(const uint16_t *x, int64_t xs, int64_t H, int64_t D, const float *cos_, const float *sin_,
+                  int64_t T, uint16_t *out, int64_t os, int nthreads) {
+    const int64_t h2 = D / 2;
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= PAR_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_ + t * h2, *s = sin_ + t * h2;
+        for (int64_t h = 0; h < H; h++) {
+            const uint16_t *a = x + t * xs + h * D, *b = a + h2;
+            uint16_t *ya = out + t * os + h * D, *yb = ya + h2;
             for (int64_t i = 0; i < h2; i++) {
-                const float x1 = a[i], x2 = b[i];
-                a[i] = x1 * c[i] - x2 * s[i];
-                b[i] = x2 * c[i] + x1 * s[i];
+                float y1, y2;
+                rot(from_bf16(a[i]), from_bf16(b[i]), c[i], s[i], &y1, &y2);
+                ya[i] = to_bf16(y1);
+                yb[i] = to_bf16(y2);
             }
         }
     }
@@ -183,6 +212,19 @@ int kvl_scatter_rows_bf16(uint16_t *pool, const int64_t *pages, const int64_t *o
         uint16_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
         const float *s = src + r * src_stride;
         for (int64_t i = 0; i < width; i++) d[i] = to_bf16(s[i]);
+    }
+    return 0;
+}
+
+/* kvl_scatter_rows_bf16's placement with bf16 rows in (a bf16 product's K or V): a copy */
+int kvl_scatter_rows_b16(uint16_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
+                         int64_t rec_stride, int64_t off, const uint16_t *src, int64_t src_stride, int64_t width,
+                         int nthreads) {
+#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
+    for (int64_t r = 0; r < n; r++) {
+        uint16_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
+        const uint16_t *s = src + r * src_stride;
+        for (int64_t i = 0; i < width; i++) d[i] = s[i];
     }
     return 0;
 }

@@ -31,11 +31,18 @@
 
 #include "vexp.h"
 
+/* the exported kernels' parameter list (the C ABI engine/kernels/__init__.py declares), and its names
+   after q */
+#define PREFILL_PARAMS(q_t, kv_t)                                                                              \
+    const q_t *q, int64_t q_tok_stride, int64_t ql, int64_t n, const kv_t *kv, const int64_t *pages, int64_t S, \
+    int64_t Hq, int64_t Hkv, int64_t D, int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off,  \
+    float scale, float *out, int64_t out_tok_stride, int nthreads
+#define PREFILL_ARGS q_tok_stride, ql, n, kv, pages, S, Hq, Hkv, D, page_stride, rec_stride, k_off, v_off, scale, \
+    out, out_tok_stride, nthreads
+
 /* a kernel this build cannot run (no AMX, no AVX-512): -1, nothing written */
-#define DECLINED(name, kv_t)                                                                                  \
-    int name(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const kv_t *kv, const int64_t *pages, \
-             int64_t S, int64_t Hq, int64_t Hkv, int64_t D, int64_t page_stride, int64_t rec_stride,            \
-             int64_t k_off, int64_t v_off, float scale, float *out, int64_t out_tok_stride, int nthreads) {     \
+#define DECLINED(name, q_t, kv_t)                                                                             \
+    int name(PREFILL_PARAMS(q_t, kv_t)) {                                                                    \
         (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv;   \
         (void)D; (void)page_stride; (void)rec_stride; (void)k_off; (void)v_off; (void)scale; (void)out;       \
         (void)out_tok_stride; (void)nthreads;                                                                 \
@@ -79,10 +86,12 @@ static inline const uint16_t *kv_row(const uint16_t *kv, const int64_t *pages, i
     return kv + pages[i / S] * page_stride + (i % S) * rec_stride + h * D + off;
 }
 
-int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
-                           const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                           int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                           float *out, int64_t out_tok_stride, int nthreads) {
+/* q: fp32 rows rounded to bf16 here, or (q_bf16) bf16 rows as they are - the same numbers where those
+   were rounded from the same fp32 (kvl_rope_bf16) */
+static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
+                       const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+                       int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+                       float *out, int64_t out_tok_stride, int nthreads) {
     if (D % 32 || D > DMAXP || ql < 1 || n < ql || Hq % Hkv || !amx_granted()) return -1;
     const int64_t G = Hq / Hkv, np = (n + KB - 1) / KB * KB, P = D / 2;   /* P: 32-bit pairs a row */
     const int64_t ns = D / 32;
@@ -134,8 +143,10 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
             const int64_t r0 = qb * QB, rows = ql - r0 < QB ? ql - r0 : QB;
             for (int64_t m = 0; m < QB; m++) {
                 uint16_t row[DMAXP] __attribute__((aligned(64)));
-                if (m < rows) {
-                    const float *src = q + (r0 + m) * q_tok_stride + hq * D;
+                if (m < rows && q_bf16) {
+                    memcpy(row, (const uint16_t *)q + (r0 + m) * q_tok_stride + hq * D, sizeof(uint16_t) * D);
+                } else if (m < rows) {
+                    const float *src = (const float *)q + (r0 + m) * q_tok_stride + hq * D;
                     for (int64_t d = 0; d < D; d += 16)
                         _mm256_store_si256((__m256i *)(row + d), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + d)));
                 } else {
@@ -258,9 +269,18 @@ int kvl_paged_prefill_bf16(const float *q, int64_t q_tok_stride, int64_t ql, int
     return 0;
 }
 
+int kvl_paged_prefill_bf16(PREFILL_PARAMS(float, uint16_t)) {
+    return prefill_amx(q, 0, PREFILL_ARGS);
+}
+
+int kvl_paged_prefill_bf16q(PREFILL_PARAMS(uint16_t, uint16_t)) {
+    return prefill_amx(q, 1, PREFILL_ARGS);
+}
+
 #else
 
-DECLINED(kvl_paged_prefill_bf16, uint16_t)     /* no AMX in this build: the caller's torch path */
+DECLINED(kvl_paged_prefill_bf16, float, uint16_t)     /* no AMX in this build: the caller's torch path */
+DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
 
 #endif
 
@@ -349,10 +369,7 @@ static inline __attribute__((always_inline)) void pv_block(float *acc, const flo
         }
 }
 
-int kvl_paged_prefill_f32(const float *q, int64_t q_tok_stride, int64_t ql, int64_t n, const float *kv,
-                          const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                          int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                          float *out, int64_t out_tok_stride, int nthreads) {
+int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
     if (D % VLF || D > DMAXF || ql < 1 || n < ql || Hq % Hkv) return -1;
     const int64_t G = Hq / Hkv, nqb = (ql + RB - 1) / RB, first = n - ql;    /* first: query row 0's position */
     /* each KV head's K and V rows packed contiguous, [Hkv][np][D], zeros past n (the last block's
@@ -488,6 +505,6 @@ int kvl_paged_prefill_f32(const float *q, int64_t q_tok_stride, int64_t ql, int6
 
 /* no AVX-512 in this build: the caller's torch path (an AVX2 build of this kernel ran at 0.7x of its
    AVX-512 build: not measured against SDPA on an AVX2 CPU) */
-DECLINED(kvl_paged_prefill_f32, float)
+DECLINED(kvl_paged_prefill_f32, float, float)
 
 #endif

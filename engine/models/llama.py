@@ -353,6 +353,29 @@ class LlamaModel(nn.Module):
                           for r in range(0, h.shape[0], MLP_ROWS)])
 
     @torch.inference_mode()
+    def attend_bf16(self, i: int, h: torch.Tensor, ctx: StepContext, half: tuple) -> torch.Tensor | None:
+        """Layer i's attention with its q, k and v kept in bf16 where its qkv product runs in bf16
+        (``ctx.bf16_queries``): q and k rotated out of place and rounded once (kernels.rope_bf16) -
+        the numbers the fp32 path's widening, rotation and rounding (by the pool for K, by the prefill
+        kernel for q) give - and the rows whose q the attention needs unrounded (decode rows) rotated
+        in fp32 from the product as it was. None: the native RoPE cannot run (the caller's fp32 path)."""
+        c = self.cfg
+        Hq, Hkv, D, T = c.num_heads, c.num_kv_heads, c.head_dim, h.shape[0]
+        qkv = self.qkv[i](h, keep_bf16=True)
+        rot = torch.empty((T, (Hq + Hkv) * D), dtype=torch.bfloat16)
+        if not kernels.rope_bf16(qkv, Hq + Hkv, D, *half, rot):
+            return None
+
+        def q_exact(rows: torch.Tensor) -> torch.Tensor:
+            x = qkv.index_select(0, rows)[:, :Hq * D].float()
+            cos, sin = (t.index_select(0, rows) for t in half)
+            if not kernels.rope(x, Hq, D, cos, sin):
+                x = rope(x.view(-1, Hq, D), *(torch.cat([t, t], -1)[:, None] for t in (cos, sin))).view(len(rows), -1)
+            return x.view(len(rows), Hq, D)
+        q, k = rot[:, :Hq * D].view(T, Hq, D), rot[:, Hq * D:].view(T, Hkv, D)
+        v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
+        return ctx.attend(i, q, k, v, Hkv, D, D ** -0.5, q_exact=q_exact)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_rows: torch.Tensor) -> torch.Tensor:
         c, w = self.cfg, self.w
@@ -366,15 +389,19 @@ class LlamaModel(nn.Module):
         # where a product runs in bf16 its input comes out of the norm before it in bf16, and o's and
         # down's bf16 results go into the next norm as they are (keep_bf16): no conversion op between
         h = add_rms_norm(x, w["model.layers.0.input_layernorm.weight"], eps, out_dtype=self.qkv[0].input_dtype(T))
+        bf16_qkv = ctx.bf16_queries
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
-            qkv = self.qkv[i](h)
-            if not kernels.rope(qkv, Hq + Hkv, D, *half):             # q and k rotated in one pass
-                full = full or rope_full(freqs, x.dtype)
-                qkv[:, :(Hq + Hkv) * D] = rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *full).view(T, -1)
-            qkv = qkv.view(T, Hq + 2 * Hkv, D)
-            q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
-            a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
+            a = (self.attend_bf16(i, h, ctx, half) if bf16_qkv and self.qkv[i].input_dtype(T) == torch.bfloat16
+                 else None)
+            if a is None:
+                qkv = self.qkv[i](h)
+                if not kernels.rope(qkv, Hq + Hkv, D, *half):             # q and k rotated in one pass
+                    full = full or rope_full(freqs, x.dtype)
+                    qkv[:, :(Hq + Hkv) * D] = rope(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), *full).view(T, -1)
+                qkv = qkv.view(T, Hq + 2 * Hkv, D)
+                q, k, v = qkv[:, :Hq], qkv[:, Hq:Hq + Hkv], qkv[:, Hq + Hkv:]
+                a = ctx.attend(i, q, k, v, Hkv, D, D ** -0.5)
             h = add_rms_norm(self.o[i](a, keep_bf16=True), w[p + "post_attention_layernorm.weight"], eps, residual=x,
                              out_dtype=self.gate_up[i].input_dtype(T))
             down = self.mlp(i, h)
