@@ -261,6 +261,50 @@ def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, 
     torch.testing.assert_close(lin(x.view(1, M, K)), want(x)[None], **tol)
 
 
+@pytest.mark.parametrize("N, K", [(1216, 896), (1192, 448), (600, 896)])
+@pytest.mark.parametrize("M", [1, 5, 16])
+def test_decode_rows_on_amx_tiles_give_onednn_s_bf16_product_bit_for_bit(N, K, M, monkeypatch):
+    """linear_amx.c (a big bf16 weight's decode rows with bf16 products): x rounded to bf16, fp32
+    sums, the bias added, one rounding - bit for bit what oneDNN's bf16 product on its packed weight
+    gives, and within bf16 rounding of the fp32 product; column counts that fill no 16-column block or
+    4-block task, strided rows of x; what it declines (17 rows, fp32 x, K not a multiple of 32); and a
+    Linear takes it for up to TILE_ROWS decode rows, the same numbers as with it turned off."""
+    monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1")
+    torch.manual_seed(N + M)
+    w, b = (torch.randn(N, K) * 0.05).to(torch.bfloat16), torch.randn(N).to(torch.bfloat16)
+    packed = kernels.pack_tiles(w)
+    if packed is None:
+        pytest.skip("no AMX tiles on this CPU (or the OS refuses them): decode rows stay with oneDNN")
+    wide = torch.randn(M, K + 40).to(torch.bfloat16)
+    x = wide[:, 7:7 + K]                                    # rows with a stride
+    got = kernels.linear_tiles(x, packed, N, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    want = F.linear(x.float(), w.float(), b.float())
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=2 ** -7)
+    if llama.onednn_bf16():
+        ref = torch.ops.mkldnn._linear_pointwise(x.contiguous(), torch.ops.mkldnn._reorder_linear_weight(
+            w, llama.PACK_ROWS), b, "none", [], "")
+        assert torch.equal(got, ref)
+    assert kernels.linear_tiles(torch.zeros(17, K, dtype=torch.bfloat16), packed, N, b) is None
+    assert kernels.linear_tiles(x.float(), packed, N, b) is None
+    assert kernels.pack_tiles(w[:, :K - 16]) is None
+    # through a Linear: decode rows on the tiles (no oneDNN call), as with them turned off
+    assert N * K >= llama.BF16_ONEDNN_MIN_WEIGHT
+    lin = llama.Linear(w, b.float(), onednn=llama.packing_available())
+    assert lin.tiles is not None
+    monkeypatch.setenv("KVLEDGER_DECODE_TILES", "0")
+    off = llama.Linear(w, b.float(), onednn=llama.packing_available())
+    assert off.tiles is None
+    seen = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(torch.ops.mkldnn, "_linear_pointwise", lambda *a: seen.append(a[0].shape[0]) or real(*a))
+    assert torch.equal(lin(x), off(x)) and seen == [M]                   # only the one turned off: oneDNN
+    assert torch.equal(lin(x, keep_bf16=True), got) and seen == [M]
+    seen.clear()
+    lin(torch.randn(M + 16, K))                                         # more rows: oneDNN's
+    assert seen == [M + 16]
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeypatch):
     """A bf16 pool: the native scatter rounds each new value to nearest even exactly as torch's

@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c", "linear_amx.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h")]     # included: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -108,6 +108,8 @@ def _build() -> ctypes.CDLL:
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64,
                                        ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
+    lib.kvl_linear_bf16_amx.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
+    lib.kvl_linear_bf16_amx.restype = ctypes.c_int
     lib.kvl_read_check.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, i64, p, p, p, p, p]
     lib.kvl_read_check.restype = i64
     return lib
@@ -316,6 +318,39 @@ def linear(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | N
         x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n, None if bias is None else bias.data_ptr(),
         out.data_ptr(), n, torch.get_num_threads())
     return out
+
+
+TILE_ROWS = 16     # rows linear_tiles takes at most (an AMX tile's)
+
+
+def pack_tiles(w: torch.Tensor) -> torch.Tensor | None:
+    """A bf16 w [N, K] laid out for ``linear_tiles`` (linear_amx.c): blocks of 16 output columns, each
+    [K / 2][16][2] - TDPBF16PS's B operand - zero-padded past N. None where that kernel cannot take it
+    (no native kernels, not bf16, K not a multiple of 32, no AMX tiles in this build or process)."""
+    if native() is None or w.dtype != torch.bfloat16 or w.device.type != "cpu" or w.dim() != 2 or w.shape[1] % 32:
+        return None
+    N, K = w.shape
+    blocks = -(-N // 16)
+    padded = torch.zeros(blocks * 16, K, dtype=w.dtype)
+    padded[:N] = w
+    packed = padded.view(blocks, 16, K // 2, 2).permute(0, 2, 1, 3).contiguous()
+    probe = torch.zeros(1, K, dtype=torch.bfloat16)
+    return packed if linear_tiles(probe, packed, 1, None) is not None else None
+
+
+def linear_tiles(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x @ w.T + bias on AMX tiles for x [M <= TILE_ROWS, K] bf16 (rows contiguous) and w packed by
+    ``pack_tiles`` (n columns), bias bf16: fp32 sums, the result bf16 [M, n] rounded once - oneDNN's
+    bf16 product's numbers. None: not run (the caller's oneDNN path runs)."""
+    lib = _lib
+    M, K = x.shape
+    if (lib is None or x.dtype != torch.bfloat16 or x.stride(-1) != 1 or not 0 < M <= TILE_ROWS
+            or packed.shape[1] * 2 != K):
+        return None
+    out = torch.empty(M, n, dtype=torch.bfloat16)
+    rc = lib.kvl_linear_bf16_amx(x.data_ptr(), x.stride(0), M, K, packed.data_ptr(), n,
+                                 None if bias is None else bias.data_ptr(), out.data_ptr(), n, torch.get_num_threads())
+    return out if rc == 0 else None
 
 
 def read_check(pool, block_tables: torch.Tensor, seq_lens: torch.Tensor, expected_gen: torch.Tensor,

@@ -170,6 +170,14 @@ def onednn_bf16() -> bool:
     return _ONEDNN_BF16
 
 
+def decode_tiles() -> bool:
+    """Whether a big bf16 weight with bf16 products also keeps a copy packed as AMX tiles for decode
+    rows (engine/kernels/linear_amx.c; ``KVLEDGER_DECODE_TILES=0`` turns it off: one copy of each such
+    weight, oneDNN's, and decode rows through oneDNN)."""
+    import os
+    return os.environ.get("KVLEDGER_DECODE_TILES", "1") != "0"
+
+
 def packing_available() -> bool:
     """Whether weights are prepacked for oneDNN (torch built with it; ``KVLEDGER_ONEDNN=0`` turns it off)."""
     import os
@@ -198,7 +206,7 @@ class Linear:
     does), every row count, except a small weight's decode rows (the native kernel, fp32 arithmetic
     on the widened weight: oneDNN's per-call cost is most of such a call). Elsewhere the arithmetic
     is fp32: a decode step's rows in the native kernel, more rows on an fp32 copy through F.linear."""
-    __slots__ = ("weight", "bias", "bias16", "onednn", "rows", "n", "k", "bf16mm", "fp32_rows")
+    __slots__ = ("weight", "bias", "bias16", "onednn", "rows", "n", "k", "bf16mm", "fp32_rows", "tiles")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
         self.n, self.k = weight.shape
@@ -215,6 +223,10 @@ class Linear:
         # fp32 or bf16 packed rows for the native kernel (None: the kernels are off, or a bf16
         # weight's every product runs in bf16)
         self.rows = None if self.bf16mm and not small else kernels.pack_rows(weight)
+        # with bf16 products on a big weight: decode rows (up to kernels.TILE_ROWS) on AMX tiles over a
+        # copy packed as tiles (kernels.pack_tiles: oneDNN's numbers bit for bit, 1.1-1.3x its speed at
+        # 1-16 rows where it is alone and more in a step - see decode_tiles); None: oneDNN takes them
+        self.tiles = kernels.pack_tiles(weight) if self.bf16mm and not small and decode_tiles() else None
         # the loaded weight is dropped where the layouts cover every path: oneDNN's fp32 one; a bf16
         # weight's packed rows (more rows widen them) or, with bf16 products, oneDNN's bf16 one plus
         # the packed rows for fp32 decode rows where those run fp32
@@ -240,6 +252,9 @@ class Linear:
             global BF16_GEMM_CALLS
             BF16_GEMM_CALLS += 1
             xb = x.to(torch.bfloat16)
+            out = kernels.linear_tiles(xb, self.tiles, self.n, self.bias16) if self.tiles is not None and m <= kernels.TILE_ROWS else None
+            if out is not None:
+                return out if keep_bf16 else out.float()
             out = (torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias16, "none", [], "")
                    if self.onednn is not None else F.linear(xb, self.weight, self.bias16))
             return out if keep_bf16 else out.float()
