@@ -29,6 +29,25 @@ def _f32_prefill_runs(D: int) -> bool:
     return kernels.paged_prefill(torch.zeros(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0, torch.empty(2, 1, D))
 
 
+def _case(seq, ql, flagged, S, hkv, D, dtype) -> tuple[KVPool, BatchLayout]:
+    """A pool of random values and a step's layout over it: each request's pages drawn out of order,
+    one spare block-table column (padding in every row), the flagged slots' expected tags wrong."""
+    B = len(seq)
+    C = max(-(-n // S) for n in seq) + 1
+    P = B * C + 3
+    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
+    pool.buf.view(dtype)[:] = torch.randn(pool.buf.numel() // pool.esize)
+    bt = torch.full((B, C), -1, dtype=torch.long)
+    perm, i = torch.randperm(P), 0
+    for b, n in enumerate(seq):
+        k = -(-n // S)
+        bt[b, :k], i = perm[i:i + k], i + k
+    tags = pool.tags[bt.clamp(min=0)].reshape(B, C * S).clone()
+    for b, pos in flagged:
+        tags[b, pos] ^= 0x5A5A
+    return pool, BatchLayout.build(bt, seq, ql, pool.generation[bt.clamp(min=0)].clone(), tags)
+
+
 @pytest.mark.parametrize("D", [16, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
@@ -38,20 +57,7 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype,
     multiple of 32 values, KB keys a block, a partial last block.)"""
     torch.manual_seed(len(seq) * 31 + S)
     B = len(seq)
-    C = max(-(-n // S) for n in seq) + 1                 # one spare column: padding in every row
-    P = B * C + 3
-    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
-    pool.buf.view(dtype)[:] = torch.randn(pool.buf.numel() // pool.esize)
-    bt = torch.full((B, C), -1, dtype=torch.long)
-    perm, i = torch.randperm(P), 0
-    for b, n in enumerate(seq):
-        k = -(-n // S)
-        bt[b, :k], i = perm[i:i + k], i + k
-    gens = pool.generation[bt.clamp(min=0)].clone()
-    tags = pool.tags[bt.clamp(min=0)].reshape(B, C * S).clone()
-    for b, pos in flagged:
-        tags[b, pos] ^= 0x5A5A
-    lay = BatchLayout.build(bt, seq, ql, gens, tags)
+    pool, lay = _case(seq, ql, flagged, S, hkv, D, dtype)
     q = torch.randn(sum(ql), hkv * g, D)
     ref = padded_attention(q, pool, 1, lay, hkv, D, D ** -0.5, True)
     flagged_req = {b for b, _ in flagged}
@@ -89,8 +95,9 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype,
     monkeypatch.undo()
     # the native read check and the numpy one (CPU pools) and the torch one (other devices): equal
     # field for field, on these tags and with a page's generation wrong too
+    gens = lay.expected_gen.clone()
     gens[0, 0] += 1
-    for lay2 in (lay, BatchLayout.build(bt, seq, ql, gens, tags)):
+    for lay2 in (lay, BatchLayout.build(lay.block_tables, seq, ql, gens, lay.expected_tags)):
         b = _read_check_torch(pool, lay2)
         with monkeypatch.context() as m:
             m.setattr(kernels, "read_check", lambda *a: None)
@@ -114,22 +121,9 @@ def test_bf16_queries_with_their_fp32_rows_give_the_fp32_queries_numbers(seq, ql
     it) with ``q_exact`` for the rows that want it unrounded - decode rows, a chunk whose mass is
     measured (a flagged page, exact_mass) - gives bit for bit what the fp32 q gives: outputs, mass,
     check; the native kernels and torch's path alike."""
-    from engine.models.llama import bf16_gemm  # noqa: F401  (the model decides prefill_dtype; here it is given)
     torch.manual_seed(len(seq) * 17 + S)
     D, B, dtype = 64, len(seq), torch.bfloat16
-    C = max(-(-n // S) for n in seq) + 1
-    P = B * C + 3
-    pool = KVPool(2, hkv * D, S, P * KVPool.page_bytes_for(2, hkv * D, S, dtype), dtype=dtype)
-    pool.buf.view(dtype)[:] = torch.randn(pool.buf.numel() // pool.esize)
-    bt = torch.full((B, C), -1, dtype=torch.long)
-    perm, i = torch.randperm(P), 0
-    for b, n in enumerate(seq):
-        k = -(-n // S)
-        bt[b, :k], i = perm[i:i + k], i + k
-    tags = pool.tags[bt.clamp(min=0)].reshape(B, C * S).clone()
-    for b, pos in flagged:
-        tags[b, pos] ^= 0x5A5A
-    lay = BatchLayout.build(bt, seq, ql, pool.generation[bt.clamp(min=0)].clone(), tags)
+    pool, lay = _case(seq, ql, flagged, S, hkv, D, dtype)
     q = torch.randn(sum(ql), hkv * g, D)
     asked = []
 

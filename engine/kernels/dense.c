@@ -178,22 +178,6 @@ int kvl_silu_mul_bf16(const uint16_t *gu, int64_t gs, uint16_t *out, int64_t os,
     return 0;
 }
 
-/* Row r of src (width floats, rows src_stride apart) into slot offs[r] of page pages[r] of the
-   pool (records rec_stride apart inside a page, pages page_stride apart, the row at off in its
-   record): a layer's new K or V through the step's slot mapping, one call (torch: a copy of the
-   strided rows, then an index_put). */
-int kvl_scatter_rows_f32(float *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
-                         int64_t rec_stride, int64_t off, const float *src, int64_t src_stride, int64_t width,
-                         int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
-    for (int64_t r = 0; r < n; r++) {
-        float *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
-        const float *s = src + r * src_stride;
-        for (int64_t i = 0; i < width; i++) d[i] = s[i];
-    }
-    return 0;
-}
-
 /* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN: torch's conversion, bit for bit */
 static inline uint16_t to_bf16(float f) {
     uint32_t u;
@@ -202,32 +186,27 @@ static inline uint16_t to_bf16(float f) {
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-/* kvl_scatter_rows_f32 into a bf16 pool (strides in bf16 elements), each value rounded as torch's
-   .to(torch.bfloat16) rounds it */
-int kvl_scatter_rows_bf16(uint16_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
-                          int64_t rec_stride, int64_t off, const float *src, int64_t src_stride, int64_t width,
-                          int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
-    for (int64_t r = 0; r < n; r++) {
-        uint16_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
-        const float *s = src + r * src_stride;
-        for (int64_t i = 0; i < width; i++) d[i] = to_bf16(s[i]);
-    }
-    return 0;
-}
+#define SAME(v) (v)
 
-/* kvl_scatter_rows_bf16's placement with bf16 rows in (a bf16 product's K or V): a copy */
-int kvl_scatter_rows_b16(uint16_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,
-                         int64_t rec_stride, int64_t off, const uint16_t *src, int64_t src_stride, int64_t width,
-                         int nthreads) {
-#pragma omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)
-    for (int64_t r = 0; r < n; r++) {
-        uint16_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;
-        const uint16_t *s = src + r * src_stride;
-        for (int64_t i = 0; i < width; i++) d[i] = s[i];
+/* Row r of src (width values, rows src_stride apart) into slot offs[r] of page pages[r] of the
+   pool (records rec_stride apart inside a page, pages page_stride apart, the row at off in its
+   record; strides in the pool's elements): a layer's new K or V through the step's slot mapping,
+   one call (torch: a copy of the strided rows, then an index_put); each value through conv */
+#define SCATTER(name, pool_t, src_t, conv)                                                                        \
+    int name(pool_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,              \
+             int64_t rec_stride, int64_t off, const src_t *src, int64_t src_stride, int64_t width, int nthreads) { \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)")                 \
+        for (int64_t r = 0; r < n; r++) {                                                                          \
+            pool_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;                                \
+            const src_t *s = src + r * src_stride;                                                                 \
+            for (int64_t i = 0; i < width; i++) d[i] = conv(s[i]);                                                 \
+        }                                                                                                          \
+        return 0;                                                                                                  \
     }
-    return 0;
-}
+
+SCATTER(kvl_scatter_rows_f32, float, float, SAME)
+SCATTER(kvl_scatter_rows_bf16, uint16_t, float, to_bf16)       /* rounded as torch's .to(torch.bfloat16) */
+SCATTER(kvl_scatter_rows_b16, uint16_t, uint16_t, SAME)        /* bf16 rows in (a bf16 product's K or V) */
 
 /* x @ w.T + b for few rows of x: a decode step's projections, where oneDNN's per-call cost is
    most of the time (bench/engine.py). w is packed at load (engine.kernels.pack_rows) as blocks of
