@@ -41,7 +41,8 @@ class StepContext:
         widening the product's result and rounding it back (long bf16: 0.9-1.0 ms of a 4096-row step's
         4 layers, 2026-12-05)."""
         return (self.prefill_dtype == torch.bfloat16 and self.pool.dtype == torch.bfloat16 and self.pool.buf.is_cpu
-                and self.backend != "triton" and not self.exact_mass and self.layout.plan is not None and bool(self.layout.plan.pre))
+                and self.backend != "triton" and not self.exact_mass and self.layout.plan is not None
+                and bool(self.layout.plan.pre))
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int,
                head_dim: int, scale: float, q_exact=None) -> torch.Tensor:

@@ -173,8 +173,8 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
 def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int, num_kv_heads: int,
                   scale: float, out: torch.Tensor) -> bool:
     """Attention of one prefill chunk (paged_prefill.c): q [ql, Hq, D] fp32 (the chunk's rows: any row
-    stride, heads adjacent; with a bf16 pool also bf16: queries rounded already, as the kernel rounds them), its queries at positions n - ql .. n - 1 of a request whose n keys are on
-    ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's on AMX tiles (the products in bf16, as
+    stride, heads adjacent; with a bf16 pool also bf16 - queries rounded already, as the kernel rounds
+    them), its queries at positions n - ql .. n - 1 of a request whose n keys are on ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's on AMX tiles (the products in bf16, as
     SDPA's bf16 path), an fp32 pool's on vector FMAs (every product in fp32). False (nothing written)
     when the native path cannot run this call."""
     lib = native()

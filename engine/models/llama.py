@@ -252,7 +252,8 @@ class Linear:
             global BF16_GEMM_CALLS
             BF16_GEMM_CALLS += 1
             xb = x.to(torch.bfloat16)
-            out = kernels.linear_tiles(xb, self.tiles, self.n, self.bias16) if self.tiles is not None and m <= kernels.TILE_ROWS else None
+            out = (kernels.linear_tiles(xb, self.tiles, self.n, self.bias16)
+                   if self.tiles is not None and m <= kernels.TILE_ROWS else None)
             if out is not None:
                 return out if keep_bf16 else out.float()
             out = (torch.ops.mkldnn._linear_pointwise(xb, self.onednn, self.bias16, "none", [], "")
@@ -367,7 +368,6 @@ class LlamaModel(nn.Module):
         return torch.cat([self.down[i](silu_mul(self.gate_up[i](h[r:r + MLP_ROWS], keep_bf16=True)), keep_bf16=True)
                           for r in range(0, h.shape[0], MLP_ROWS)])
 
-    @torch.inference_mode()
     def attend_bf16(self, i: int, h: torch.Tensor, ctx: StepContext, half: tuple) -> torch.Tensor | None:
         """Layer i's attention with its q, k and v kept in bf16 where its qkv product runs in bf16
         (``ctx.bf16_queries``): q and k rotated out of place and rounded once (kernels.rope_bf16) -
@@ -391,6 +391,7 @@ class LlamaModel(nn.Module):
         v = qkv[:, (Hq + Hkv) * D:].view(T, Hkv, D)
         return ctx.attend(i, q, k, v, Hkv, D, D ** -0.5, q_exact=q_exact)
 
+    @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 logits_rows: torch.Tensor) -> torch.Tensor:
         c, w = self.cfg, self.w
