@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c", "linear_amx.c")]
-_HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h")]     # included: part of the build's cache key
+_HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h", "bf16.h")]     # included: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
 _lib: ctypes.CDLL | None = None

@@ -26,12 +26,11 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
 #include "vexp.h"
 
 #define PAR_ROWS 64         /* rows below which one thread does it all */
 
-static inline uint16_t to_bf16(float f);
-static inline float from_bf16(uint16_t h);
 
 /* element i of a row stored as fp32 or bf16, as fp32 */
 static inline __attribute__((always_inline)) float ld1(const void *row, int64_t i, int bf16) {
@@ -160,13 +159,6 @@ int kvl_rope_bf16(const uint16_t *x, int64_t xs, int64_t H, int64_t D, const flo
     return 0;
 }
 
-static inline float from_bf16(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    __builtin_memcpy(&f, &u, sizeof f);
-    return f;
-}
-
 int kvl_silu_mul_bf16(const uint16_t *gu, int64_t gs, uint16_t *out, int64_t os, int64_t T, int64_t I,
                       int nthreads) {
 #pragma omp parallel for schedule(static) num_threads(nthreads) if (T >= PAR_ROWS)
@@ -176,14 +168,6 @@ int kvl_silu_mul_bf16(const uint16_t *gu, int64_t gs, uint16_t *out, int64_t os,
         for (int64_t i = 0; i < I; i++) o[i] = to_bf16(silu(from_bf16(g[i])) * from_bf16(u[i]));
     }
     return 0;
-}
-
-/* fp32 -> bf16, round to nearest even; a NaN stays a (quiet) NaN: torch's conversion, bit for bit */
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    __builtin_memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 #define SAME(v) (v)

@@ -11,7 +11,6 @@
    shape's decode 575 -> 454 ms. More rows stay with oneDNN: the same loop over 32-row blocks was
    0.6-0.85x its blocked product at 512-4096 rows (tried, not kept). */
 #include <stdint.h>
-#include <string.h>
 
 #define LINEAR_PARAMS                                                                                          \
     const uint16_t *x, int64_t xs, int64_t M, int64_t K, const uint16_t *w, int64_t N, const uint16_t *bias,     \
@@ -19,23 +18,9 @@
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
 #include "amx.h"
+#include "bf16.h"
 
 #define NBLK 4              /* column blocks a task: C tiles 0..3 */
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* fp32 -> bf16, round to nearest even (a NaN stays a quiet NaN) */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* x [M <= 16][K] bf16 (rows xs apart), K a multiple of 32; out [M][N] bf16 (rows os apart) */
 int kvl_linear_bf16_amx(LINEAR_PARAMS) {
@@ -85,7 +70,7 @@ int kvl_linear_bf16_amx(LINEAR_PARAMS) {
                 for (int64_t m = 0; m < M; m++) {
                     uint16_t *o = out + m * os + n0;
                     for (int64_t i = 0; i < cols; i++)
-                        o[i] = f32_to_bf16(bias ? c[m * 16 + i] + bf16_to_f32(bias[n0 + i]) : c[m * 16 + i]);
+                        o[i] = to_bf16(bias ? c[m * 16 + i] + from_bf16(bias[n0 + i]) : c[m * 16 + i]);
                 }
             }
         }
