@@ -53,8 +53,9 @@ def _case(seq, ql, flagged, S, hkv, D, dtype) -> tuple[KVPool, BatchLayout]:
 @pytest.mark.parametrize("seq, ql, flagged, S, hkv, g", CASES)
 def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype, D, monkeypatch):
     """(A bf16 pool too: every path widens the same stored values and computes in fp32. Head
-    widths 16 and 64: the native decode kernel's per-key path, and its blocked one - heads of a
-    multiple of 32 values, KB keys a block, a partial last block.)"""
+    widths 16 and 64: the native decode kernel's per-key path (fp32: its one-pass path - online
+    softmax a page at a time, partial last pages, 1-4 query heads a KV head), and its blocked one -
+    heads of a multiple of 32 values, KB keys a block, a partial last block.)"""
     torch.manual_seed(len(seq) * 31 + S)
     B = len(seq)
     pool, lay = _case(seq, ql, flagged, S, hkv, D, dtype)

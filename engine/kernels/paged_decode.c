@@ -8,6 +8,13 @@
    the softmax mass of each page summed over the G heads into part[b, h, c]; after the tasks,
    page_mass[rows[b], c] = sum over h of part[b, h, c] / Hq.
 
+   fp32 K and V with one or two query heads a KV head (the blocked path below is not taken) go in
+   ONE pass instead (one_pass: online softmax a page at a time, each record's K and V rows read
+   together): the long workload's decode attention inside the engine's steps 0.54-0.82 -> 0.41-0.43
+   ms a layer, the whole fp32 run 1.04x (2026-12-05; the two passes were as fast only in a loop of
+   nothing but attention calls - between a step's other work, every K row then every V row of
+   records kilobytes apart missed far more).
+
    Where a KV head serves several query heads (grouped-query attention) and heads are a multiple of
    32 values wide, keys go KB at a time: each block's K and V rows copied (bf16: widened) once into
    a contiguous block the G heads read, the scores of KB keys summed by one transposing sum
@@ -277,6 +284,83 @@ static inline void mass_rows(const float *part, float *page_mass, const int64_t 
     }
 }
 
+#define PFF 16          /* keys ahead whose K and V rows the one-pass path prefetches */
+
+/* acc[0:D] += sum_j w[j] * rows[j][0:D] (the one-pass path's P V, a page of keys at a time) */
+static inline __attribute__((always_inline)) void add_weighted_rows(const float *w, const void *const *rows, int64_t n,
+                                                                     int64_t D, float *restrict acc, int bf16) {
+    int64_t c = 0;
+    for (; c + 64 <= D; c += 64) {
+        v8 a0 = ld8(acc + c), a1 = ld8(acc + c + 8), a2 = ld8(acc + c + 16), a3 = ld8(acc + c + 24);
+        v8 a4 = ld8(acc + c + 32), a5 = ld8(acc + c + 40), a6 = ld8(acc + c + 48), a7 = ld8(acc + c + 56);
+        for (int64_t i = 0; i < n; i++) {
+            const void *r = rows[i];
+            const v8 x = {w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i]};
+            a0 += x * ldkv(r, c, bf16); a1 += x * ldkv(r, c + 8, bf16);
+            a2 += x * ldkv(r, c + 16, bf16); a3 += x * ldkv(r, c + 24, bf16);
+            a4 += x * ldkv(r, c + 32, bf16); a5 += x * ldkv(r, c + 40, bf16);
+            a6 += x * ldkv(r, c + 48, bf16); a7 += x * ldkv(r, c + 56, bf16);
+        }
+        st8(acc + c, a0); st8(acc + c + 8, a1); st8(acc + c + 16, a2); st8(acc + c + 24, a3);
+        st8(acc + c + 32, a4); st8(acc + c + 40, a5); st8(acc + c + 48, a6); st8(acc + c + 56, a7);
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = c; d < D; d++) acc[d] += w[i] * kv1(rows[i], d, bf16);
+}
+
+/* One task's attention in ONE pass over its keys, a page at a time (online softmax): each key's K
+   and V rows are read together - both in the same slot record - instead of every K row and then
+   every V row (two passes over records kilobytes apart). Per page c and head g: the page's scores,
+   their max m[g, c] and l[g, c] = sum exp(s - m[g, c]); the output accumulates exp(s - M) V with M
+   the running max (rescaled when it grows); at the end Z = sum_c l exp(m - M), out = acc / Z and
+   the page's softmax mass l exp(m - M) / Z - the two-pass numbers up to float rounding order.
+   ml: 2 G C floats of scratch (C = pages of the task's keys). */
+static inline __attribute__((always_inline)) void one_pass(const float *qb, const void *const *krow,
+                                                            const void *const *vrow, int64_t n, int64_t S, int64_t G,
+                                                            int64_t D, float scale, float *o, float *part_b,
+                                                            float *ml, int64_t es, int bf16) {
+    const int64_t C = (n + S - 1) / S;
+    float *mc = ml, *lc = ml + G * C;
+    float M[8], s[8 * 64], w[64];
+    for (int64_t g = 0; g < G; g++) M[g] = -INFINITY;
+    memset(o, 0, sizeof(float) * G * D);
+    for (int64_t i = 0; i < PFF && i < n; i++) { prefetch_row(krow[i], D * es); prefetch_row(vrow[i], D * es); }
+    for (int64_t c = 0, i0 = 0; i0 < n; c++, i0 += S) {
+        const int64_t nk = n - i0 < S ? n - i0 : S;
+        for (int64_t j = 0; j < nk; j++) {
+            const int64_t ahead = i0 + j + PFF;
+            if (ahead < n) { prefetch_row(krow[ahead], D * es); prefetch_row(vrow[ahead], D * es); }
+            for (int64_t g = 0; g < G; g++) s[g * 64 + j] = dot(qb + g * D, krow[i0 + j], D, bf16) * scale;
+        }
+        for (int64_t g = 0; g < G; g++) {
+            float *sg = s + g * 64, m = -INFINITY, l = 0.f;
+            for (int64_t j = 0; j < nk; j++) m = sg[j] > m ? sg[j] : m;
+            for (int64_t j = 0; j < nk; j++) { sg[j] = kvl_exp(sg[j] - m); l += sg[j]; }
+            mc[g * C + c] = m;
+            lc[g * C + c] = l;
+            float f = 1.f;
+            float *acc = o + g * D;
+            if (m > M[g]) {                         /* a new running max: what is accumulated scales down */
+                const float down = kvl_exp(M[g] - m);
+                for (int64_t d = 0; d < D; d++) acc[d] *= down;
+                M[g] = m;
+            } else {
+                f = kvl_exp(m - M[g]);
+            }
+            for (int64_t j = 0; j < nk; j++) w[j] = sg[j] * f;
+            add_weighted_rows(w, vrow + i0, nk, D, acc, bf16);
+        }
+    }
+    for (int64_t g = 0; g < G; g++) {
+        float z = 0.f;
+        for (int64_t c = 0; c < C; c++) z += lc[g * C + c] * kvl_exp(mc[g * C + c] - M[g]);
+        const float inv = 1.f / z;
+        float *acc = o + g * D;
+        for (int64_t d = 0; d < D; d++) acc[d] *= inv;
+        for (int64_t c = 0; c < C; c++) part_b[c] += lc[g * C + c] * kvl_exp(mc[g * C + c] - M[g]) * inv;
+    }
+}
+
 static inline __attribute__((always_inline)) int paged_decode(
         const float *q, int64_t q_tok_stride, const int64_t *toks, const void *kv, const int64_t *pages,
         const int64_t *seq_lens, int64_t Bd, int64_t Cd, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
@@ -292,9 +376,10 @@ static inline __attribute__((always_inline)) int paged_decode(
         const int64_t n = task_start(seq_lens, b, h, Cd, S, Hkv, G, D, part, out, toks, out_tok_stride, &part_b, &o);
         if (n <= 0) continue;
         /* scores [G, n], then the K and V row of each key (slot records are kilobytes apart) */
-        float *sc = malloc(sizeof(float) * G * n + 2 * sizeof(float *) * n);
+        const int64_t C = (n + S - 1) / S;
+        float *sc = malloc(sizeof(float) * (G * n + 2 * G * C + 2) + 2 * sizeof(float *) * n);
         if (!sc) { failed = 1; continue; }
-        const void **krow = (const void **)(sc + G * n), **vrow = krow + n;
+        const void **krow = (const void **)(sc + ((G * n + 2 * G * C + 2) & ~(int64_t)1)), **vrow = krow + n;
         for (int64_t c = 0, i = 0; i < n; c++) {   /* (no division per key: S is not a constant) */
             const char *rec = (const char *)kv + (pages[b * Cd + c] * page_stride + h * D) * es;
             for (int64_t s = 0; s < S && i < n; s++, i++, rec += rec_stride * es) {
@@ -305,8 +390,13 @@ static inline __attribute__((always_inline)) int paged_decode(
         const float *qb = q + toks[b] * q_tok_stride + h * G * D;
         /* the blocked path where a block's copy is shared by enough heads (a one-off timing of one
            call, 2026-12-05, README: 1.05-1.8x at 3-7 query heads a KV head, bf16 1.1-1.2x at 2; at
-           1-2 fp32 heads the per-key path was as fast or faster) */
+           1-2 fp32 heads the per-key path was as fast or faster - and one pass faster still) */
         const int blocked = D % 32 == 0 && D <= DMAX && (G >= 3 || (bf16 && G >= 2));
+        if (!blocked && !bf16 && G <= 8 && S <= 64) {     /* fp32, few heads a KV head: one pass */
+            one_pass(qb, krow, vrow, n, S, G, D, scale, o, part_b, sc + G * n, es, bf16);
+            free(sc);
+            continue;
+        }
         if (blocked) blocked_scores(qb, krow, n, G, D, scale, sc, es, bf16);
         else for (int64_t i = 0; i < n; i++) {     /* scores: each K row read once for the G heads */
             /* the next rows are a record stride away, where the hardware prefetcher does not go */
