@@ -8,7 +8,8 @@
    the softmax mass of each page summed over the G heads into part[b, h, c]; after the tasks,
    page_mass[rows[b], c] = sum over h of part[b, h, c] / Hq.
 
-   fp32 K and V with one or two query heads a KV head (the blocked path below is not taken) go in
+   fp32 K and V where the blocked path below is not taken (one or two query heads a KV head; or heads
+   not a multiple of 32 values wide, up to 8 query heads a KV head) go in
    ONE pass instead (one_pass: online softmax a page at a time, each record's K and V rows read
    together): the long workload's decode attention inside the engine's steps 0.54-0.82 -> 0.41-0.43
    ms a layer, the whole fp32 run 1.04x (2026-12-05; the two passes were as fast only in a loop of
