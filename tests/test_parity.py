@@ -166,6 +166,21 @@ def test_bf16_weights_and_kv_stay_within_the_stated_tolerance(kind, gemm, reques
           f"worst logit error against the rounded weights {worst:.3f}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_layer_of_a_step_runs_in_inference_mode(tiny_llama, dtype, monkeypatch):
+    """LlamaModel.forward runs under torch.inference_mode (no autograd bookkeeping on a step's
+    tensors): an insertion once moved the decorator onto a helper and nothing noticed. Every norm of
+    every step, prefill and decode, fp32 and bf16, sees it on."""
+    from engine.models import llama
+    model = LlamaModel.from_pretrained(tiny_llama, dtype)
+    seen = []
+    real = llama.add_rms_norm
+    monkeypatch.setattr(llama, "add_rms_norm",
+                        lambda *a, **k: seen.append(torch.is_inference_mode_enabled()) or real(*a, **k))
+    _greedy_with_logits(model, PROMPTS[:2], 3)
+    assert len(seen) >= 3 * 2 * model.num_layers and all(seen), seen.count(False)
+
+
 def test_a_step_s_mlp_in_row_tiles_gives_the_numbers_of_one_pass(tiny_llama, monkeypatch):
     """A step of more rows than MLP_ROWS runs its MLP MLP_ROWS rows at a time (LlamaModel.mlp, the
     activations kept in cache): the same tokens, and logits within float rounding of one pass."""
