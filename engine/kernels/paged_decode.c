@@ -95,29 +95,34 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a, 
     return s;
 }
 
-/* o[0:D] = sum_i p[i] * rows[i][0:D]: 64 columns at a time held in eight vector registers over
+/* acc[0:D] += sum_i w[i] * rows[i][0:D]: 64 columns at a time held in eight vector registers over
    all the keys (not loaded and stored back once per key) */
-static inline __attribute__((always_inline)) void weighted_rows(const float *p, const void *const *rows, int64_t n,
-                                                                 int64_t D, float *restrict o, int bf16) {
+static inline __attribute__((always_inline)) void add_weighted_rows(const float *w, const void *const *rows, int64_t n,
+                                                                     int64_t D, float *restrict acc, int bf16) {
     int64_t c = 0;
     for (; c + 64 <= D; c += 64) {
-        v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, a4 = {0}, a5 = {0}, a6 = {0}, a7 = {0};
+        v8 a0 = ld8(acc + c), a1 = ld8(acc + c + 8), a2 = ld8(acc + c + 16), a3 = ld8(acc + c + 24);
+        v8 a4 = ld8(acc + c + 32), a5 = ld8(acc + c + 40), a6 = ld8(acc + c + 48), a7 = ld8(acc + c + 56);
         for (int64_t i = 0; i < n; i++) {
             const void *r = rows[i];
-            const v8 w = {p[i], p[i], p[i], p[i], p[i], p[i], p[i], p[i]};
-            a0 += w * ldkv(r, c, bf16); a1 += w * ldkv(r, c + 8, bf16);
-            a2 += w * ldkv(r, c + 16, bf16); a3 += w * ldkv(r, c + 24, bf16);
-            a4 += w * ldkv(r, c + 32, bf16); a5 += w * ldkv(r, c + 40, bf16);
-            a6 += w * ldkv(r, c + 48, bf16); a7 += w * ldkv(r, c + 56, bf16);
+            const v8 x = {w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i]};
+            a0 += x * ldkv(r, c, bf16); a1 += x * ldkv(r, c + 8, bf16);
+            a2 += x * ldkv(r, c + 16, bf16); a3 += x * ldkv(r, c + 24, bf16);
+            a4 += x * ldkv(r, c + 32, bf16); a5 += x * ldkv(r, c + 40, bf16);
+            a6 += x * ldkv(r, c + 48, bf16); a7 += x * ldkv(r, c + 56, bf16);
         }
-        st8(o + c, a0); st8(o + c + 8, a1); st8(o + c + 16, a2); st8(o + c + 24, a3);
-        st8(o + c + 32, a4); st8(o + c + 40, a5); st8(o + c + 48, a6); st8(o + c + 56, a7);
+        st8(acc + c, a0); st8(acc + c + 8, a1); st8(acc + c + 16, a2); st8(acc + c + 24, a3);
+        st8(acc + c + 32, a4); st8(acc + c + 40, a5); st8(acc + c + 48, a6); st8(acc + c + 56, a7);
     }
-    if (c < D) {
-        for (int64_t d = c; d < D; d++) o[d] = 0.f;
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t d = c; d < D; d++) o[d] += p[i] * kv1(rows[i], d, bf16);
-    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t d = c; d < D; d++) acc[d] += w[i] * kv1(rows[i], d, bf16);
+}
+
+/* o[0:D] = sum_i p[i] * rows[i][0:D] */
+static inline __attribute__((always_inline)) void weighted_rows(const float *p, const void *const *rows, int64_t n,
+                                                                 int64_t D, float *restrict o, int bf16) {
+    memset(o, 0, sizeof(float) * D);
+    add_weighted_rows(p, rows, n, D, o, bf16);
 }
 
 /* max and sum of a row of scores in 16 lanes, then the lanes: one value at a time they are chains of
@@ -286,28 +291,6 @@ static inline void mass_rows(const float *part, float *page_mass, const int64_t 
 }
 
 #define PFF 16          /* keys ahead whose K and V rows the one-pass path prefetches */
-
-/* acc[0:D] += sum_j w[j] * rows[j][0:D] (the one-pass path's P V, a page of keys at a time) */
-static inline __attribute__((always_inline)) void add_weighted_rows(const float *w, const void *const *rows, int64_t n,
-                                                                     int64_t D, float *restrict acc, int bf16) {
-    int64_t c = 0;
-    for (; c + 64 <= D; c += 64) {
-        v8 a0 = ld8(acc + c), a1 = ld8(acc + c + 8), a2 = ld8(acc + c + 16), a3 = ld8(acc + c + 24);
-        v8 a4 = ld8(acc + c + 32), a5 = ld8(acc + c + 40), a6 = ld8(acc + c + 48), a7 = ld8(acc + c + 56);
-        for (int64_t i = 0; i < n; i++) {
-            const void *r = rows[i];
-            const v8 x = {w[i], w[i], w[i], w[i], w[i], w[i], w[i], w[i]};
-            a0 += x * ldkv(r, c, bf16); a1 += x * ldkv(r, c + 8, bf16);
-            a2 += x * ldkv(r, c + 16, bf16); a3 += x * ldkv(r, c + 24, bf16);
-            a4 += x * ldkv(r, c + 32, bf16); a5 += x * ldkv(r, c + 40, bf16);
-            a6 += x * ldkv(r, c + 48, bf16); a7 += x * ldkv(r, c + 56, bf16);
-        }
-        st8(acc + c, a0); st8(acc + c + 8, a1); st8(acc + c + 16, a2); st8(acc + c + 24, a3);
-        st8(acc + c + 32, a4); st8(acc + c + 40, a5); st8(acc + c + 48, a6); st8(acc + c + 56, a7);
-    }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t d = c; d < D; d++) acc[d] += w[i] * kv1(rows[i], d, bf16);
-}
 
 /* One task's attention in ONE pass over its keys, a page at a time (online softmax): each key's K
    and V rows are read together - both in the same slot record - instead of every K row and then
