@@ -397,12 +397,26 @@ def serve_table(r: dict) -> str:
            f"(**{r['ratio_served_vs_engine_same_threads']:.2f}x**"
            + (f"; per round {', '.join(f'{x:.2f}' for x in r['ratio_same_threads_per_round'])}"
               if "ratio_same_threads_per_round" in r else "") + ") | >= 0.9x |"] if "server_torch_threads" in r else []),
+        *([f"| where a served round's time went (each phase's median over the rounds): the "
+           f"`openai` client building its {ph['requests']:.0f} requests until the first is sent | "
+           f"{ph['client_ramp']:.2f} s | |",
+           f"| ... then until the first reaches the engine (connections, HTTP, the client still busy) | "
+           f"{ph['to_engine']:.2f} s | |",
+           f"| ... the engine's own round in the server (first arrival to last end, from its request spans) vs "
+           f"the engine alone at the same threads | {ph['engine']:.2f} vs {r['engine_alone_round_s']:.2f} s "
+           f"(**{r['ratio_engine_round_in_server_vs_alone']:.2f}x**) | |",
+           f"| ... then until the client has every answer | {ph['after']:.2f} s | |"]
+          if (ph := r.get("served_round_phases_s")) else []),
         f"| served vs engine tokens/s, engine alone on both cores (no client beside it) | "
         f"{r['served_tokens_per_s']:.0f} vs {r['engine_tokens_per_s']:.0f} ({r['ratio_served_vs_engine']:.2f}x) | |",
         *([f"| the same, in a run with no `vllm serve` up beside ours (`bench/serve.py --no-vllm`; an idle vLLM "
            f"server still takes CPU) | {al['served_tokens_per_s']:.0f} vs {al['engine_same_threads_tokens_per_s']:.0f} "
            f"(**{al['ratio_served_vs_engine_same_threads']:.2f}x**; per round "
-           f"{', '.join(f'{x:.2f}' for x in al['ratio_same_threads_per_round'])}) | >= 0.9x |"]
+           f"{', '.join(f'{x:.2f}' for x in al['ratio_same_threads_per_round'])}"
+           + (f"; the engine's own round in the server at {al['ratio_engine_round_in_server_vs_alone']:.2f}x the engine "
+              f"alone's speed, the client's ramp and the first request's way to the engine "
+              f"{al['served_round_phases_s']['client_ramp'] + al['served_round_phases_s']['to_engine']:.2f} s a round"
+              if "served_round_phases_s" in al else "") + ") | >= 0.9x |"]
           if (al := _load("serve_alone")) and "vs_vllm_serve" in r else []),
         *([f"| CPU per generated token: server (both processes) vs engine alone | "
            f"{r['server_cpu_ms_per_token']:.2f} vs {r['engine_cpu_ms_per_token']:.2f} ms | |"]

@@ -106,17 +106,50 @@ def start_vllm(model: Path, port: int, work: Path):
     return proc, log
 
 
-async def _traffic(base: str, keys: list[str], prompts, max_tokens: int, drop_every: int = 0) -> tuple[float, list]:
+async def _traffic(base: str, keys: list[str], prompts, max_tokens: int, drop_every: int = 0,
+                   clock: list | None = None) -> tuple[float, list]:
+    """One round: every prompt sent at once, half streamed; the round's wall time and each request's
+    figures. ``clock``: gets the round's start, its first request sent and its end (Unix seconds,
+    as the server's spans have them): the `openai` client builds every request of a round (its
+    models, headers, JSON) before the first one leaves - an httpx request hook marks that - on the
+    same cores as the server."""
     import openai
-    clients = [openai.AsyncOpenAI(base_url=base, api_key=k, max_retries=0, timeout=600) for k in keys]
-    t0 = time.perf_counter()
+    first: list[float] = []
+
+    async def hook(request) -> None:
+        if not first:
+            first.append(time.time())
+    clients = [openai.AsyncOpenAI(base_url=base, api_key=k, max_retries=0, timeout=600,
+                                  http_client=openai.DefaultAsyncHttpxClient(event_hooks={"request": [hook]}))
+               for k in keys]
+    w0, t0 = time.time(), time.perf_counter()
     jobs = [_one(clients[i % len(clients)], p, max_tokens, stream=i % 2 == 0,
                  drop=bool(drop_every) and i % 2 == 0 and (i // 2) % drop_every == 1) for i, p in enumerate(prompts)]
     out = await asyncio.gather(*jobs)
     wall = time.perf_counter() - t0
     for c in clients:
         await c.close()
+    if clock is not None:
+        clock.append({"start": w0, "first_sent": first[0], "end": w0 + wall})
     return wall, out
+
+
+def _phases(store: Path, clocks: list[dict]) -> list[dict]:
+    """Where each served round's wall time went, from the server's own request spans (their arrival
+    at the engine and their end): the client building its requests until the first is sent, then
+    until the first reaches the engine, the engine's own round (first arrival to last end), and
+    after it until the client has every answer. Seconds."""
+    import duckdb
+    rows = duckdb.connect().sql(
+        'SELECT epoch_us("Timestamp") / 1e6, (epoch_us("Timestamp") + "Duration" // 1000) / 1e6 '
+        f"FROM read_parquet('{store}/segments/spans/*.parquet', union_by_name = true) WHERE operation = 'request'").fetchall()
+    out = []
+    for c in clocks:
+        mine = [(a, e) for a, e in rows if c["start"] <= a <= c["end"]]
+        first, last = min(a for a, _ in mine), max(e for _, e in mine)
+        out.append({"client_ramp": c["first_sent"] - c["start"], "to_engine": first - c["first_sent"],
+                    "engine": last - first, "after": c["end"] - last, "requests": len(mine)})
+    return out
 
 
 def main() -> None:
@@ -195,6 +228,8 @@ def main() -> None:
                            **limits)
     sp = SamplingParams(max_tokens=args.new_tokens)
     served, direct, direct_same, client_cpu, server_cpu, engine_cpu, http_cpu = [], [], [], [], [], [], []
+    clocks: list[dict] = []         # each served round's start, first request sent and end
+    same_wall: list[float] = []     # the engine alone's rounds at the server's threads, seconds
     server_threads = args.torch_threads or max(1, (os.cpu_count() or 1) - 1)   # `kvledger serve --torch-threads`
     try:
         for _ in range(2):                                                             # warm-up, every side
@@ -213,7 +248,8 @@ def main() -> None:
                     vllm_ttft += _ttfts(out)
                 elif which == "http":
                     cpu0, scpu0, hcpu0 = time.process_time(), _cpu_s(server.pid), _cpu_s(server.pid, kids=False)
-                    wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens))
+                    wall, out = asyncio.run(_traffic(base + "/v1", list(keys), prompts, args.new_tokens,
+                                                     clock=clocks))
                     tokens = sum(o["tokens"] for o in out)
                     http_ttft += _ttfts(out)
                     served.append(tokens / wall)
@@ -229,7 +265,8 @@ def main() -> None:
                     torch.set_num_threads(server_threads)     # the engine as the server runs it
                     t0 = time.perf_counter()
                     reqs = engine.generate(prompts, sp)
-                    direct_same.append(sum(len(q.output_ids) for q in reqs) / (time.perf_counter() - t0))
+                    same_wall.append(time.perf_counter() - t0)
+                    direct_same.append(sum(len(q.output_ids) for q in reqs) / same_wall[-1])
                     torch.set_num_threads(2)
             print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s "
                   + (f"vllm serve {vllm_served[-1]:.0f} tok/s " if vllm_served else "") +
@@ -267,6 +304,7 @@ def main() -> None:
     ttft = sorted(o["ttft"] for o in soak if o.get("ttft") is not None)
     tpot = sorted(o["tpot"] for o in soak if o.get("tpot") is not None)
     fx = Forensics(tmp / "store")
+    phases = _phases(tmp / "store", clocks)
     res = {"config": {"model": "tiny llama (hidden 256, 4 layers)", "tenants": args.tenants, "requests": args.requests,
                       "new_tokens": args.new_tokens, "rounds": args.rounds, "policy": "hardened", "mode": "unified", **limits},
            "served_tokens_per_s": statistics.median(served), "engine_tokens_per_s": statistics.median(direct),
@@ -275,6 +313,11 @@ def main() -> None:
            "engine_same_threads_tokens_per_s": statistics.median(direct_same),
            "ratio_served_vs_engine_same_threads": statistics.median(served) / statistics.median(direct_same),
            "ratio_same_threads_per_round": [a / b for a, b in zip(served, direct_same)],
+           # where a served round's wall time went (seconds, medians; bench/serve.py _phases), and the
+           # engine's own round in the server beside the engine alone at the same threads
+           "served_round_phases_s": {k: statistics.median(p[k] for p in phases) for k in phases[0]},
+           "engine_alone_round_s": statistics.median(same_wall),
+           "ratio_engine_round_in_server_vs_alone": statistics.median(same_wall) / statistics.median(p["engine"] for p in phases),
            "client_cpu_share": statistics.median(client_cpu),      # client CPU seconds per wall second
            # CPU seconds per generated token: the server process (HTTP, engine, telemetry) vs the engine
            # alone in this process - what the HTTP layer costs in CPU, whatever the client takes
@@ -305,6 +348,8 @@ def main() -> None:
     if args.max_num_seqs or args.max_num_batched_tokens:     # not serve's defaults: a file of its own
         name += f"_{limits['max_num_seqs']}seqs_{limits['max_num_batched_tokens']}tok"
     out = write(name, res)
+    print("a served round's wall: " + ", ".join(f"{k} {v:.3f}" for k, v in res["served_round_phases_s"].items())
+          + f"; the engine alone {res['engine_alone_round_s']:.3f} s")
     print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
           f"{res['ratio_served_vs_engine']:.2f}x; soak TTFT p50 {res['soak']['ttft_p50_s'] * 1e3:.0f} ms, "
           f"p99 {res['soak']['ttft_p99_s'] * 1e3:.0f} ms; after: {res['after']}")
