@@ -395,7 +395,7 @@ def serve_table(r: dict) -> str:
         "| measurement | value | goal |",
         "| --- | --- | --- |",
         *([f"| served vs engine tokens/s, the engine as the server runs it ({r['server_torch_threads']} torch "
-           f"thread(s)): what the HTTP layer costs | "
+           f"thread(s)), over the client's wall time of each round (its own ramp included: the rows below) | "
            f"{r['served_tokens_per_s']:.0f} vs {r['engine_same_threads_tokens_per_s']:.0f} "
            f"(**{r['ratio_served_vs_engine_same_threads']:.2f}x**"
            + (f"; per round {', '.join(f'{x:.2f}' for x in r['ratio_same_threads_per_round'])}"
