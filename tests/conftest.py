@@ -19,15 +19,27 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import atexit
+import shutil
 import tempfile
 
 import pytest
 
+
+def _own_tempdir(prefix: str) -> str:
+    """A directory of this process's, removed when it exits (the suite leaves no /tmp behind)."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
+
+
 # keys and anchors live outside every store, in a per-user state directory: the tests get their own
-# (subprocesses inherit it), never the user's ~/.local/state/kvledger
-os.environ.setdefault("KVLEDGER_STATE_DIR", tempfile.mkdtemp(prefix="kvledger-test-state-"))
+# (the xdist workers and the subprocesses inherit the controller's), never the user's
+# ~/.local/state/kvledger
+if "KVLEDGER_STATE_DIR" not in os.environ:
+    os.environ["KVLEDGER_STATE_DIR"] = _own_tempdir("kvledger-test-state-")
 # embedded ClickHouse (chdb) keeps one data directory per process: each test process gets its own
-os.environ["KVLEDGER_CHDB_PATH"] = tempfile.mkdtemp(prefix="kvledger-test-chdb-")
+os.environ["KVLEDGER_CHDB_PATH"] = _own_tempdir("kvledger-test-chdb-")
 os.environ["KVLEDGER_CHDB_THREADS"] = "1"        # as torch: one thread per xdist worker on two cores
 
 from telemetry.recorder import recording
