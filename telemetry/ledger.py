@@ -52,6 +52,19 @@ def _cat(recs: list, field: str) -> np.ndarray:
     return np.concatenate([np.asarray(t).reshape(-1) for t in ts])
 
 
+def _catter(recs: list) -> Callable[[str], np.ndarray]:
+    """``_cat`` of these records, each field concatenated once: a fold's writes, read runs and
+    exposure index read the same fields (read only: nothing writes into what it returns)."""
+    done: dict[str, np.ndarray] = {}
+
+    def cat(field: str) -> np.ndarray:
+        a = done.get(field)
+        if a is None:
+            a = done[field] = _cat(recs, field)
+        return a
+    return cat
+
+
 def _ts(n: int, ns: int) -> np.ndarray:
     return np.full(n, ns, dtype=np.int64)
 
@@ -194,7 +207,7 @@ class ReadRuns:
             out.append(s)
         return np.asarray(out, dtype=np.int64)
 
-    def add(self, steps: list[StepRecord]) -> None:
+    def add(self, steps: list[StepRecord], cat: "Callable[[str], np.ndarray] | None" = None) -> None:
         """Fold a batch of steps' reads into the runs, in step order, with one set of array
         operations for the whole batch: the reads are flattened, a stable sort by (reader, column)
         lines each one's reads up in step order, each read is linked to the one before it (or to
@@ -213,7 +226,7 @@ class ReadRuns:
         R, C = self.open.shape
         Bs = np.array([st.block_tables.shape[0] for st in steps])
         Cs = np.array([st.block_tables.shape[1] for st in steps])
-        cat = lambda f: _cat(steps, f)  # noqa: E731
+        cat = cat or _catter(steps)
         page, sr = cat("block_tables"), cat("slots_read")
         idx = np.flatnonzero((page >= 0) & (sr > 0))                          # the cells that read a page
         n = len(idx)
@@ -473,7 +486,7 @@ class PageLedger:
         return out
 
     def _fold(self, node: str, recs: list[StepRecord], moved: "list[Writes]" = ()) -> Columns:
-        cat = lambda f: _cat(recs, f)  # noqa: E731
+        cat = _catter(recs)
         tok_b = [_np(r.tok_batch) for r in recs]
         n = np.array([len(t) for t in tok_b])
         base = np.cumsum([0] + [len(r.incs) for r in recs[:-1]])             # each step's batch in the concatenation
@@ -483,18 +496,18 @@ class PageLedger:
         runs = self.runs.get(node)
         if runs is None:
             runs = self.runs[node] = ReadRuns(node, recs[0].page_size, self.coalesce, self.scopes)
-        runs.add(recs)
+        runs.add(recs, cat)
         decode = positions >= np.concatenate([r.prompt_lens for r in recs]).astype(np.int64)[tb]
         lc = np.repeat(np.array([r.lclock for r in recs], dtype=np.int64), n)
         ts = np.repeat(np.array([r.ts_ns for r in recs], dtype=np.int64), n)
         self._index(node, recs, [Writes(lc, cat("slot_pages"), cat("slot_offsets"), cat("gen_written"), cat("new_writers"),
-                                        positions, decode.astype(np.int64), ts), *moved])
+                                        positions, decode.astype(np.int64), ts), *moved], cat)
         return self._write_cols(
             node, len(positions), lc, cat("slot_pages"), cat("gen_written"), cat("slot_offsets"), positions,
             cat("new_writers"), cat("new_tags"), decode,     # decode append
             ["prefill", "decode"], {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}, ts)
 
-    def _index(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]") -> None:
+    def _index(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]", cat=None) -> None:
         """Writer thread: the exposure index's part of a fold - every read of the steps held (who
         read which page in which generation), the failing ones answered against the slots' last
         writes, then the fold's writes (the steps' and the landings' and reloads') applied."""
@@ -502,17 +515,17 @@ class PageLedger:
             return
         t0 = time.thread_time()
         try:
-            self._index_fold(node, recs, writes)
+            self._index_fold(node, recs, writes, cat)
         finally:
             self.index_cpu_s += time.thread_time() - t0
 
-    def _index_fold(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]") -> None:
+    def _index_fold(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]", cat=None) -> None:
         ix = self.index.get(node)
         if ix is None:
             ix = self.index[node] = NodeIndex(node, recs[0].page_size)
         reads = Reads()
         if recs:
-            cat = lambda f: _cat(recs, f)  # noqa: E731
+            cat = cat or _catter(recs)
             page, sr, gen = cat("block_tables"), cat("slots_read"), cat("expected_gen")
             Cs = np.array([r.block_tables.shape[1] for r in recs])
             Bs = np.array([r.block_tables.shape[0] for r in recs])

@@ -66,30 +66,37 @@ class StoreSpanExporter(SpanExporter):
         if not self.writer.accepting:   # closed (an SDK thread restarted in a forked child) or failed: not exported
             return SpanExportResult.FAILURE
         cols: dict[str, list] = {k: [] for k in (*collector_span_columns(), *_PROMOTED.values())}
+        resources: dict[int, tuple[str, list]] = {}      # a provider's resource: the same for all its spans
+        promoted = [(key, cols[col].append) for key, col in _PROMOTED.items()]
         for sp in spans:
-            a, res = dict(sp.attributes or {}), dict(sp.resource.attributes)
+            a, ctx, scope, status = sp.attributes or {}, sp.context, sp.instrumentation_scope, sp.status
+            res = resources.get(id(sp.resource))
+            if res is None:
+                ra = sp.resource.attributes
+                res = resources[id(sp.resource)] = (str(ra.get("service.name", "")), [(k, _s(v)) for k, v in ra.items()])
+            events, links = sp.events, sp.links
             cols["Timestamp"].append(sp.start_time)
-            cols["TraceId"].append(f"{sp.context.trace_id:032x}")
-            cols["SpanId"].append(f"{sp.context.span_id:016x}")
+            cols["TraceId"].append(f"{ctx.trace_id:032x}")
+            cols["SpanId"].append(f"{ctx.span_id:016x}")
             cols["ParentSpanId"].append(f"{sp.parent.span_id:016x}" if sp.parent else "")
-            cols["TraceState"].append(str(sp.context.trace_state.to_header()))
+            cols["TraceState"].append(str(ctx.trace_state.to_header()))
             cols["SpanName"].append(sp.name)
             cols["SpanKind"].append(sp.kind.name)
-            cols["ServiceName"].append(str(res.get("service.name", "")))
-            cols["ResourceAttributes"].append([(k, _s(v)) for k, v in res.items()])
-            cols["ScopeName"].append(sp.instrumentation_scope.name if sp.instrumentation_scope else "")
-            cols["ScopeVersion"].append((sp.instrumentation_scope.version or "") if sp.instrumentation_scope else "")
+            cols["ServiceName"].append(res[0])
+            cols["ResourceAttributes"].append(res[1])
+            cols["ScopeName"].append(scope.name if scope else "")
+            cols["ScopeVersion"].append((scope.version or "") if scope else "")
             cols["SpanAttributes"].append([(k, _s(v)) for k, v in a.items()])
             cols["Duration"].append(sp.end_time - sp.start_time)
-            cols["StatusCode"].append(sp.status.status_code.name)
-            cols["StatusMessage"].append(sp.status.description or "")
-            cols["Events.Timestamp"].append([e.timestamp for e in sp.events])
-            cols["Events.Name"].append([e.name for e in sp.events])
-            cols["Links.TraceId"].append([f"{ln.context.trace_id:032x}" for ln in sp.links])
-            cols["Links.SpanId"].append([f"{ln.context.span_id:016x}" for ln in sp.links])
-            for key, col in _PROMOTED.items():
+            cols["StatusCode"].append(status.status_code.name)
+            cols["StatusMessage"].append(status.description or "")
+            cols["Events.Timestamp"].append([e.timestamp for e in events])
+            cols["Events.Name"].append([e.name for e in events])
+            cols["Links.TraceId"].append([f"{ln.context.trace_id:032x}" for ln in links])
+            cols["Links.SpanId"].append([f"{ln.context.span_id:016x}" for ln in links])
+            for key, append in promoted:
                 v = a.get(key)
-                cols[col].append(_s(v) if isinstance(v, (list, tuple)) else v)
+                append(_s(v) if isinstance(v, (list, tuple)) else v)
         schema = arrow_schemas()["spans"]
         self.writer.submit("spans", pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()}))
         self.exported += len(spans)

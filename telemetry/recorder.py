@@ -114,12 +114,14 @@ class Telemetry(Recorder):
     def _model(self, engine) -> str:
         return self.model_name or getattr(engine.model, "name", type(engine.model).__name__)
 
-    def _child(self, engine, req, name: str, start: float | None, end: float | None, root=None, **attrs) -> None:
+    def _child(self, engine, req, name: str, start: float | None, end: float | None, root=None, parent=None,
+               **attrs) -> None:
+        """``parent``: the root's context, made once by a caller that ends several children."""
         root = root or self._roots.get(req.incarnation)
         if root is None or start is None or end is None:
             return
         span = self._node(engine).tracer.start_span(
-            f"{name} {self._model(engine)}", context=trace.set_span_in_context(root),
+            f"{name} {self._model(engine)}", context=parent or trace.set_span_in_context(root),
             start_time=perf_to_unix_ns(start),
             attributes={"kvledger.operation": name, "kvledger.node": engine.cfg.node_id,
                         "kvledger.incarnation": req.incarnation, **attrs})
@@ -269,12 +271,13 @@ class Telemetry(Recorder):
                 root.add_event("rejected", {"kvledger.rejection.where": where}, timestamp=perf_to_unix_ns(end))
         root.set_attributes(a)
         first_work = min((t for t in (req.prefill_started_at, req.transfer_started_at) if t is not None), default=end)
-        self._child(engine, req, "admission", req.arrival, first_work, root=root)
+        parent = trace.set_span_in_context(root)
+        self._child(engine, req, "admission", req.arrival, first_work, root=root, parent=parent)
         if engine.cfg.role == "unified":
             self._child(engine, req, "prefill", req.prefill_started_at, req.first_token_at or end, root=root,
-                        **{"kvledger.prompt_tokens.prefilled": req.prefilled_tokens})
+                        parent=parent, **{"kvledger.prompt_tokens.prefilled": req.prefilled_tokens})
         if req.first_token_at is not None and req.output_tokens > 1:
-            self._child(engine, req, "decode", req.first_token_at, end, root=root)
+            self._child(engine, req, "decode", req.first_token_at, end, root=root, parent=parent)
         root.end(end_time=perf_to_unix_ns(end))
         if req.ttft is not None:
             node.ttft.record(req.ttft, metric_attrs)
