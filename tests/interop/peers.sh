@@ -14,7 +14,7 @@ if [ -n "$SHARE" ] && [ -x "$SHARE/bin/python" ]; then
     if [ -d "$src/torch-2.13.0+cpu.dist-info" ] && [ "$(stat -c %d "$src")" = "$(stat -c %d "$dst")" ]; then
         for d in "$src"/torch "$src"/torchgen "$src"/functorch "$src"/torch-2.13.0+cpu.dist-info \
                  "$src"/triton "$src"/triton-*.dist-info; do
-            if [ -e "$d" ]; then cp -al "$d" "$dst/"; fi
+            if [ -e "$d" ] && [ ! -e "$dst/$(basename "$d")" ]; then cp -al "$d" "$dst/"; fi
         done
         echo "peers: torch and triton hard-linked from $SHARE"
     fi
