@@ -135,7 +135,16 @@ def run_workload(name: str, tmp: Path, repeats: int | None, seed: int = 0, peers
         extra = ()
         variants["fp32"] = ours(model=LlamaModel.from_pretrained(d))
     else:
-        variants["with_ledger"] = ours(recorder=tel)
+        recorded = ours(recorder=tel)
+
+        def with_ledger():
+            # the writing of what the run recorded (written and linked) is in its own window, as in
+            # bench/telemetry.py: left to the writer thread, it ran during the next variant's window -
+            # the plain engine's `long` fp32 runs 3-7 % slower after one (2026-12-05) and the ledger
+            # looked cheaper than it is
+            recorded()
+            tel.writer.flush()
+        variants["with_ledger"] = with_ledger
     if "check_off" in extra:
         variants["check_off"] = ours(check_reads=False)
     if "zero_on_free" in extra:
