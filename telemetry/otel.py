@@ -56,6 +56,50 @@ def _s(v) -> str:
     return ",".join(map(str, v)) if isinstance(v, (list, tuple)) else str(v)
 
 
+def _span_columns() -> dict[str, list]:
+    return {k: [] for k in (*collector_span_columns(), *_PROMOTED.values())}
+
+
+def _resource_row(resource: Resource) -> tuple[str, list]:
+    """A provider's resource as a span row carries it: (service name, attribute pairs)."""
+    ra = resource.attributes
+    return str(ra.get("service.name", "")), [(k, _s(v)) for k, v in ra.items()]
+
+
+def _append_span(cols: dict[str, list], start: int, end: int, trace_id: int, span_id: int, parent_id: int | None,
+                 trace_state: str, name: str, kind: str, res: tuple[str, list], scope: tuple[str, str], a,
+                 status: tuple[str, str] = ("UNSET", ""), events=(), links=()) -> None:
+    """One span's row into the ``spans`` columns (the Collector's ClickHouse exporter's, and the
+    promoted attributes); ``a``: its attributes (a mapping)."""
+    cols["Timestamp"].append(start)
+    cols["TraceId"].append(f"{trace_id:032x}")
+    cols["SpanId"].append(f"{span_id:016x}")
+    cols["ParentSpanId"].append(f"{parent_id:016x}" if parent_id is not None else "")
+    cols["TraceState"].append(trace_state)
+    cols["SpanName"].append(name)
+    cols["SpanKind"].append(kind)
+    cols["ServiceName"].append(res[0])
+    cols["ResourceAttributes"].append(res[1])
+    cols["ScopeName"].append(scope[0])
+    cols["ScopeVersion"].append(scope[1])
+    cols["SpanAttributes"].append([(k, _s(v)) for k, v in a.items()])
+    cols["Duration"].append(end - start)
+    cols["StatusCode"].append(status[0])
+    cols["StatusMessage"].append(status[1])
+    cols["Events.Timestamp"].append([e.timestamp for e in events])
+    cols["Events.Name"].append([e.name for e in events])
+    cols["Links.TraceId"].append([f"{ln.context.trace_id:032x}" for ln in links])
+    cols["Links.SpanId"].append([f"{ln.context.span_id:016x}" for ln in links])
+    for key, col in _PROMOTED.items():
+        v = a.get(key)
+        cols[col].append(_s(v) if isinstance(v, (list, tuple)) else v)
+
+
+def _spans_table(cols: dict[str, list]) -> pa.Table:
+    schema = arrow_schemas()["spans"]
+    return pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()})
+
+
 class StoreSpanExporter(SpanExporter):
     """Spans -> the ``spans`` table (columns after the Collector's ClickHouse exporter)."""
 
@@ -65,45 +109,54 @@ class StoreSpanExporter(SpanExporter):
     def export(self, spans: Sequence[ReadableSpan]) -> SpanExportResult:
         if not self.writer.accepting:   # closed (an SDK thread restarted in a forked child) or failed: not exported
             return SpanExportResult.FAILURE
-        cols: dict[str, list] = {k: [] for k in (*collector_span_columns(), *_PROMOTED.values())}
+        cols = _span_columns()
         resources: dict[int, tuple[str, list]] = {}      # a provider's resource: the same for all its spans
-        promoted = [(key, cols[col].append) for key, col in _PROMOTED.items()]
         for sp in spans:
-            a, ctx, scope, status = sp.attributes or {}, sp.context, sp.instrumentation_scope, sp.status
+            ctx, scope, status = sp.context, sp.instrumentation_scope, sp.status
             res = resources.get(id(sp.resource))
             if res is None:
-                ra = sp.resource.attributes
-                res = resources[id(sp.resource)] = (str(ra.get("service.name", "")), [(k, _s(v)) for k, v in ra.items()])
-            events, links = sp.events, sp.links
-            cols["Timestamp"].append(sp.start_time)
-            cols["TraceId"].append(f"{ctx.trace_id:032x}")
-            cols["SpanId"].append(f"{ctx.span_id:016x}")
-            cols["ParentSpanId"].append(f"{sp.parent.span_id:016x}" if sp.parent else "")
-            cols["TraceState"].append(str(ctx.trace_state.to_header()))
-            cols["SpanName"].append(sp.name)
-            cols["SpanKind"].append(sp.kind.name)
-            cols["ServiceName"].append(res[0])
-            cols["ResourceAttributes"].append(res[1])
-            cols["ScopeName"].append(scope.name if scope else "")
-            cols["ScopeVersion"].append((scope.version or "") if scope else "")
-            cols["SpanAttributes"].append([(k, _s(v)) for k, v in a.items()])
-            cols["Duration"].append(sp.end_time - sp.start_time)
-            cols["StatusCode"].append(status.status_code.name)
-            cols["StatusMessage"].append(status.description or "")
-            cols["Events.Timestamp"].append([e.timestamp for e in events])
-            cols["Events.Name"].append([e.name for e in events])
-            cols["Links.TraceId"].append([f"{ln.context.trace_id:032x}" for ln in links])
-            cols["Links.SpanId"].append([f"{ln.context.span_id:016x}" for ln in links])
-            for key, append in promoted:
-                v = a.get(key)
-                append(_s(v) if isinstance(v, (list, tuple)) else v)
-        schema = arrow_schemas()["spans"]
-        self.writer.submit("spans", pa.table({k: pa.array(v, schema.field(k).type) for k, v in cols.items()}))
+                res = resources[id(sp.resource)] = _resource_row(sp.resource)
+            _append_span(cols, sp.start_time, sp.end_time, ctx.trace_id, ctx.span_id,
+                         sp.parent.span_id if sp.parent else None, str(ctx.trace_state.to_header()), sp.name,
+                         sp.kind.name, res, (scope.name, scope.version or "") if scope else ("", ""),
+                         sp.attributes or {}, (status.status_code.name, status.description or ""), sp.events, sp.links)
+        self.writer.submit("spans", _spans_table(cols))
         self.exported += len(spans)
         return SpanExportResult.SUCCESS
 
     def shutdown(self) -> None:
         pass
+
+
+class SpanRows:
+    """Spans written as rows straight into the ``spans`` columns - no SDK span object, processor or
+    export thread - where the store is their only destination (no OTLP collector configured): a
+    finished request's child spans (``Telemetry._end_request``), each row what StoreSpanExporter makes
+    of the same span through the SDK (tests/test_telemetry.py holds the two equal). One thread
+    builds them (the store writer's); counted as ended when added, as exported when taken."""
+
+    def __init__(self):
+        self.cols, self.n, self.by_node = _span_columns(), 0, {}
+
+    def add(self, node: "NodeTelemetry", parent, name: str, start: int, end: int, attrs: dict) -> None:
+        """A child of ``parent`` (a span context) on ``node``, from ``start`` to ``end`` (ns since the
+        epoch), kind INTERNAL, status UNSET, its id from the node's tracer provider's id generator."""
+        _append_span(self.cols, start, end, parent.trace_id, node.tracers.id_generator.generate_span_id(),
+                     parent.span_id, str(parent.trace_state.to_header()), name, "INTERNAL", node.resource_row,
+                     node.scope, attrs)
+        node.direct_ended += 1
+        self.by_node[node] = self.by_node.get(node, 0) + 1
+        self.n += 1
+
+    def take(self, handed_over: bool = True) -> pa.Table | None:
+        """The rows so far (None: none), counted as exported where ``handed_over`` (the caller gives
+        them to the store's writer; False: the writer no longer accepts - they are dropped)."""
+        table = _spans_table(self.cols) if self.n else None
+        if handed_over:
+            for node, k in self.by_node.items():
+                node.direct_exported += k
+        self.cols, self.n, self.by_node = _span_columns(), 0, {}
+        return table
 
 
 class StoreMetricExporter(MetricExporter):
@@ -192,6 +245,11 @@ class NodeTelemetry:
             schedule_delay_millis=SPAN_EXPORT_DELAY_MS, meter_provider=self.meters))
         if (otlp := otlp_processor()) is not None:
             self.tracers.add_span_processor(otlp)
+        # where the store is the spans' only destination, a finished request's child spans are written
+        # as rows (SpanRows) rather than built and exported through the SDK: bench/telemetry.py
+        self.direct = otlp is None
+        self.direct_ended = self.direct_exported = 0        # those rows (SpanRows), beside the SDK's counts
+        self.resource_row, self.scope = _resource_row(res), ("kvledger", tel.version)
         self.tracer = self.tracers.get_tracer("kvledger", tel.version, schema_url=SCHEMA_URL)
         m = self.meters.get_meter("kvledger", tel.version, schema_url=SCHEMA_URL)
         self.ttft = m.create_histogram("gen_ai.server.time_to_first_token", "s", "Time to generate first token",

@@ -27,7 +27,7 @@ from opentelemetry.trace import Status, StatusCode
 from engine.errors import InputError
 from engine.recorder import LandedRecords, Recorder, RecorderFactory, TransferRecord
 from telemetry.ledger import PageLedger, forget_oldest_half, perf_to_unix_ns
-from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, otlp_processor
+from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, SpanRows, otlp_processor
 from telemetry.store import FLUSH_INTERVAL, SegmentWriter
 from telemetry.store.keys import Keys
 
@@ -79,6 +79,7 @@ class Telemetry(Recorder):
         self._transfers: dict[int, TransferRecord] = {}
         # finished requests whose spans the store writer's thread ends (request_finished)
         self._finishing: collections.deque = collections.deque()
+        self._child_rows = SpanRows()       # their child spans, where written as rows (NodeTelemetry.direct)
         self._finish_lock = threading.Lock()
         self._finish_queued = False
         # every signed chain head also leaves as telemetry - a span `kvledger.anchor` to the OTLP
@@ -115,10 +116,17 @@ class Telemetry(Recorder):
         return self.model_name or getattr(engine.model, "name", type(engine.model).__name__)
 
     def _child(self, engine, req, name: str, start: float | None, end: float | None, root=None, parent=None,
-               **attrs) -> None:
-        """``parent``: the root's context, made once by a caller that ends several children."""
+               rows: SpanRows | None = None, **attrs) -> None:
+        """``parent``: the root's context, made once by a caller that ends several children; ``rows``:
+        the span written as a row there instead of through the SDK (the node's ``direct``)."""
         root = root or self._roots.get(req.incarnation)
         if root is None or start is None or end is None:
+            return
+        if rows is not None:
+            rows.add(self._node(engine), root.get_span_context(), f"{name} {self._model(engine)}",
+                     perf_to_unix_ns(start), perf_to_unix_ns(end),
+                     {"kvledger.operation": name, "kvledger.node": engine.cfg.node_id,
+                      "kvledger.incarnation": req.incarnation, **attrs})
             return
         span = self._node(engine).tracer.start_span(
             f"{name} {self._model(engine)}", context=parent or trace.set_span_in_context(root),
@@ -238,7 +246,9 @@ class Telemetry(Recorder):
 
     def _finish_spans(self) -> list:
         """The store writer's thread (or ``close``): end every queued request's spans. A failure is
-        logged and the rest go on - it must not fail the writer, which holds the ledger too."""
+        logged and the rest go on - it must not fail the writer, which holds the ledger too. Returns
+        the child spans written as rows (the writer's lazy-build contract: (table, rows) pairs); a
+        caller other than the writer submits them."""
         with self._finish_lock:
             self._finish_queued = False         # before draining: a request queued from now on queues a new call
             while self._finishing:
@@ -247,7 +257,8 @@ class Telemetry(Recorder):
                     self._end_request(*item)
                 except Exception:               # noqa: BLE001 - one request's spans, not the store
                     log.exception("ending request %s's spans failed", item[4].incarnation)
-        return []                               # no rows: the writer's lazy-build contract
+            rows = self._child_rows.take(handed_over=self.writer.accepting)
+        return [] if rows is None else [("spans", rows)]
 
     def _end_request(self, engine, root, rec: TransferRecord | None, rejection, req: "_Ended") -> None:
         node = self._node(engine)
@@ -271,13 +282,15 @@ class Telemetry(Recorder):
                 root.add_event("rejected", {"kvledger.rejection.where": where}, timestamp=perf_to_unix_ns(end))
         root.set_attributes(a)
         first_work = min((t for t in (req.prefill_started_at, req.transfer_started_at) if t is not None), default=end)
-        parent = trace.set_span_in_context(root)
-        self._child(engine, req, "admission", req.arrival, first_work, root=root, parent=parent)
+        # children as rows where the store is their only destination, else through the SDK
+        rows = self._child_rows if node.direct else None
+        parent = None if rows is not None else trace.set_span_in_context(root)
+        self._child(engine, req, "admission", req.arrival, first_work, root=root, parent=parent, rows=rows)
         if engine.cfg.role == "unified":
             self._child(engine, req, "prefill", req.prefill_started_at, req.first_token_at or end, root=root,
-                        parent=parent, **{"kvledger.prompt_tokens.prefilled": req.prefilled_tokens})
+                        parent=parent, rows=rows, **{"kvledger.prompt_tokens.prefilled": req.prefilled_tokens})
         if req.first_token_at is not None and req.output_tokens > 1:
-            self._child(engine, req, "decode", req.first_token_at, end, root=root, parent=parent)
+            self._child(engine, req, "decode", req.first_token_at, end, root=root, parent=parent, rows=rows)
         root.end(end_time=perf_to_unix_ns(end))
         if req.ttft is not None:
             node.ttft.record(req.ttft, metric_attrs)
@@ -303,18 +316,19 @@ class Telemetry(Recorder):
     # ---- shutdown ---------------------------------------------------------------------------------------
     @property
     def spans_ended(self) -> int:
-        return sum(n.ended.ended for n in self.nodes.values())
+        return sum(n.ended.ended + n.direct_ended for n in self.nodes.values())
 
     @property
     def spans_exported(self) -> int:
-        return sum(n.exporter.exported for n in self.nodes.values())
+        return sum(n.exporter.exported + n.direct_exported for n in self.nodes.values())
 
     def close(self) -> dict:
         """Flush spans, metrics and the ledger; returns counts (spans_dropped: lost to a full queue).
         Closing twice is harmless (the second call only returns the counts)."""
         if self.writer.closed:
             return self._counts()
-        self._finish_spans()                    # the requests the writer's thread has not ended yet
+        for table, rows in self._finish_spans():    # the requests the writer's thread has not ended yet
+            self.writer.submit(table, rows)
         for n in self.nodes.values():
             n.tracers.force_flush()
             n.tracers.shutdown()

@@ -179,6 +179,57 @@ def _engine(tel: Telemetry) -> LLMEngine:
     return LLMEngine(model, tok, EngineConfig(kv_memory_budget=8 << 20, context_length=512), recorder=tel)
 
 
+def _pairs(m) -> list[tuple]:
+    """A map column's value as polars gives it (a dict, or key/value structs), as (key, value) pairs."""
+    return list(m.items()) if isinstance(m, dict) else [(e["key"], e["value"]) for e in m]
+
+
+def test_child_spans_written_as_rows_equal_those_the_sdk_exports(tmp_path, monkeypatch):
+    """Where the store is the spans' only destination a finished request's children are written as
+    rows (SpanRows), not through the SDK: the same requests through both paths give the same rows but
+    for ids and times, each child under its root's trace and span, and the same counts."""
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    eng = _engine(tel)
+    prompts = [f"prompt number {i} " * 3 for i in range(3)]
+    sp = SamplingParams(max_tokens=4)
+    for direct in (True, False):          # the first three requests' children as rows, the next three's via the SDK
+        for node in tel.nodes.values():
+            node.direct = direct
+        eng.generate(prompts, sp)
+        tel.writer.flush()          # the writer's thread has ended their spans (under this mode)
+    stats = tel.close()
+    assert stats["spans_dropped"] == 0 and stats["spans_ended"] == stats["spans_exported"] == 2 * 3 * 4
+    spans = open_store(tmp_path / "s").sql("SELECT * FROM spans").pl()
+    roots = spans.filter(pl.col("operation") == "request").select("TraceId", pl.col("SpanId").alias("root"),
+                                                                  "incarnation", pl.col("Timestamp").alias("t0"))
+    kids = spans.filter(pl.col("operation") != "request").join(roots, on="incarnation")
+    assert kids.height == 2 * 3 * 3
+    assert (kids["TraceId"] == kids["TraceId_right"]).all() and (kids["ParentSpanId"] == kids["root"]).all()
+    assert (kids["Duration"] >= 0).all() and (kids["Timestamp"] >= kids["t0"]).all()
+    assert kids["SpanId"].n_unique() == kids.height
+
+    def shape(rows: pl.DataFrame) -> list:
+        """A run's children but for ids, times and which incarnation: sorted rows."""
+        order = {inc: i for i, inc in enumerate(sorted(rows["incarnation"].unique()))}
+        out = []
+        for r in rows.drop("TraceId", "SpanId", "ParentSpanId", "Timestamp", "Duration", "TraceId_right", "root",
+                           "t0").iter_rows(named=True):
+            r["SpanAttributes"] = [(k, v) for k, v in _pairs(r["SpanAttributes"]) if k != "kvledger.incarnation"]
+            r["incarnation"] = order[r["incarnation"]]
+            out.append(repr(sorted(r.items())))
+        return sorted(out)
+    incs = sorted(kids["incarnation"].unique())
+    first, second = (kids.filter(pl.col("incarnation").is_in(part)) for part in (incs[:3], incs[3:]))
+    assert shape(first) == shape(second)
+    # the attributes in the SDK's order (insertion), as strings
+    row = first.filter(pl.col("operation") == "prefill").row(0, named=True)
+    assert [k for k, _ in _pairs(row["SpanAttributes"])] == ["kvledger.operation", "kvledger.node", "kvledger.incarnation",
+                                                    "kvledger.prompt_tokens.prefilled"]
+    assert row["SpanKind"] == "INTERNAL" and row["StatusCode"] == "UNSET" and row["ScopeName"] == "kvledger"
+
+
 def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
     real = StoreSpanExporter.export
     monkeypatch.setattr(StoreSpanExporter, "export", lambda self, spans: (time.sleep(0.3), real(self, spans))[1])
