@@ -13,7 +13,9 @@ Spans go through a ``BatchSpanProcessor`` (queue sized by ``span_queue_size``) t
 spans exported are both counted and ``spans_dropped`` is exposed (and the SDK's own
 ``otel.sdk.processor.span.processed{error.type=queue_full}`` metric lands in the store).
 With ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) set and the optional exporter
-installed (``pip install kvledger[otlp]``), spans also go to that collector.
+installed (``pip install kvledger[otlp]``), spans also go to that collector. Without one, a finished
+request's child spans (admission, prefill, decode) skip the SDK: ``SpanRows`` writes the rows the
+exporter would have made of them straight into the store (their root still goes through the SDK).
 """
 from __future__ import annotations
 
