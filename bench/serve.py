@@ -37,6 +37,10 @@ SERVER_ENV: dict = {}
 # a pool every running request fits in (128 x 17 pages of 16 tokens), as vLLM's 1 GiB KV cache space
 # holds them all (262,144 tokens): with 8,192 tokens, admissions waited for pages, not for the engine
 CONFIG = "context_length = 1024\n[unified]\npool_tokens = 40960\n"
+# after a served round, the seconds left to the server's store writer to write that round's rows (a
+# flush every 2 s, idle priority) before the next side's window opens: each side's writing otherwise
+# ran inside the next side's window (bench/engine.py had the same fault, 2026-12-05)
+DRAIN_S = 2.5
 
 
 def _cpu_s(pid: int, kids: bool = True) -> float:
@@ -256,16 +260,21 @@ def main() -> None:
                     client_cpu.append((time.process_time() - cpu0) / wall)
                     server_cpu.append((_cpu_s(server.pid) - scpu0) / tokens)
                     http_cpu.append((_cpu_s(server.pid, kids=False) - hcpu0) / tokens)
+                    # the server's store writer writes the round's rows after its answers (idle
+                    # priority, a flush every FLUSH_INTERVAL s): let it, before the next side's window
+                    time.sleep(DRAIN_S)
                 else:
                     t0, cpu0 = time.perf_counter(), time.process_time()
                     reqs = engine.generate(prompts, sp)
                     tokens = sum(len(q.output_ids) for q in reqs)
                     direct.append(tokens / (time.perf_counter() - t0))
                     engine_cpu.append((time.process_time() - cpu0) / tokens)
-                    torch.set_num_threads(server_threads)     # the engine as the server runs it
+                    tel.writer.flush()      # its rows written and linked outside the next window, as the
+                    torch.set_num_threads(server_threads)     # server's (DRAIN_S); the engine as the server runs it
                     t0 = time.perf_counter()
                     reqs = engine.generate(prompts, sp)
                     same_wall.append(time.perf_counter() - t0)
+                    tel.writer.flush()
                     direct_same.append(sum(len(q.output_ids) for q in reqs) / same_wall[-1])
                     torch.set_num_threads(2)
             print(f"  round {r + 1}/{args.rounds}: served {served[-1]:.0f} tok/s, engine {direct[-1]:.0f} tok/s "
