@@ -269,8 +269,9 @@ def main() -> None:
                     tokens = sum(len(q.output_ids) for q in reqs)
                     direct.append(tokens / (time.perf_counter() - t0))
                     engine_cpu.append((time.process_time() - cpu0) / tokens)
-                    tel.writer.flush()      # its rows written and linked outside the next window, as the
-                    torch.set_num_threads(server_threads)     # server's (DRAIN_S); the engine as the server runs it
+                    # its rows written and linked outside the next window (the server's: DRAIN_S)
+                    tel.writer.flush()
+                    torch.set_num_threads(server_threads)     # the engine as the server runs it
                     t0 = time.perf_counter()
                     reqs = engine.generate(prompts, sp)
                     same_wall.append(time.perf_counter() - t0)
