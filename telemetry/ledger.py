@@ -24,6 +24,7 @@ import pyarrow as pa
 import torch
 
 from engine.attention import read_check
+from engine.kernels import native as native_kernels
 from engine.recorder import LandedRecords, TransferRecord
 from telemetry.exposure_index import PATH_CODE, NodeIndex, Reads, Writes, finish as index_table
 from telemetry.store.columns import concat_columns
@@ -173,8 +174,11 @@ class ReadRuns:
     State: one int64 array [readers, columns, fields], a run as its last read (the key fields
     first, so a read is compared with a run in one operation) plus the run's ranges and counts."""
 
-    def __init__(self, node: str, page_size: int, coalesce: bool = True, scopes: "Scopes | None" = None):
-        self.node, self.S, self.coalesce = node, page_size, coalesce
+    def __init__(self, node: str, page_size: int, coalesce: bool = True, scopes: "Scopes | None" = None,
+                 native: bool = True):
+        """``native``: fold in engine/kernels/read_runs.c where the kernels are built (the numpy fold
+        below is the reference and the fallback)."""
+        self.node, self.S, self.coalesce, self.native = node, page_size, coalesce, native
         self.scopes = scopes if scopes is not None else Scopes()
         self.K = 4 + page_size                      # page, generation, found_generation, bad_mask, writers[S]
         K = self.K
@@ -227,6 +231,8 @@ class ReadRuns:
         Bs = np.array([st.block_tables.shape[0] for st in steps])
         Cs = np.array([st.block_tables.shape[1] for st in steps])
         cat = cat or _catter(steps)
+        if self.coalesce and self.native and self._add_native(steps, rs, Bs, Cs, cat):
+            return
         page, sr = cat("block_tables"), cat("slots_read")
         idx = np.flatnonzero((page >= 0) & (sr > 0))                          # the cells that read a page
         n = len(idx)
@@ -304,6 +310,52 @@ class ReadRuns:
             self._closed.append((rr[done], rc[done], runs[done], mass[done]))
         rr, rc = rr[stays], rc[stays]
         self.I[rr, rc], self.mass[rr, rc], self.open[rr, rc] = runs[stays], mass[stays], True
+
+    def _add_native(self, steps: list[StepRecord], rs: list[np.ndarray], Bs: np.ndarray, Cs: np.ndarray, cat) -> bool:
+        """``add`` in one pass of engine/kernels/read_runs.c (same state, same rows in the same order;
+        a run's mass summed in read order). False, with nothing changed, where it cannot run: no
+        kernels, found writers not contiguous int64 [B, C, S] (the numpy fold runs)."""
+        lib = native_kernels()
+        if lib is None:
+            return False
+        S, ptrs = self.S, np.empty(len(steps), dtype=np.int64)
+        for i, st in enumerate(steps):
+            fw = st.found_writers
+            if isinstance(fw, torch.Tensor):
+                if fw.dtype != torch.int64 or not fw.is_contiguous() or fw.device.type != "cpu":
+                    return False
+                ptrs[i], size = fw.data_ptr(), fw.numel()
+            elif isinstance(fw, np.ndarray) and fw.dtype == np.int64 and fw.flags.c_contiguous:
+                ptrs[i], size = fw.ctypes.data, fw.size
+            else:
+                return False
+            if size != Bs[i] * Cs[i] * S:
+                return False
+        i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)          # noqa: E731 (no copy when it is already)
+        page, egen, sr, fgen, mask = (i64(cat(f)) for f in ("block_tables", "expected_gen", "slots_read", "found_gen",
+                                                           "bad_mask"))
+        mass = np.ascontiguousarray(cat("page_mass"), dtype=np.float64)
+        rows = i64(np.concatenate(rs))
+        meta = [i64(np.array([getattr(st, v) for st in steps], dtype=np.int64)) for v in ("step", "lclock", "ts_ns")]
+        R, W = self.open.shape
+        F, cap = self.I.shape[2], len(page)       # a read closes at most one run
+        out_rows, out_rc = np.empty((cap, F), np.int64), np.empty((cap, 2), np.int64)
+        out_mass, out_kind = np.empty(cap), np.empty(cap, np.int64)
+        Bs, Cs = i64(Bs), i64(Cs)
+        ptr = lambda a: a.ctypes.data                                     # noqa: E731
+        k = lib.kvl_fold_reads(len(steps), ptr(Bs), ptr(Cs), *map(ptr, meta), ptr(rows), ptr(page), ptr(egen), ptr(sr),
+                               ptr(fgen), ptr(mask), ptr(mass), ptr(ptrs), S, R, W, ptr(self.I), ptr(self.mass),
+                               ptr(self.open.view(np.uint8)), ptr(out_rows), ptr(out_rc), ptr(out_mass), ptr(out_kind),
+                               cap)
+        if k == -1:             # no memory for its scratch: nothing changed
+            return False
+        if k < 0:
+            raise RuntimeError("read-run fold: more closed runs than reads (a kernel bug)")
+        if k:                   # as the numpy fold lists them: runs open before the batch, then the batch's own,
+            rc = out_rc[:k]     # each by (reader, column), then in step order
+            order = np.lexsort((np.arange(k), rc[:, 0] * W + rc[:, 1], out_kind[:k]))
+            self._closed.append((rc[order, 0], rc[order, 1], out_rows[:k][order], out_mass[:k][order]))
+        return True
 
     def _links(self, pk, pw, psr, k, w, sr) -> tuple[np.ndarray, np.ndarray]:
         """Whether each read links to the read before it (same key; the same slots with the same

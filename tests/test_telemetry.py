@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import http.server
 import json
+import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -489,12 +491,106 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
                           [None if m != m else round(m, 9) for m in d["attention_mass"].tolist()]))
     one = rows([[s] for s in steps])
     assert len(steps) > 10 and len(one) < sum(int((s.block_tables >= 0).sum()) for s in steps)     # runs merged
+    from engine.kernels import native
+    if native() is not None:        # the C fold as well (no compiler: the numpy fold is the only one)
+        assert _fold_both_ways(eng.pool.page_size, [steps[:3], steps[3:4], steps[4:17], steps[17:]]) > 0
     # a page the reader fills with its own decode is one growing run, not a row per token (24 new tokens each)
     assert max((n for _, _, _, _, _, n, sr, sf, _, _ in one if sr == sf + n - 1 and sr > sf), default=0) >= 8
     assert rows([steps]) == one
     assert rows([steps[:3], steps[3:4], steps[4:17], steps[17:]]) == one
     tel.ledger._pending.clear()
     tel.close()
+
+
+def _fold_both_ways(page_size: int, batches: list[list]) -> int:
+    """Fold the batches in engine/kernels/read_runs.c and in numpy: the same rows in the same order
+    (a run's mass to 1e-12: C sums a run's reads in order, numpy pairwise); how many rows."""
+    from engine.kernels import native
+    from telemetry.ledger import ReadRuns
+    assert native() is not None, "the native kernels are not built: nothing to compare"
+    out = {}
+    for way in (True, False):
+        runs = ReadRuns("n", page_size, native=way)
+        for b in batches:
+            runs.add(b)
+        out[way] = runs.drain()
+    c, n = out[True], out[False]
+    assert c.keys() == n.keys()
+    for k in n:
+        if isinstance(n[k], np.ndarray) and n[k].dtype.kind == "f":
+            np.testing.assert_allclose(c[k], n[k], rtol=1e-12, equal_nan=True, err_msg=k)
+        elif isinstance(n[k], np.ndarray):
+            np.testing.assert_array_equal(c[k], n[k], err_msg=k)
+        else:                       # dictionary-coded columns, the ids
+            assert repr(c[k]) == repr(n[k]), k
+    return len(n["reader"])
+
+
+NEEDS_CC = pytest.mark.skipif(os.environ.get("KVLEDGER_NATIVE") == "0" or shutil.which("cc") is None,
+                              reason="the native read-run fold needs the kernels (a C compiler)")
+
+
+@NEEDS_CC
+def test_the_native_read_run_fold_gives_the_numpy_fold_s_rows_on_random_reads():
+    """Random reads that mostly repeat the step before's (so that runs form) and otherwise change
+    one thing - a slot's writer, the slots read (one more, one fewer, a jump), the failing slots,
+    a generation, the page, which readers are in the batch - folded in random batches both ways."""
+    import torch
+    from telemetry.ledger import StepRecord
+    rng = np.random.default_rng(7)
+    S, B, C = 4, 5, 3
+    pg, eg, fg, bm, sr = (rng.integers(0, 3, (B, C)) for _ in range(5))
+    fw = rng.integers(1, 3, (B, C, S))
+    steps = []
+    for t in range(400):
+        for b in range(B):
+            for c in range(C):
+                what = rng.integers(0, 12)
+                if what == 0:
+                    fw[b, c, rng.integers(0, S)] = rng.integers(1, 3)
+                elif what in (1, 2):
+                    sr[b, c] = min(S, sr[b, c] + 1)
+                elif what == 3:
+                    sr[b, c] = rng.integers(0, S + 1)
+                elif what == 4:
+                    bm[b, c] = rng.integers(0, 3)
+                elif what == 5:
+                    (eg if rng.integers(0, 2) else fg)[b, c] = rng.integers(0, 3)
+                elif what == 6:
+                    pg[b, c] = rng.integers(-1, 3)
+        rows = np.sort(rng.choice(B, size=int(rng.integers(1, B + 1)), replace=False))
+        t64 = lambda a: torch.from_numpy(np.ascontiguousarray(a[rows], dtype=np.int64))   # noqa: E731
+        steps.append(StepRecord("n", t, 10 * t, 1000 * t, rows.tolist(), [(f"t{i}", f"s{i}") for i in rows], None, S,
+                                None, None, None, None, None, None, None, t64(pg), t64(eg), t64(sr), t64(fg), t64(bm),
+                                t64(fw), torch.from_numpy(rng.random((len(rows), C)).astype(np.float32))))
+    cuts = np.sort(rng.choice(np.arange(1, len(steps)), size=30, replace=False))
+    batches = [steps[a:b] for a, b in zip([0, *cuts], [*cuts, len(steps)])]
+    assert _fold_both_ways(S, batches) > 100
+
+
+@NEEDS_CC
+def test_the_native_read_run_fold_gives_the_numpy_fold_s_rows_on_an_incident(tmp_path, monkeypatch):
+    """Every batch the ledger writer folded during the GLM-5.3 incident (stale reads, foreign
+    writers, landed transfers, pages filled by their reader's decode) folded again both ways."""
+    from engine.replay.glm53 import glm53
+    from telemetry.ledger import ReadRuns
+    seen: dict[int, tuple[int, list]] = {}
+    real = ReadRuns.add
+
+    def add(self, steps, cat=None):
+        seen.setdefault(id(self), (self.S, []))[1].append(list(steps))
+        return real(self, steps, cat)
+    monkeypatch.setattr(ReadRuns, "add", add)
+    from telemetry.recorder import recording
+    glm53("vulnerable", "disaggregated", recorder=recording(tmp_path / "s"), context=1024, victims=2, background=4,
+          max_tokens=48, seed=3)
+    monkeypatch.setattr(ReadRuns, "add", real)
+    assert seen
+    rows = 0
+    for page_size, batches in seen.values():
+        rows += _fold_both_ways(page_size, batches)
+    failing = sum(int((s.bad_mask != 0).sum()) for _, bs in seen.values() for b in bs for s in b)
+    assert rows > 0 and failing > 0, (rows, failing)
 
 
 def test_the_store_writer_runs_at_idle_priority_unless_told_otherwise(tmp_path, monkeypatch):

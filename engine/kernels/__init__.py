@@ -19,7 +19,8 @@ tensors, no mask tensor. Where it declines torch's SDPA runs.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
-array operations cost ~200 us a step on the tiny model). ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
+array operations cost ~200 us a step on the tiny model); ``kvl_fold_reads`` (read_runs.c) is the page
+ledger's read-run fold (telemetry/ledger.py ``ReadRuns``) on the store writer's thread. ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
 ``pack_rows`` at load: oneDNN's per-call cost is most of such a call's time.
 
 The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
@@ -40,7 +41,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c", "linear_amx.c")]
+_SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c", "linear_amx.c",
+                                                "read_runs.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h", "bf16.h")]     # included: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -112,6 +114,8 @@ def _build() -> ctypes.CDLL:
     lib.kvl_linear_bf16_amx.restype = ctypes.c_int
     lib.kvl_read_check.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, i64, p, p, p, p, p]
     lib.kvl_read_check.restype = i64
+    lib.kvl_fold_reads.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, p, p, p, p, p, p, p, i64]
+    lib.kvl_fold_reads.restype = i64
     return lib
 
 
