@@ -574,11 +574,11 @@ def test_the_native_read_run_fold_gives_the_numpy_fold_s_rows_on_an_incident(tmp
     writers, landed transfers, pages filled by their reader's decode) folded again both ways."""
     from engine.replay.glm53 import glm53
     from telemetry.ledger import ReadRuns
-    seen: dict[int, tuple[int, list]] = {}
+    seen: dict[ReadRuns, tuple[int, list]] = {}      # keyed by the object itself: no id reused by a later one
     real = ReadRuns.add
 
     def add(self, steps, cat=None):
-        seen.setdefault(id(self), (self.S, []))[1].append(list(steps))
+        seen.setdefault(self, (self.S, []))[1].append(list(steps))
         return real(self, steps, cat)
     monkeypatch.setattr(ReadRuns, "add", add)
     from telemetry.recorder import recording
