@@ -185,7 +185,7 @@ class Telemetry(Recorder):
             self.ledger.on_moved(engine, req, path, pages, positions)
 
     def pages_released(self, engine, req, pages, kind="immediate", ended_by="immediate", hold_ns=0) -> None:
-        self._node(engine).released.add(len(pages), {"kind": kind, "ended_by": ended_by})
+        self._node(engine).count_release(len(pages), kind, ended_by)
         if kind == "deferred":
             self._node(engine).release_hold.record(hold_ns / 1e9, {"ended_by": ended_by})
             self._node(engine).held_pages.add(-len(pages))

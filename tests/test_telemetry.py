@@ -119,6 +119,37 @@ def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     assert {i for i, *_ in rel} >= {r.incarnation for r in res.requests if r.output_ids}
 
 
+def test_the_released_pages_counter_counts_the_release_rows(glm53_vulnerable):
+    """kvledger.pages.released (an observable counter over a plain tally: the engine thread no
+    longer calls the SDK per release) ends, per node, kind and end, at the pages the release rows
+    name."""
+    _, store = glm53_vulnerable
+    con = open_store(store)
+    rows = dict(((n, k, e), v) for n, k, e, v in con.sql(
+        "SELECT node, kind, ended_by, sum(len(pages)) FROM releases GROUP BY ALL").fetchall())
+    counted = dict(((n, k, e), v) for n, k, e, v in con.sql("""
+        SELECT node, attributes['kind'], attributes['ended_by'], arg_max(value, ts) FROM metrics
+        WHERE name = 'kvledger.pages.released' GROUP BY ALL""").fetchall())
+    assert rows and counted == {key: float(v) for key, v in rows.items()}
+    assert {k for _, k, _ in counted} <= {"immediate", "deferred"}
+
+
+def test_a_pseudonym_is_the_names_hmac_kept_or_not():
+    """Keys.pseudonym keeps what it made per name (the engine thread asks at every arrival); kept
+    or made again after the memo starts over, it is the name's HMAC under the pseudonym key."""
+    import hashlib
+    import hmac
+    from telemetry.store.keys import Keys
+    k = Keys(b"p" * 32, b"n" * 32)
+    key = hmac.new(b"p" * 32, b"kvledger/pseudonym", hashlib.sha256).digest()
+    names = [f"tenant-{i}" for i in range(Keys.PSEUDONYMS_KEPT + 10)]
+    for rounds in range(2):
+        for name in names:
+            assert k.pseudonym(name) == hmac.new(key, name.encode(), hashlib.sha256).hexdigest()[:16]
+    assert len(k._named) <= Keys.PSEUDONYMS_KEPT
+    assert k.pseudonym("a") != Keys(b"q" * 32, b"n" * 32).pseudonym("a")
+
+
 def test_the_keyed_hashes_are_a_keyed_cipher_not_a_public_hash():
     """n-gram and tag pseudonyms: AES-256 under the store's keys (before: a keyed mix of a public
     polynomial hash, whose collisions anyone can compute). Another key gives other values; the

@@ -242,9 +242,19 @@ class Keys:
         self._pseud = hmac.new(pseudonym_secret, b"kvledger/pseudonym", hashlib.sha256).digest()
         self._tag_key = hmac.new(pseudonym_secret, b"kvledger/tag-prf", hashlib.sha256).digest()
         self._ngram_key = hmac.new(ngram_secret, b"kvledger/ngram-prf", hashlib.sha256).digest()
+        self._named: dict[str, str] = {}    # pseudonyms made, by name: a tenant's requests ask again and again
+
+    PSEUDONYMS_KEPT = 4096      # names whose pseudonyms are kept (past it the memo starts over)
 
     def pseudonym(self, value: str) -> str:
-        return hmac.new(self._pseud, value.encode(), hashlib.sha256).hexdigest()[:16]
+        """The name's keyed pseudonym (16 hex digits of HMAC-SHA256). Kept per name: the engine
+        thread asks for a request's tenant and scope at every arrival (an HMAC is a few us)."""
+        got = self._named.get(value)
+        if got is None:
+            if len(self._named) >= self.PSEUDONYMS_KEPT:
+                self._named = {}
+            got = self._named[value] = hmac.new(self._pseud, value.encode(), hashlib.sha256).hexdigest()[:16]
+        return got
 
     def tag_pseudonyms(self, tags: np.ndarray) -> np.ndarray:
         """int64 tags -> int64 pseudonyms (the first 8 bytes of AES_k(tag || 0))."""
