@@ -101,11 +101,14 @@ class NodeIndex:
         self.last = _LastWrite(page_size)
         self.holds: dict[tuple[int, int, int], None] = {}      # (page, generation, reader), insertion order
 
-    def hold(self, page: np.ndarray, gen: np.ndarray, reader: np.ndarray) -> None:
-        """Remember who read which page in which generation (every read of the fold, failing or not)."""
+    def hold(self, page: np.ndarray, gen: np.ndarray, reader: np.ndarray, unique: bool = False) -> None:
+        """Remember who read which page in which generation (every read of the fold, failing or not;
+        ``unique``: each triple once already)."""
         if not len(page):
             return
-        u, _ = unique_rows(np.stack([page, gen, reader], axis=1).astype(np.int64))
+        u = np.stack([page, gen, reader], axis=1).astype(np.int64)
+        if not unique:
+            u, _ = unique_rows(u)
         if len(self.holds) + len(u) > HOLDINGS_CAP:
             for k in list(self.holds)[: len(self.holds) // 2]:
                 del self.holds[k]

@@ -66,6 +66,26 @@ def _catter(recs: list) -> Callable[[str], np.ndarray]:
     return cat
 
 
+def _index_reads(row_cells: np.ndarray, row_reader: np.ndarray, page, gen, sr, bad) \
+        -> "tuple[np.ndarray, np.ndarray] | None":
+    """The exposure index's holdings of a fold - every (page, generation, reader) read, once, in
+    first-read order - and its failing cells, by ``kvl_index_reads`` (engine/kernels/read_runs.c);
+    None where the kernels are not built (the numpy path runs)."""
+    lib = native_kernels()
+    if lib is None:
+        return None
+    i64 = lambda a: np.ascontiguousarray(a, dtype=np.int64)      # noqa: E731 (no copy when it is already)
+    row_cells, row_reader, page, gen, sr, bad = map(i64, (row_cells, row_reader, page, gen, sr, bad))
+    cap = len(page)
+    holds, cells, n_bad = np.empty((max(cap, 1), 3), np.int64), np.empty(max(cap, 1), np.int64), np.zeros(1, np.int64)
+    ptr = lambda a: a.ctypes.data                                  # noqa: E731
+    n = lib.kvl_index_reads(len(row_cells), ptr(row_cells), ptr(row_reader), ptr(page), ptr(gen), ptr(sr), ptr(bad),
+                            ptr(holds), ptr(cells), ptr(n_bad), cap)
+    if n < 0:               # no memory for its set
+        return None
+    return holds[:n], cells[:int(n_bad[0])]
+
+
 def _ts(n: int, ns: int) -> np.ndarray:
     return np.full(n, ns, dtype=np.int64)
 
@@ -415,6 +435,7 @@ class PageLedger:
         self._releases: deque = deque()         # releases not yet written (one tuple each)
         self._arrivals: deque = deque()         # requests admitted, not yet written (one tuple each)
         self.index: dict[str, NodeIndex] = {}   # writer thread only: the exposure index's state per node
+        self.native = True                      # the index's holdings and failing cells by engine/kernels (where built)
         self._index_rows: list = []             # writer thread only: index rows not yet flushed
         # (node, page size, Writes or None, page_writes rows) of copies outside a step (landings, reloads,
         # offloads), not yet folded: taken by the same fold as the steps around them (not the writer's queue),
@@ -596,19 +617,24 @@ class PageLedger:
             Cs = np.array([r.block_tables.shape[1] for r in recs])
             Bs = np.array([r.block_tables.shape[0] for r in recs])
             row_reader = np.concatenate([np.asarray(r.incs, dtype=np.int64) for r in recs])
-            reader = np.repeat(row_reader, np.repeat(Cs, Bs))
-            read = (page >= 0) & (sr > 0)
-            ix.hold(page[read], gen[read], reader[read])
+            row_c = np.repeat(Cs, Bs)
             bad = cat("bad_mask")
-            cells = np.flatnonzero(read & (bad != 0))
+            got = _index_reads(row_c, row_reader, page, gen, sr, bad) if self.native else None
+            if got is None:         # numpy: every read cell, its holdings by a lexsort
+                reader = np.repeat(row_reader, row_c)
+                read = (page >= 0) & (sr > 0)
+                ix.hold(page[read], gen[read], reader[read])
+                cells = np.flatnonzero(read & (bad != 0))
+            else:
+                holds, cells = got
+                ix.hold(holds[:, 0], holds[:, 1], holds[:, 2], unique=True)
             if len(cells):
-                row_c = np.repeat(Cs, Bs)
                 cell_row = np.repeat(np.arange(len(row_c)), row_c)[cells]
                 col = cells - (np.cumsum(row_c) - row_c)[cell_row]
                 si = np.repeat(np.arange(len(recs)), Bs)[cell_row]
                 step_of = lambda f: np.array([getattr(r, f) for r in recs], dtype=np.int64)[si]  # noqa: E731
                 ids = [x for r in recs for x in r.ids]
-                reads.update(reader=reader[cells], page=page[cells].astype(np.int64), generation=gen[cells].astype(np.int64),
+                reads.update(reader=row_reader[cell_row], page=page[cells].astype(np.int64), generation=gen[cells].astype(np.int64),
                              found_generation=cat("found_gen")[cells].astype(np.int64), block_index=col.astype(np.int64),
                              bad_mask=bad[cells].astype(np.int64), slots_read=sr[cells].astype(np.int64),
                              step=step_of("step"), lclock=step_of("lclock"), ts=step_of("ts_ns"),

@@ -624,6 +624,80 @@ def test_the_native_read_run_fold_gives_the_numpy_fold_s_rows_on_an_incident(tmp
     assert rows > 0 and failing > 0, (rows, failing)
 
 
+def _index_reads_both_ways(row_cells, row_reader, page, gen, sr, bad) -> tuple[int, int]:
+    """The exposure index's holdings and failing cells of one fold by engine/kernels/read_runs.c and
+    by numpy: the same triples, each once, in first-read order; the same cells in order."""
+    from telemetry.exposure_index import unique_rows
+    from telemetry.ledger import _index_reads
+    got = _index_reads(row_cells, row_reader, page, gen, sr, bad)
+    assert got is not None, "the native kernels are not built: nothing to compare"
+    holds, cells = got
+    reader = np.repeat(row_reader, row_cells)
+    read = (page >= 0) & (sr > 0)
+    trip = np.stack([page[read], gen[read], reader[read]], axis=1).astype(np.int64)
+    u, inv = unique_rows(trip)
+    first = np.full(len(u), len(trip))
+    np.minimum.at(first, inv, np.arange(len(trip)))
+    assert holds.tolist() == u[np.argsort(first)].tolist()
+    assert cells.tolist() == np.flatnonzero(read & (bad != 0)).tolist()
+    return len(holds), len(cells)
+
+
+@NEEDS_CC
+def test_the_native_index_reads_give_the_numpy_holdings_and_failing_cells():
+    """Random folds (pages repeating, none (-1), slots read 0, failing masks, readers sharing
+    pages), then every fold of a GLM-5.3 incident's ledger writer, both ways."""
+    rng = np.random.default_rng(5)
+    total = [0, 0]
+    for _ in range(40):
+        B = rng.integers(1, 9, rng.integers(1, 30))            # rows per step
+        C = rng.integers(1, 12, len(B))                         # block-table columns per step
+        row_cells = np.repeat(C, B)
+        n = int(row_cells.sum())
+        readers = rng.integers(0, 6, len(row_cells))
+        page = np.where(rng.random(n) < 0.1, -1, rng.integers(0, 20, n))
+        gen = rng.integers(0, 3, n)
+        sr = np.where(rng.random(n) < 0.1, 0, rng.integers(1, 17, n))
+        bad = np.where(rng.random(n) < 0.2, rng.integers(1, 1 << 16, n), 0)
+        h, c = _index_reads_both_ways(row_cells, readers, page, gen, sr, bad)
+        total[0] += h
+        total[1] += c
+    assert total[0] > 1000 and total[1] > 1000
+    empty = np.zeros(0, np.int64)
+    assert _index_reads_both_ways(np.array([0]), np.array([7]), empty, empty, empty, empty) == (0, 0)
+
+
+def test_the_native_index_reads_on_an_incident(tmp_path, monkeypatch):
+    """The inputs of every fold of the exposure index during a GLM-5.3 vulnerable replay, both ways
+    (failing reads among them); the index that replay kept, and that of the same replay on the numpy
+    path, each equal to the as-of join over its ledger."""
+    from engine.kernels import native
+    if native() is None or os.environ.get("KVLEDGER_NATIVE") == "0":
+        pytest.skip("the native kernels are not built: nothing to compare")
+    from engine.replay.glm53 import glm53
+    import telemetry.ledger as L
+    seen = []
+    real = L._index_reads
+
+    def spy(*a):
+        seen.append(tuple(np.array(x, copy=True) for x in a))
+        return real(*a)
+    monkeypatch.setattr(L, "_index_reads", spy)
+    from telemetry.recorder import recording
+    kw = dict(context=1024, victims=2, background=4, max_tokens=48, seed=3)
+    glm53("vulnerable", "disaggregated", recorder=recording(tmp_path / "c"), **kw)
+    monkeypatch.setattr(L, "_index_reads", lambda *a: None)          # the numpy path
+    glm53("vulnerable", "disaggregated", recorder=recording(tmp_path / "np"), **kw)
+    monkeypatch.setattr(L, "_index_reads", real)
+    assert seen
+    counts = np.array([_index_reads_both_ways(*a) for a in seen])
+    assert counts[:, 0].sum() > 0 and counts[:, 1].sum() > 0, counts.sum(axis=0)
+    for store in ("c", "np"):                  # each replay's index = the as-of join over its ledger
+        fx = Forensics(tmp_path / store)
+        chk = fx.verify_index()
+        assert fx.indexed and chk.ok and chk.join_rows > 0, (store, chk)
+
+
 def test_the_store_writer_runs_at_idle_priority_unless_told_otherwise(tmp_path, monkeypatch):
     """SCHED_IDLE for the writer thread by default (the engine's cores first; an overdue flush is
     raised back: test_store's kill -9 test); normal when asked, by argument or

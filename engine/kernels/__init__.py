@@ -20,7 +20,8 @@ tensors, no mask tensor. Where it declines torch's SDPA runs.
 where torch runs three to six ops with a dispatch each; None from them means "run torch's".
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
 array operations cost ~200 us a step on the tiny model); ``kvl_fold_reads`` (read_runs.c) is the page
-ledger's read-run fold (telemetry/ledger.py ``ReadRuns``) on the store writer's thread. ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
+ledger's read-run fold (telemetry/ledger.py ``ReadRuns``) on the store writer's thread, ``kvl_index_reads`` the
+exposure index's holdings and failing cells of a fold. ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
 ``pack_rows`` at load: oneDNN's per-call cost is most of such a call's time.
 
 The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
@@ -116,6 +117,8 @@ def _build() -> ctypes.CDLL:
     lib.kvl_read_check.restype = i64
     lib.kvl_fold_reads.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, p, p, p, i64, i64, i64, p, p, p, p, p, p, p, i64]
     lib.kvl_fold_reads.restype = i64
+    lib.kvl_index_reads.argtypes = [i64, p, p, p, p, p, p, p, p, p, i64]
+    lib.kvl_index_reads.restype = i64
     return lib
 
 

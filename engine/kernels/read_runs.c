@@ -107,3 +107,57 @@ done:
     free(seen); free(ext); free(base); free(acc);
     return out;
 }
+
+/* The exposure index's reads of a fold (telemetry/ledger.py PageLedger._index_fold): every
+   (page, generation, reader) its cells read - a page in the block table, slots read - once each,
+   in first-read order (the index's holdings: who held which page in which generation), and the
+   cells whose read failed the check (bad mask set), in cell order. numpy found the holdings with a
+   lexsort of every read cell (a decode step re-reads all of its sequences' pages); here a hash set.
+   Cells: the rows' block-table cells concatenated, row r's row_cells[r] of them read by
+   row_reader[r]. out_hold: [cap, 3], out_bad: [cap]. Returns the holdings' count (the failing
+   cells' in *n_bad), -1 where the set's memory was not given. */
+static inline uint64_t mix3(int64_t a, int64_t b, int64_t c) {
+    uint64_t h = (uint64_t)a * 0x9E3779B97F4A7C15ULL;
+    h ^= (uint64_t)b + 0x632BE59BD9B4E019ULL + (h << 6) + (h >> 2);
+    h *= 0xBF58476D1CE4E5B9ULL;
+    h ^= (uint64_t)c + 0x94D049BB133111EBULL + (h << 6) + (h >> 2);
+    h ^= h >> 31;
+    return h * 0x94D049BB133111EBULL;
+}
+
+int64_t kvl_index_reads(int64_t nrows, const int64_t *row_cells, const int64_t *row_reader, const int64_t *page,
+                        const int64_t *gen, const int64_t *sr, const int64_t *bad, int64_t *out_hold,
+                        int64_t *out_bad, int64_t *n_bad, int64_t cap) {
+    int64_t cells = 0;
+    for (int64_t r = 0; r < nrows; r++) cells += row_cells[r];
+    size_t size = 64;
+    while (size < (size_t)(2 * cells)) size <<= 1;
+    int64_t *slot = malloc(sizeof(int64_t) * size);       /* index into out_hold + 1; 0: empty */
+    if (!slot) return -1;
+    memset(slot, 0, sizeof(int64_t) * size);
+    int64_t nh = 0, nb = 0, i = 0;
+    for (int64_t r = 0; r < nrows; r++) {
+        const int64_t reader = row_reader[r];
+        for (int64_t e = i + row_cells[r]; i < e; i++) {
+            if (page[i] < 0 || sr[i] <= 0) continue;
+            if (bad[i] != 0 && nb < cap) out_bad[nb++] = i;
+            size_t h = (size_t)mix3(page[i], gen[i], reader) & (size - 1);
+            for (;;) {
+                int64_t s = slot[h];
+                if (s == 0) {
+                    if (nh < cap) {
+                        out_hold[3 * nh] = page[i]; out_hold[3 * nh + 1] = gen[i]; out_hold[3 * nh + 2] = reader;
+                        slot[h] = ++nh;
+                    }
+                    break;
+                }
+                const int64_t *t = out_hold + 3 * (s - 1);
+                if (t[0] == page[i] && t[1] == gen[i] && t[2] == reader) break;
+                h = (h + 1) & (size - 1);
+            }
+        }
+    }
+    free(slot);
+    *n_bad = nb;
+    return nh;
+}
