@@ -63,13 +63,45 @@ def _seg(store: Path, k: int) -> Path:
     (lambda s: (s / "chain" / "000000002.json").write_text(
         (s / "chain" / "000000002.json").read_text().replace('"rows": 3', '"rows": 30')), "segment 2 .*edited"),
 ])
-def test_tampering_is_named_at_the_first_broken_link(store, tamper, expect, capsys):
+@pytest.mark.parametrize("ahead", [False, True], ids=["one-by-one", "hashed-ahead"])
+def test_tampering_is_named_at_the_first_broken_link(store, tamper, expect, ahead, capsys, monkeypatch):
+    """Also with every segment hashed ahead on threads (a big store's first verify: chain._hash_ahead)."""
     import re
+    if ahead:
+        monkeypatch.setattr("telemetry.store.chain.HASH_AHEAD_BYTES", 0)
+        monkeypatch.setattr("telemetry.store.chain.HASH_THREADS", 4)
     tamper(store)
     v = verify(store)
     assert not v.ok and re.search(expect, v.broken), v.broken
     assert main(["verify", "--store", str(store)]) == 1
     assert re.search(expect, capsys.readouterr().err)
+
+
+def test_a_big_stores_segments_are_hashed_ahead_on_threads_with_the_same_verdict(store, monkeypatch):
+    """Past HASH_AHEAD_BYTES not hashed yet, verify hashes the segments on HASH_THREADS threads
+    first (each once), then walks the chain as before: the same verdict, each file's hash the one
+    its link signed; a reader's cache keeps them."""
+    import threading
+    import telemetry.store.chain as chain
+    calls: list[tuple[str, str]] = []
+    real = chain.sha256_file
+
+    def spy(path):
+        calls.append((threading.current_thread().name, str(path)))
+        return real(path)
+    monkeypatch.setattr(chain, "sha256_file", spy)
+    before = verify(store)
+    assert before.ok and len(calls) == 4 and all(t == threading.current_thread().name for t, _ in calls)
+    calls.clear()
+    monkeypatch.setattr(chain, "HASH_AHEAD_BYTES", 0)
+    monkeypatch.setattr(chain, "HASH_THREADS", 4)
+    cache: dict = {}
+    after = verify(store, cache=cache)
+    assert after == before
+    assert len(calls) == 4 and len({p for _, p in calls}) == 4                          # each segment once
+    assert all(t != threading.current_thread().name for t, _ in calls)                  # on the pool's threads
+    calls.clear()
+    assert verify(store, cache=cache) == before and calls == []                         # kept by the reader
 
 
 def test_a_flush_links_its_segments_in_one_chain_file(tmp_path):

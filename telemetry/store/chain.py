@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
@@ -263,9 +264,44 @@ def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | 
                    unlinked=tuple(unlinked), **base)
 
 
+HASH_THREADS = min(4, os.cpu_count() or 1)     # threads hashing a cold store's segments (hashlib lets go of the GIL)
+HASH_AHEAD_BYTES = 32 << 20                     # ... where the files not hashed yet hold at least this much
+
+
+def _hash_ahead(paths: list[Path], cache: dict) -> None:
+    """Hash into ``cache``, on HASH_THREADS threads, the files not in it yet (under ``_sha``'s key):
+    a first verify of a big store is sha256 over every byte, one core's work spread over all of
+    them. What cannot be read is left to the walk, which names it."""
+    todo: dict[tuple, Path] = {}
+    for p in paths:
+        try:
+            st = p.stat()
+        except OSError:
+            continue
+        key = (str(p), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        if key not in cache:
+            todo[key] = p
+    if HASH_THREADS < 2 or len(todo) < 2 or sum(k[1] for k in todo) < HASH_AHEAD_BYTES:
+        return
+
+    def one(p: Path) -> str | None:
+        try:
+            return sha256_file(p)
+        except OSError:
+            return None
+    keys = sorted(todo, key=lambda k: -k[1])        # the largest first: the threads end together
+    with ThreadPoolExecutor(HASH_THREADS) as pool:
+        for key, h in zip(keys, pool.map(one, [todo[k] for k in keys])):
+            if h is not None:
+                cache[key] = h
+
+
 def _walk_chain(root: Path, ident, files, cache: dict | None, base: dict):
     """Every link in order: sequence, linkage, entry hash, file hash, and each chain file's signature.
     (prev, rows, segments, seq, linked files) when all hold, else the Verdict naming the first break."""
+    if cache is None:
+        cache = {}          # this walk's own: every file still hashed once, nothing kept after it
+    _hash_ahead([root / link.file for cf in files for link in cf.links], cache)
     prev, rows, n, seq = GENESIS, 0, 0, -1
     linked: set[str] = set()
     for cf in files:
