@@ -547,3 +547,49 @@ def test_decode_attention_leaves_the_threads_tiles_to_torch_as_it_found_them(mon
         after = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)
         assert all(torch.equal(x, y) for x, y in zip(before, after))
         assert bool(((tiny * 1.0) == tiny).all()) and float((tiny + 0.0)[0]) > 0
+
+
+def _python_chain(key: bytes, tokens, prev: int) -> list[int]:
+    """The chain's definition, one keyed BLAKE2b per token through hashlib (engine/tags.py's own path)."""
+    import hashlib
+    import struct
+    out = []
+    for t in tokens:
+        prev = int.from_bytes(hashlib.blake2b(struct.pack("<qi", prev, t), key=key, digest_size=8).digest(),
+                              "little", signed=True)
+        out.append(prev)
+    return out
+
+
+@pytest.mark.parametrize("keylen", [1, 8, 32, 63, 64])
+def test_a_prompt_s_tag_chain_hashed_in_c_is_hashlib_s_tag_for_tag(keylen):
+    """tags.c against hashlib: every tag of random prompts (tokens over the whole int32 range, 0, -1,
+    the limits), from the seed and from a chain already grown, with keys of every length hashlib takes."""
+    from engine.tags import TagChain
+    g = torch.Generator().manual_seed(keylen)
+    key = bytes(torch.randint(0, 256, (keylen,), generator=g).tolist())
+    for n in (8, 9, 300):
+        toks = torch.randint(-2 ** 31, 2 ** 31 - 1, (n,), generator=g).tolist()
+        toks[:4] = [0, -1, 2 ** 31 - 1, -2 ** 31]
+        c = TagChain(key)
+        c.extend(toks)
+        assert c._state is not None and c._state is not False      # the C path ran
+        assert c.tags.tolist() == _python_chain(key, toks, c._seed)
+        more = torch.randint(0, 150_000, (n,), generator=g).tolist()
+        c.extend(more)                                     # grown past its first storage, after the last tag
+        c.extend([5])                                      # a decode step's token (Python)
+        assert c.tags.tolist() == _python_chain(key, toks + more + [5], c._seed)
+
+
+def test_a_tag_chain_falls_back_to_python_where_c_cannot_hash():
+    """A token outside int32 is hashlib's to refuse (struct.error, as before tags.c); too few tokens
+    to pay for a call, and a key hashlib refuses, never reach C."""
+    import struct
+    from engine.tags import TagChain
+    c = TagChain(b"k" * 32)
+    with pytest.raises(struct.error):
+        c.extend([1] * 10 + [2 ** 31])
+    c = TagChain(b"k" * 32)
+    c.extend(list(range(TagChain.NATIVE_FROM - 1)))
+    assert c._state is False and c.tags.tolist() == _python_chain(b"k" * 32, range(TagChain.NATIVE_FROM - 1), c._seed)
+    assert kernels.tag_key_state(b"") is None and kernels.tag_key_state(b"x" * 65) is None

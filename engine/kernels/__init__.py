@@ -21,7 +21,8 @@ where torch runs three to six ops with a dispatch each; None from them means "ru
 ``read_check`` (dense.c) is the read check of engine/attention.py in one pass (numpy's dozen
 array operations cost ~200 us a step on the tiny model); ``kvl_fold_reads`` (read_runs.c) is the page
 ledger's read-run fold (telemetry/ledger.py ``ReadRuns``) on the store writer's thread, ``kvl_index_reads`` the
-exposure index's holdings and failing cells of a fold. ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
+exposure index's holdings and failing cells of a fold. ``tag_key_state`` and ``tag_chain`` (tags.c) are a
+prompt's content-tag chain (engine/tags.py), keyed BLAKE2b in C. ``linear`` (dense.c) is a projection of a few rows (a decode step's), on a weight laid out by
 ``pack_rows`` at load: oneDNN's per-call cost is most of such a call's time.
 
 The shared object is cached under ``$KVLEDGER_CACHE`` (default ``~/.cache/kvledger``), keyed by
@@ -43,7 +44,7 @@ import numpy as np
 import torch
 
 _SRCS = [Path(__file__).with_name(n) for n in ("paged_decode.c", "paged_prefill.c", "dense.c", "linear_amx.c",
-                                                "read_runs.c")]
+                                                "read_runs.c", "tags.c")]
 _HDRS = [Path(__file__).with_name(n) for n in ("vexp.h", "amx.h", "bf16.h")]     # included: part of the build's cache key
 # gnu11, not c11: ISO mode turns off floating-point contraction, i.e. every FMA
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
@@ -119,6 +120,10 @@ def _build() -> ctypes.CDLL:
     lib.kvl_fold_reads.restype = i64
     lib.kvl_index_reads.argtypes = [i64, p, p, p, p, p, p, p, p, p, i64]
     lib.kvl_index_reads.restype = i64
+    lib.kvl_blake2b_key_state.argtypes = [ctypes.c_char_p, i64, i64, p]
+    lib.kvl_blake2b_key_state.restype = ctypes.c_int
+    lib.kvl_tag_chain.argtypes = [p, i64, p, i64, p]
+    lib.kvl_tag_chain.restype = None
     return lib
 
 
@@ -135,6 +140,27 @@ def native() -> ctypes.CDLL | None:
             except (OSError, subprocess.SubprocessError) as e:
                 _why_not = f"native kernels unavailable ({e}); the torch path runs"
     return _lib
+
+
+def tag_key_state(key: bytes, digest_size: int = 8) -> np.ndarray | None:
+    """The keyed BLAKE2b state after ``key``'s block (8 uint64 words; tags.c), or None: no kernels,
+    or a key hashlib would refuse too (the Python path runs and says so)."""
+    lib = native()
+    if lib is None:
+        return None
+    st = np.empty(8, dtype=np.uint64)
+    if lib.kvl_blake2b_key_state(key, len(key), digest_size, st.ctypes.data) != 0:
+        return None
+    return st
+
+
+def tag_chain(state: np.ndarray, prev: int, tokens: np.ndarray, out: torch.Tensor) -> None:
+    """out[i] = the tag of tokens[i] (int32, contiguous) chained after prev; out an int64 tensor
+    of len(tokens), contiguous (a chain's own storage)."""
+    lib = native()
+    assert lib is not None and tokens.dtype == np.int32 and tokens.flags.c_contiguous and out.is_contiguous()
+    assert out.dtype == torch.int64 and out.numel() == len(tokens)
+    lib.kvl_tag_chain(state.ctypes.data, prev, tokens.ctypes.data, len(tokens), out.data_ptr())
 
 
 def why_not() -> str | None:
