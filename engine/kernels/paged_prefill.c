@@ -16,7 +16,7 @@
       16 lanes holds the 16 query rows: the softmax's masks, maxima, sums and rescaling are vertical
       (no horizontal reductions, no per-row scalars), and P^T's bf16 rows go straight into the B
       operand (pairs of keys interleaved). Blocks wholly past a block's last query are not computed.
-      e^x is 2^(x log2 e) by a degree-5 polynomial: the probabilities are rounded to bf16 for P V.
+      e^x is 2^(x log2 e) by a degree-4 polynomial: the probabilities are rounded to bf16 for P V.
       Measured: bench/prefill_attention.py (README; 1.7-2.4x torch's SDPA on the same bf16 pages on
       the 2-core AMX machine of 2026-12-05). Subnormal probabilities are flushed to zero on the
       kernel's threads (each would cost a microcode assist); MXCSR and the tile configuration are
@@ -62,19 +62,20 @@ static void tiles_on(tile_config *saved) {
     tiles_set(saved, rows);
 }
 
-/* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by its
-   degree-5 Taylor polynomial in f ln 2 (relative error below 3e-6: the probabilities are rounded to
-   bf16, 2^-9, for the product), 2^n put in by scalef (0 far below the smallest float: a masked score
+/* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by a
+   degree-4 polynomial fitted for the least largest relative error on [-1/2, 1/2] (2.7e-6 in fp32, as
+   the degree-5 Taylor polynomial it replaced, 3e-6: the probabilities are rounded to bf16, 2^-9, for
+   the product; one FMA less a probability, the kernel 3 % faster on a 3000-token prompt, measured
+   build against build), 2^n put in by scalef (0 far below the smallest float: a masked score
    is -1e30, never -inf, so that no lane computes -inf - -inf) */
 static inline __attribute__((always_inline)) __m512 exp2_16(__m512 t) {
     const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(1.3333558e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.6181291e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5504109e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022651e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9314718e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.f));
+    __m512 p = _mm512_set1_ps(9.570102207362652e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.591786280274391e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.40247443318367e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931217908859253e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.999992847442627e-1f));
     return _mm512_scalef_ps(p, n);
 }
 
