@@ -250,7 +250,7 @@ class LLMEngine:
                 if req.is_finished:
                     continue
                 req.output_ids.append(tok)
-                req.chain.extend([tok])
+                req.chain.append(tok)
                 if req.status is Status.PREFILLING:
                     req.first_token_at = now
                     if self.on_prefill_done is not None:      # disaggregated: hand off, keep pages

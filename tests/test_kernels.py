@@ -578,7 +578,11 @@ def test_a_prompt_s_tag_chain_hashed_in_c_is_hashlib_s_tag_for_tag(keylen):
         more = torch.randint(0, 150_000, (n,), generator=g).tolist()
         c.extend(more)                                     # grown past its first storage, after the last tag
         c.extend([5])                                      # a decode step's token (Python)
-        assert c.tags.tolist() == _python_chain(key, toks + more + [5], c._seed)
+        steps = torch.randint(0, 150_000, (130,), generator=g).tolist()
+        for t in steps:                                    # decode steps, past the storage's next growth
+            c.append(t)
+        want = _python_chain(key, toks + more + [5] + steps, c._seed)
+        assert c.tags.tolist() == want and c.array().tolist() == want and c._last == want[-1]
 
 
 def test_a_tag_chain_falls_back_to_python_where_c_cannot_hash():

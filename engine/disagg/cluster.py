@@ -285,7 +285,7 @@ class DisaggCluster:
         dreq.prefilled_tokens = int(c.landed.numel())
         dreq.num_computed = reserved
         dreq.output_ids.append(job.first_token)
-        dreq.chain.extend([job.first_token])
+        dreq.chain.append(job.first_token)
         dreq.first_token_at = time.perf_counter()
         dreq.transition(Status.DECODING)
         if len(dreq.output_ids) >= dreq.sampling.max_tokens:
