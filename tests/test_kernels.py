@@ -307,7 +307,7 @@ def test_decode_rows_on_amx_tiles_give_onednn_s_bf16_product_bit_for_bit(N, K, M
 
 @pytest.mark.parametrize("native", [True, False])
 def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeypatch):
-    """A bf16 pool: the native scatter rounds each new value to nearest even exactly as torch's
+    """A bf16 pool: the native store rounds each new value to nearest even exactly as torch's
     .to(torch.bfloat16) does (ties, the largest finite values, infinities, -0, subnormals; a NaN
     stays a NaN), into its slot and nothing else."""
     from engine.kv.pool import KVPool
@@ -320,7 +320,7 @@ def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeyp
                             float("-inf"), float("nan"), -0.0, 1e-40, 2 ** -8, 65504.5, 0.1, -7.7, 1e20, 5e-39])
     k[0] = special.view(Hkv, D)
     pages, offs = torch.tensor([2, 5, 0, 3]), torch.tensor([0, 1, 3, 3])
-    assert kernels.scatter_rows(pool.k(0), pages, offs, k) is native      # which path writes (layer 0)
+    assert kernels.store_kv(pool, 0, pages, offs, k, v, None, None) is native     # which path writes (layer 0)
     before = pool.buf.clone()
     pool.store(1, pages, offs, k, v)
     for got, src in ((pool.k(1)[pages, offs], k), (pool.v(1)[pages, offs], v)):
@@ -597,3 +597,41 @@ def test_a_tag_chain_falls_back_to_python_where_c_cannot_hash():
     c.extend(list(range(TagChain.NATIVE_FROM - 1)))
     assert c._state is False and c.tags.tolist() == _python_chain(b"k" * 32, range(TagChain.NATIVE_FROM - 1), c._seed)
     assert kernels.tag_key_state(b"") is None and kernels.tag_key_state(b"x" * 65) is None
+
+
+@pytest.mark.parametrize("pool_dtype, row_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16), (torch.float32, torch.bfloat16)])
+def test_a_layer_s_kv_stored_in_one_native_call_writes_the_bytes_torch_s_path_writes(pool_dtype, row_dtype):
+    """KVPool.store through kvl_store_kv against torch's index_puts, two pools byte for byte: every
+    layer's K and V (rows sliced out of a wider qkv, [n, H, D] views, as the engine hands them), the tag
+    plane and write counters at layer 0, a bf16 pool rounding fp32 rows as .to(bfloat16) does; an fp32
+    pool given bf16 rows is torch's; a slot outside the pool writes nothing natively and torch raises."""
+    from engine.kv.pool import KVPool
+    L, Hkv, D, S, n = 3, 2, 64, 16, 37
+    pools = [KVPool(L, Hkv * D, S, 20 * KVPool.page_bytes_for(L, Hkv * D, S, pool_dtype), dtype=pool_dtype)
+             for _ in range(2)]
+    g = torch.Generator().manual_seed(3)
+    slots = torch.randperm(20 * S, generator=g)[:n]
+    pages, offs = slots // S, slots % S
+    tags, writers = torch.randint(-2 ** 62, 2 ** 62, (n,), generator=g), torch.randint(0, 1 << 40, (n,), generator=g)
+    for layer in range(L):
+        qkv = torch.randn(n, 6 * Hkv * D, generator=g).to(row_dtype)
+        k, v = qkv[:, 2 * Hkv * D:3 * Hkv * D].view(n, Hkv, D), qkv[:, 4 * Hkv * D:5 * Hkv * D]
+        t, w = (tags, writers) if layer == 0 else (None, None)
+        native_ran = kernels.store_kv(pools[0], layer, pages, offs, k, v, t, w)
+        assert native_ran == (row_dtype == torch.float32 or pool_dtype == torch.bfloat16)
+        if not native_ran:
+            pools[0].store(layer, pages, offs, k, v, t, w)
+        lib, kernels._lib = kernels._lib, None           # the torch path
+        try:
+            pools[1].store(layer, pages, offs, k, v, t, w)
+        finally:
+            kernels._lib = lib
+    assert torch.equal(pools[0].buf, pools[1].buf) and torch.equal(pools[0].write_seq, pools[1].write_seq)
+    assert pools[0].write_seq.sum() == n and torch.equal(pools[0].tags[pages, offs], tags)
+    bad = pages.clone()
+    bad[-1] = pools[0].num_pages                          # past the pool
+    before = pools[0].buf.clone()
+    assert not kernels.store_kv(pools[0], 1, bad, offs, k, v, None, None) and torch.equal(pools[0].buf, before)
+    with pytest.raises(IndexError):
+        pools[0].store(1, bad, offs, k, v)

@@ -92,7 +92,7 @@ def _build() -> ctypes.CDLL:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     f32 = ctypes.c_float
     decode = [p, i64, p, p, p, p, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64, p, p, p, i64, ctypes.c_int]
-    scatter = [p, p, p, i64, i64, i64, i64, p, i64, i64, ctypes.c_int]
+    store = [p, p, p, i64, i64, i64, i64, i64, i64, p, i64, p, i64, i64, p, p, p, i64, i64, ctypes.c_int]
     lin = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
     for name, args in (("kvl_paged_decode_f32", decode), ("kvl_paged_decode_bf16", decode),
                        ("kvl_paged_decode_bf16_amx", decode),
@@ -103,8 +103,7 @@ def _build() -> ctypes.CDLL:
                        ("kvl_silu_mul_bf16", [p, i64, p, i64, i64, i64, ctypes.c_int]),
                        ("kvl_rope_f32", [p, i64, i64, i64, p, p, i64, ctypes.c_int]),
                        ("kvl_rope_bf16", [p, i64, i64, i64, p, p, i64, p, i64, ctypes.c_int]),
-                       ("kvl_scatter_rows_f32", scatter), ("kvl_scatter_rows_bf16", scatter),
-                       ("kvl_scatter_rows_b16", scatter),
+                       ("kvl_store_kv_f32", store), ("kvl_store_kv_bf16", store), ("kvl_store_kv_b16", store),
                        ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
@@ -303,25 +302,47 @@ def rope_bf16(x: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin
     return True
 
 
-def scatter_rows(dst: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, src: torch.Tensor) -> bool:
-    """dst[pages[r], offsets[r]] = src[r] for a pool view dst [P, S, W] (rows contiguous) and src
-    [n, W] rows (any row stride; a [n, H, D] view whose heads are adjacent counts): fp32 rows (rounded
-    into a bf16 pool), or bf16 rows into a bf16 pool. False: not run."""
+def _kv_rows(t: torch.Tensor, n: int, width: int) -> int | None:
+    """The row stride of a step's K or V rows for the pool ([n, width], or [n, H, D] with adjacent
+    heads; each row contiguous), or None."""
+    if t.dim() == 3:
+        return t.stride(0) if t.stride(2) == 1 and t.stride(1) == t.shape[2] and t.shape[1] * t.shape[2] == width \
+            and t.shape[0] == n else None
+    return t.stride(0) if t.dim() == 2 and t.stride(1) == 1 and t.shape == (n, width) else None
+
+
+def store_kv(pool, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             tags: torch.Tensor | None, writers: torch.Tensor | None) -> bool:
+    """``KVPool.store`` in one native call (dense.c kvl_store_kv_*): the layer's K and V rows into
+    their slots (fp32, rounded into a bf16 pool, or bf16 rows into a bf16 pool), with ``tags`` and
+    ``writers`` the tag plane, at layer 0 the slots' write counters. False: not run (nothing
+    written; the caller's path)."""
     lib = native()
-    if src.dim() == 3:          # [n, H, D] with adjacent heads: the same rows as [n, H * D]
-        if src.stride(2) != 1 or src.stride(1) != src.shape[2]:
-            return False
-        src = src.as_strided((src.shape[0], src.shape[1] * src.shape[2]), (src.stride(0), 1), src.storage_offset())
-    b16 = src.dtype == torch.bfloat16 and dst.dtype == torch.bfloat16      # bf16 rows: copied as they are
-    if (lib is None or dst.dtype not in STORED or not dst.is_cpu or dst.stride(2) != 1
-            or not _rows_ok(src, dtype=src.dtype if b16 else torch.float32) or src.shape[1] != dst.shape[2]
-            or pages.dtype != torch.long or offsets.dtype != torch.long):
+    n = pages.shape[0]
+    if lib is None or not 0 <= layer < pool.num_layers or (tags is None) != (writers is None) or pages.dim() != 1 \
+            or not pool.buf.is_cpu or pool.dtype not in STORED or k.dtype != v.dtype or not k.is_cpu \
+            or not v.is_cpu or pages.dtype != torch.long or offsets.dtype != torch.long or offsets.shape[0] != n:
         return False
+    b16 = k.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16
+    if not (b16 or k.dtype == torch.float32):
+        return False
+    ks, vs = _kv_rows(k, n, pool.kv_dim), _kv_rows(v, n, pool.kv_dim)
+    if ks is None or vs is None:
+        return False
+    if layer == 0 and not (pool.write_seq.is_contiguous() and pool.write_seq.is_cpu):
+        return False
+    if tags is not None:
+        if tags.dtype != torch.long or writers.dtype != torch.long or tags.shape != (n,) or writers.shape != (n,):
+            return False
+        tags, writers = tags.contiguous(), writers.contiguous()
     pages, offsets = pages.contiguous(), offsets.contiguous()
-    getattr(lib, "kvl_scatter_rows" + ("_b16" if b16 else STORED[dst.dtype]))(
-        dst.untyped_storage().data_ptr(), pages.data_ptr(), offsets.data_ptr(), src.shape[0], dst.stride(0),
-        dst.stride(1), dst.storage_offset(), src.data_ptr(), src.stride(0), src.shape[1], torch.get_num_threads())
-    return True
+    e = pool.esize
+    return 0 == getattr(lib, "kvl_store_kv" + ("_b16" if b16 else STORED[pool.dtype]))(
+        pool.buf.data_ptr(), pages.data_ptr(), offsets.data_ptr(), n, pool.page_bytes, pool.HDR, pool.rec_bytes,
+        pool.TAG_BYTES + layer * pool.kv_dim * e, pool.TAG_BYTES + (pool.num_layers + layer) * pool.kv_dim * e,
+        k.data_ptr(), ks, v.data_ptr(), vs, pool.kv_dim, None if tags is None else tags.data_ptr(),
+        None if tags is None else writers.data_ptr(), pool.write_seq.data_ptr() if layer == 0 else None,
+        pool.num_pages, pool.page_size, torch.get_num_threads())
 
 
 ROW_BLOCK = 16      # output columns per packed block (NB in dense.c)

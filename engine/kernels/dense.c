@@ -15,8 +15,8 @@
                          at load in blocks of 16 output columns
    kvl_linear_bf16       the same with w stored in bf16 (widened to fp32 as it is loaded: half the
                          weight bytes read, fp32 arithmetic)
-   kvl_scatter_rows_*    a layer's new K or V rows into their slots, fp32 or rounded to bf16 (_b16:
-                         bf16 rows into a bf16 pool)
+   kvl_store_kv_*        a layer's new K and V rows into their slots, fp32 or rounded to bf16 (_b16:
+                         bf16 rows into a bf16 pool), with the tag plane and write counters
    kvl_read_check        the read check of engine/attention.py over a step's block tables, one pass */
 /* the loops GCC vectorizes itself (silu, norms, RoPE) in 512-bit vectors where the CPU has them
    (its default on such a CPU is 256: silu_mul on bf16 rows 1.25x a call with 512, 2026-12-05) */
@@ -172,25 +172,42 @@ int kvl_silu_mul_bf16(const uint16_t *gu, int64_t gs, uint16_t *out, int64_t os,
 
 #define SAME(v) (v)
 
-/* Row r of src (width values, rows src_stride apart) into slot offs[r] of page pages[r] of the
-   pool (records rec_stride apart inside a page, pages page_stride apart, the row at off in its
-   record; strides in the pool's elements): a layer's new K or V through the step's slot mapping,
-   one call (torch: a copy of the strided rows, then an index_put); each value through conv */
-#define SCATTER(name, pool_t, src_t, conv)                                                                        \
-    int name(pool_t *pool, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_stride,              \
-             int64_t rec_stride, int64_t off, const src_t *src, int64_t src_stride, int64_t width, int nthreads) { \
-        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 262144)")                 \
+/* A layer's new K and V rows into their slots in one call (KVPool.store: two scatters of K and V, and
+   at layer 0 the slots' write counters and the tag plane, had been five torch or ctypes calls, 28 us
+   at layer 0 on the tiny model's decode step, 15 at the others; 8 us each now, most of it the Python
+   wrapper's checks, measured call by call): row r of k and of v (width values, rows k_stride / v_stride apart) into the record of
+   slot offs[r] of page pages[r] - records rec_bytes apart from hdr bytes into a page, pages
+   page_bytes apart in buf - at k_off and v_off bytes into the record; with tags (layer 0) the tag
+   and writer of row r into the record's first two int64s and write_seq[pages[r] * S + offs[r]]
+   counted up (write_seq: NULL for none). A page outside 0 .. P - 1 or an offset outside 0 .. S - 1:
+   -1 and nothing written (torch's index_put, the caller's path, then says which) */
+#define STORE_KV(name, pool_t, src_t, conv)                                                                      \
+    int name(uint8_t *buf, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_bytes,              \
+             int64_t hdr, int64_t rec_bytes, int64_t k_off, int64_t v_off, const src_t *k, int64_t k_stride,     \
+             const src_t *v, int64_t v_stride, int64_t width, const int64_t *tags, const int64_t *writers,       \
+             int64_t *write_seq, int64_t P, int64_t S, int nthreads) {                                           \
+        for (int64_t r = 0; r < n; r++)                                                                            \
+            if (pages[r] < 0 || pages[r] >= P || offs[r] < 0 || offs[r] >= S) return -1;                          \
+        _Pragma("omp parallel for schedule(static) num_threads(nthreads) if (n * width >= 131072)")                 \
         for (int64_t r = 0; r < n; r++) {                                                                          \
-            pool_t *d = pool + pages[r] * page_stride + offs[r] * rec_stride + off;                                \
-            const src_t *s = src + r * src_stride;                                                                 \
-            for (int64_t i = 0; i < width; i++) d[i] = conv(s[i]);                                                 \
+            uint8_t *rec = buf + pages[r] * page_bytes + hdr + offs[r] * rec_bytes;                               \
+            pool_t *dk = (pool_t *)(rec + k_off), *dv = (pool_t *)(rec + v_off);                                  \
+            const src_t *sk = k + r * k_stride, *sv = v + r * v_stride;                                           \
+            for (int64_t i = 0; i < width; i++) dk[i] = conv(sk[i]);                                               \
+            for (int64_t i = 0; i < width; i++) dv[i] = conv(sv[i]);                                               \
+            if (tags) {                                                                                            \
+                ((int64_t *)rec)[0] = tags[r];                                                                     \
+                ((int64_t *)rec)[1] = writers[r];                                                                  \
+            }                                                                                                      \
         }                                                                                                          \
+        if (write_seq)                                                                                             \
+            for (int64_t r = 0; r < n; r++) write_seq[pages[r] * S + offs[r]] += 1;                               \
         return 0;                                                                                                  \
     }
 
-SCATTER(kvl_scatter_rows_f32, float, float, SAME)
-SCATTER(kvl_scatter_rows_bf16, uint16_t, float, to_bf16)       /* rounded as torch's .to(torch.bfloat16) */
-SCATTER(kvl_scatter_rows_b16, uint16_t, uint16_t, SAME)        /* bf16 rows in (a bf16 product's K or V) */
+STORE_KV(kvl_store_kv_f32, float, float, SAME)
+STORE_KV(kvl_store_kv_bf16, uint16_t, float, to_bf16)
+STORE_KV(kvl_store_kv_b16, uint16_t, uint16_t, SAME)
 
 /* x @ w.T + b for few rows of x: a decode step's projections, where oneDNN's per-call cost is
    most of the time (bench/engine.py). w is packed at load (engine.kernels.pack_rows) as blocks of

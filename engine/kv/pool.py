@@ -66,6 +66,8 @@ def _zeroed(nbytes: int) -> torch.Tensor:
 
 
 class KVPool:
+    HDR, TAG_BYTES = _HDR, TAG_BYTES        # (the native store's offsets)
+
     def __init__(self, num_layers: int, kv_dim: int, page_size: int, memory_budget: int,
                  dtype: torch.dtype = torch.float32, zero_on_free: bool = False, device: str = "cpu",
                  shared_path: str | None = None, create: bool = True):
@@ -139,12 +141,14 @@ class KVPool:
     # ---- compute paths (prefill, decode append) -------------------------------------------
     def store(self, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               tags: torch.Tensor | None = None, writers: torch.Tensor | None = None) -> None:
-        """Write one layer's K/V for new tokens; with layer 0 the same slot mapping writes the tag plane."""
+        """Write one layer's K/V for new tokens; with layer 0 the same slot mapping writes the tag plane.
+        One native call where the kernels run (kernels.store_kv), else torch's index_puts."""
+        if kernels.store_kv(self, layer, pages, offsets, k, v, tags, writers):
+            return
         if layer == 0:
             self.write_seq[pages, offsets] += 1
         for dst, src in ((self._k[layer], k), (self._v[layer], v)):
-            if not kernels.scatter_rows(dst, pages, offsets, src):      # one native pass, else torch's
-                dst[pages, offsets] = src.reshape(-1, self.kv_dim).to(self.dtype)
+            dst[pages, offsets] = src.reshape(-1, self.kv_dim).to(self.dtype)
         if tags is not None:
             self.tags[pages, offsets] = tags
             self.writers[pages, offsets] = writers
