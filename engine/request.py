@@ -41,6 +41,10 @@ class Status(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_ERROR = "error"
 
+    # members are equal only to themselves: hashed by identity in C (Enum's own __hash__ is a Python
+    # call, and a step asks for a status in a set a few dozen times)
+    __hash__ = object.__hash__
+
 
 TERMINAL = frozenset({Status.FINISHED_STOPPED, Status.FINISHED_LENGTH, Status.FINISHED_ABORTED,
                       Status.FINISHED_ERROR})
