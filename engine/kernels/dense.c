@@ -172,15 +172,16 @@ int kvl_silu_mul_bf16(const uint16_t *gu, int64_t gs, uint16_t *out, int64_t os,
 
 #define SAME(v) (v)
 
-/* A layer's new K and V rows into their slots in one call (KVPool.store: two scatters of K and V, and
-   at layer 0 the slots' write counters and the tag plane, had been five torch or ctypes calls, 28 us
-   at layer 0 on the tiny model's decode step, 15 at the others; 8 us each now, most of it the Python
-   wrapper's checks, measured call by call): row r of k and of v (width values, rows k_stride / v_stride apart) into the record of
-   slot offs[r] of page pages[r] - records rec_bytes apart from hdr bytes into a page, pages
-   page_bytes apart in buf - at k_off and v_off bytes into the record; with tags (layer 0) the tag
-   and writer of row r into the record's first two int64s and write_seq[pages[r] * S + offs[r]]
-   counted up (write_seq: NULL for none). A page outside 0 .. P - 1 or an offset outside 0 .. S - 1:
-   -1 and nothing written (torch's index_put, the caller's path, then says which) */
+/* A layer's new K and V rows into their slots in one call (KVPool.store: two scatters of K and V,
+   and at layer 0 the slots' write counters and the tag plane, had been five torch or ctypes calls,
+   28 us at layer 0 of the tiny model's decode step, 15 at the others; 8 us each now, most of it the
+   Python wrapper's checks, measured call by call). Row r of k and of v (width values, rows k_stride
+   and v_stride apart) goes into the record of slot offs[r] of page pages[r] - records rec_bytes
+   apart from hdr bytes into a page, pages page_bytes apart in buf - at k_off and v_off bytes into
+   the record; with tags, the tag and writer of row r into the record's first two int64s; with
+   write_seq (layer 0), write_seq[pages[r] * S + offs[r]] counted up. A page outside 0 .. P - 1 or an
+   offset outside 0 .. S - 1: -1 and nothing written (torch's index_put, the caller's path, then
+   says which) */
 #define STORE_KV(name, pool_t, src_t, conv)                                                                      \
     int name(uint8_t *buf, const int64_t *pages, const int64_t *offs, int64_t n, int64_t page_bytes,              \
              int64_t hdr, int64_t rec_bytes, int64_t k_off, int64_t v_off, const src_t *k, int64_t k_stride,     \
