@@ -5,6 +5,7 @@ page the check flags, every page with ``exact_mass`` - and NaN (not measured) no
 from __future__ import annotations
 
 import itertools
+import os
 import shutil
 
 import pytest
@@ -111,7 +112,8 @@ def test_varlen_matches_the_padded_reference(seq, ql, flagged, S, hkv, g, dtype,
     assert int(a.bad_slots[0, 0]) == min(seq[0], S) and int(a.bad_mask[0, 0]) == (1 << min(seq[0], S)) - 1
 
 
-@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler on this machine")
+@pytest.mark.skipif(shutil.which("cc") is None or os.environ.get("KVLEDGER_NATIVE") == "0",
+                    reason="no C compiler on this machine, or the native kernels turned off (KVLEDGER_NATIVE=0)")
 def test_the_native_decode_kernel_builds_and_loads_where_a_compiler_is():
     assert kernels.native() is not None, kernels.why_not()
 
