@@ -320,6 +320,7 @@ def store_kv(pool, layer: int, pages: torch.Tensor, offsets: torch.Tensor, k: to
     lib = native()
     n = pages.shape[0]
     if lib is None or not 0 <= layer < pool.num_layers or (tags is None) != (writers is None) or pages.dim() != 1 \
+            or offsets.dim() != 1 \
             or not pool.buf.is_cpu or pool.dtype not in STORED or k.dtype != v.dtype or not k.is_cpu \
             or not v.is_cpu or pages.dtype != torch.long or offsets.dtype != torch.long or offsets.shape[0] != n:
         return False
