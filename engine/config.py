@@ -49,4 +49,6 @@ class EngineConfig:
     seed: int = 0
     keep_freed_buffers: bool = True     # glibc: freed activation buffers stay in the heap, not unmapped
                                         # (engine/osutil.py: each step's would fault in afresh)
+    freeze_gc: bool = True              # once built, Python's cyclic GC stops scanning what exists then, as
+                                        # vLLM's engine does (engine/osutil.py freeze_heap; KVLEDGER_GC_FREEZE=0 off)
     extra: dict = field(default_factory=dict)

@@ -21,7 +21,7 @@ from engine.errors import InputError, ReadCheckViolation
 from engine.kv.host import HostTier
 from engine.kv.pool import KVPool
 from engine.kv.prefix_cache import PrefixCache
-from engine.osutil import keep_freed_buffers
+from engine.osutil import freeze_heap, keep_freed_buffers
 from engine.kv.preflight import preflight
 from engine.recorder import NULL_RECORDER, Recorder
 from engine.request import Request, SamplingParams, Status
@@ -82,6 +82,8 @@ class LLMEngine:
         self.blocks.on_hold = lambda req, pages, why: self.rec.pages_held(self, req, pages, why)
         self.blocks.on_move = lambda req, path, pages, pos: self.rec.pages_moved(self, req, path, pages, pos)
         self.rec.node_started(self)
+        if cfg.freeze_gc:                   # last: the model, the pool and the recorder are built
+            freeze_heap()
 
     def pages_held_outside(self) -> bool:
         """Pages held by requests outside the scheduler (KV still being sent): while any are, an empty

@@ -41,6 +41,10 @@ if "KVLEDGER_STATE_DIR" not in os.environ:
 # embedded ClickHouse (chdb) keeps one data directory per process: each test process gets its own
 os.environ["KVLEDGER_CHDB_PATH"] = _own_tempdir("kvledger-test-chdb-")
 os.environ["KVLEDGER_CHDB_THREADS"] = "1"        # as torch: one thread per xdist worker on two cores
+# an engine freezes Python's GC heap once built (engine/osutil.freeze_heap: a full collection first,
+# ~0.5 s here); the suite builds hundreds in one process, each freeze keeping the tests' garbage before
+# it for good: off here and in the servers the tests start (tests/test_pool.py turns it on to test it)
+os.environ["KVLEDGER_GC_FREEZE"] = "0"
 
 from telemetry.recorder import recording
 from engine.config import EngineConfig

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -151,3 +152,34 @@ def test_freed_activation_buffers_stay_in_the_heap_instead_of_being_mapped_afres
         assert r.returncode == 0, r.stderr
         got[keep] = int(r.stdout.split()[-1])
     assert got["0"] >= 64 << 20 and got["1"] < 64 << 20, got
+
+
+_FROZEN = """
+import gc, sys
+from engine.config import EngineConfig
+from engine.llm import LLMEngine
+from engine.models.llama import LlamaModel
+model = LlamaModel.from_pretrained(sys.argv[1])
+before = gc.get_freeze_count()
+LLMEngine(model, None, EngineConfig(kv_memory_budget=1 << 20, freeze_gc=sys.argv[2] == "1"))
+print(before, gc.get_freeze_count(), len(gc.get_objects(2)))
+"""
+
+
+@pytest.mark.parametrize("env, config, frozen", [(None, "1", True), ("0", "1", False), (None, "0", False)],
+                         ids=["default", "KVLEDGER_GC_FREEZE=0", "freeze_gc=False"])
+def test_a_built_engine_freezes_the_gc_heap_so_a_full_collection_skips_it(tiny_llama, env, config, frozen):
+    """engine/osutil.freeze_heap (LLMEngine's last step unless EngineConfig.freeze_gc is False or
+    KVLEDGER_GC_FREEZE=0): what exists once the engine is built - torch, the model, the pool - moves to
+    the collector's permanent generation, so a later full collection scans only what came after (the
+    oldest generation all but empty) instead of every object."""
+    e = {k: v for k, v in os.environ.items() if k != "KVLEDGER_GC_FREEZE"} | ({"KVLEDGER_GC_FREEZE": env} if env else {})
+    r = subprocess.run([sys.executable, "-c", _FROZEN, str(tiny_llama), config], capture_output=True, text=True,
+                       timeout=300, env=e, cwd=Path(__file__).resolve().parent.parent)
+    assert r.returncode == 0, r.stderr
+    before, after, oldest = map(int, r.stdout.split()[-3:])
+    assert before == 0
+    if frozen:
+        assert after > 100_000 and oldest < 1_000, (after, oldest)
+    else:
+        assert after == 0 and oldest > 100_000, (after, oldest)

@@ -23,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
 from engine.errors import InputError, KvledgerError, OutOfPages, ReadCheckViolation
+from engine.osutil import freeze_heap
 from engine.recorder import RecorderFactory
 from engine.request import SamplingParams
 from engine.server import protocol as P
@@ -489,6 +490,7 @@ def run_http(server, loop, drain_s: float = 30.0) -> int:
         server.should_exit = True
     loop.on_dead = on_dead
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    freeze_heap()           # as vLLM's API server: the app is built; a full GC scan would stall every stream
     http = threading.Thread(target=server.run, name="kvledger-http")
     http.start()
     try:
