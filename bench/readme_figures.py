@@ -219,7 +219,31 @@ def _accounting(r: dict) -> list[str]:
         "the writer falls "
         f"more than MAX_WAITING_CELLS behind (it waited {r.get('ledger_waited_s', 0):.2f} s in this run).",
         "",
+        *_gc(r),
     ]
+
+
+def _gc(r: dict) -> list[str]:
+    """Python's cyclic GC over the run's rounds and accounting (bench/telemetry.py), when it has it."""
+    g = r.get("gc")
+    if not g:
+        return []
+    frozen = (f"the heap frozen once the engines were built, {g['frozen_objects']:,} objects: "
+              "engine/osutil.freeze_heap, as vLLM's engine does" if g["frozen_objects"] else "the heap not frozen")
+    off = _load("telemetry_gc_off")       # the same bench run with KVLEDGER_GC_FREEZE=0
+    text = (f"Python's garbage collector over the rounds and the accounting ({frozen}): {g['full']} full "
+            f"collections, the longest {g['longest_full_ms']:.1f} ms; {g['count']} collections in all, "
+            f"{g['total_ms']:.0f} ms, the longest {g['longest_ms']:.1f} ms. A full collection scans every object "
+            "not frozen, on whichever thread set it off - the engine's included, every running request stalled.")
+    if off and off.get("gc") and not off["gc"]["frozen_objects"]:
+        go, lo = off["gc"], off["spans_ledger_cost_ci95"]
+        text += (f" The same bench with KVLEDGER_GC_FREEZE=0 (`bench/results/telemetry_gc_off.json`, run in the "
+                 f"same hour): {go['full']} full collection(s), the longest {go['longest_full_ms']:.0f} ms; "
+                 f"{go['count']} in all, {go['total_ms']:.0f} ms; spans + ledger cost "
+                 f"{100 * off['spans_ledger_cost']:+.1f} % ({100 * lo[0]:+.1f} to {100 * lo[1]:+.1f} %), the writer "
+                 f"{off['cpu_accounting']['writer_ms_per_s']:.1f} ms of CPU a second in its accounting pass "
+                 f"({r['cpu_accounting']['writer_ms_per_s']:.1f} with the heap frozen).")
+    return [text, ""]
 
 
 def _q(xs: list[float], q: float) -> float:

@@ -65,6 +65,7 @@ def main() -> None:
         e.generate(prompts, sp)
         if k in tels:
             tels[k].writer.flush()
+    stop_gc_watch = _watch_gc()     # Python's cyclic GC from here to the end of the CPU accounting
     for rep in track(range(args.repeats), description="rounds"):   # interleaved, the order rotated each round
         for k in names[rep % len(names):] + names[:rep % len(names)]:     # (no variant always first)
             e = engines[k]
@@ -84,6 +85,7 @@ def main() -> None:
     tps = {k: new_tokens / v for k, v in t.items()}
     account = _account(engines[_ledger(default_interval)], tels[_ledger(default_interval)], prompts, sp, args.account_gens,
                        args.batch * args.new_tokens)
+    gc_seen = stop_gc_watch()
     calibration = _calibrate(engines["off"], prompts, sp, account["writer_ms_per_s"], args.calibrate_rounds)
     closed = {k: tel.close() for k, tel in tels.items()}
     ledger = {fi: {"flush_interval_s": fi, "tokens_per_s": tps[_ledger(fi)], "cost": 1 - tps[_ledger(fi)] / tps["off"],
@@ -137,6 +139,7 @@ def main() -> None:
            "spans_background_cpu_ms_per_decode_s": 1e3 * sum(bg["spans"]) / sum(wall["spans"]),
            "spans_ledger_cpu_cost": ledger[default_interval]["cpu_cost"],
            "store_rows": {k: c["rows"] for k, c in closed.items()},
+           "gc": gc_seen,
            "cpu_accounting": account, "priority_calibration": calibration, "writer_priority": closed[_ledger(default_interval)]["writer_priority"],
            "ledger_waited_s": closed[_ledger(default_interval)]["ledger_waited_s"],
            "ingest": {"rows_in": rows_in, "reads_per_step": reads_per_step, "writes_per_step": writes_per_step,
@@ -159,6 +162,10 @@ def main() -> None:
           + f") + store writer {a['writer_ms_per_s']:.1f} ({a['writer_priority']} priority) + OTel SDK threads "
           f"{a['otel_threads_ms_per_s']:.1f}")
     c = calibration
+    gcs = res["gc"]
+    print(f"Python's GC over the rounds and the accounting ({'heap frozen by the engine' if gcs['frozen_objects'] else 'heap NOT frozen'}, "
+          f"{gcs['frozen_objects']} objects): full collections {gcs['full']}, longest {gcs['longest_full_ms']:.1f} ms; "
+          f"all collections {gcs['count']}, {gcs['total_ms']:.0f} ms, longest {gcs['longest_ms']:.1f} ms")
     print(f"a thread burning {c['burn_ms_per_s']:.1f} ms of CPU a second (the writer's) costs the decode "
           f"{100 * c['normal_cost']:+.1f} % at normal priority, {100 * c['idle_cost']:+.1f} % under SCHED_IDLE")
     ing = res["ingest"]
@@ -171,6 +178,34 @@ def main() -> None:
 
 HOOKS = ("request_arrived", "step", "pages_released", "pages_held", "pages_moved", "guard_checked", "rejected",
          "request_finished", "transfer_landed")
+
+
+def _watch_gc():
+    """Every collection of Python's cyclic GC from now (gc.callbacks): call the result to stop and get
+    how many, how long in all and the longest - full (oldest generation) ones apart: those scan every
+    object the heap's freeze (engine/osutil.freeze_heap) did not take out, with the engine stalled
+    if its thread set one off."""
+    import gc
+    seen = {"count": 0, "total_ms": 0.0, "longest_ms": 0.0, "full": 0, "longest_full_ms": 0.0}
+    started: dict[int, int] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[threading.get_ident()] = time.perf_counter_ns()
+            return
+        ms = (time.perf_counter_ns() - started.pop(threading.get_ident(), time.perf_counter_ns())) / 1e6
+        seen["count"] += 1
+        seen["total_ms"] += ms
+        seen["longest_ms"] = max(seen["longest_ms"], ms)
+        if info["generation"] == 2:
+            seen["full"] += 1
+            seen["longest_full_ms"] = max(seen["longest_full_ms"], ms)
+    gc.callbacks.append(on_gc)
+
+    def stop() -> dict:
+        gc.callbacks.remove(on_gc)
+        return seen | {"frozen_objects": gc.get_freeze_count()}
+    return stop
 
 
 def _account(engine, tel, prompts, sp, gens: int, tokens_per_gen: int) -> dict:
