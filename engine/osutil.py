@@ -73,11 +73,12 @@ def freeze_heap() -> bool:
     tracked object - ~430 K once torch, transformers, the model and the telemetry are loaded - on
     whichever thread's allocation triggers it, the engine's included. The engine allocates few container
     objects a step, but with telemetry on (span rows, histograms, ledger batches) enough survive to set
-    off a full collection every 7-30 s of decoding the tiny workload on this project's 2-core machine,
-    0.3-0.6 s each: a stall of every running request. After the freeze one takes 3-4 ms. Objects made
-    later are collected as before; what is frozen is never collected (a cycle among them stays until
-    exit), so this is for a process that builds an engine and then serves with it. False (nothing
-    done) where KVLEDGER_GC_FREEZE=0 (the test suite: it builds hundreds of engines in one process)."""
+    off a full collection from time to time (twice in the first 10 s of decoding the tiny workload on
+    this project's 2-core machine, once in bench/telemetry.py's three minutes), 0.3-0.6 s each: a stall
+    of every running request. After the freeze one takes 3-4 ms. Objects made later are collected as
+    before; what is frozen is never collected (a cycle among them stays until exit), so this is for a
+    process that builds an engine and then serves with it. False (nothing done) where
+    KVLEDGER_GC_FREEZE=0 (the test suite: it builds hundreds of engines in one process)."""
     if os.environ.get(GC_FREEZE_ENV, "1") == "0":
         return False
     gc.collect()
