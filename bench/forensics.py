@@ -122,6 +122,38 @@ def update_commands(path: Path, stores: list[Path]) -> dict:
     return res
 
 
+def update_joins(path: Path, stores: list[Path], engines: list[str]) -> dict:
+    """Re-measure only the as-of join rows (and the index's) of an earlier run's JSON, on the same
+    stores, in one run: chdb on the copy an earlier run exported (the export itself, minutes, is not
+    re-run; without that copy chdb is left as it was). Says when."""
+    res = json.loads(path.read_text())
+    res["joins_measured_unix_time"] = int(time.time())
+    fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb": chdb_join, "index": duckdb_index}
+    for store in stores:
+        m = json.loads((store / "manifest.json").read_text())
+        rows = m["read_rows"]
+        entries = ([res] if rows == res["config"]["read_rows"] else []) + [
+            x for x in res.get("scaling", []) if x["read_rows"] == rows]
+        if not entries:
+            raise SystemExit(f"{store} holds {rows} page_reads rows; {path.name} has no figures for it: "
+                             "run the bench without --joins-only (or --add-scale) on it")
+        base = duckdb_join(Path(m["base"]))
+        want = (base[0] * m["exposed_copies"], base[1] * m["exposed_copies"])
+        for name, fn in fns.items():
+            if name not in engines or (name == "chdb" and not _chdb_dir(store).exists()):
+                continue
+            st, ans, sec = _isolated(fn, store)
+            print(f"{rows / 1e6:.0f} M rows, {name}: {st} {sec if sec is None else round(sec, 2)} s {ans}", flush=True)
+            for x in entries:
+                x["seconds"][name] = sec
+                x.setdefault("status", {})[name] = st
+                x[f"{name}_equals_copies_x_base"] = tuple(ans) == want if ans else False
+    s = res["seconds"]
+    for e in ("polars", "chdb", "index"):
+        res[f"ratio_{e}_over_duckdb"] = s[e] / s["duckdb"] if s.get("duckdb") and s.get(e) else None
+    return res
+
+
 def duckdb_join(store: Path) -> tuple[int, int]:
     con = open_store(store)          # the join alone: Forensics would verify (hash) every segment first
     con.sql(sql("exposure_slots")).to_table("exposure_slots")     # the shipped as-of join, alone
@@ -267,6 +299,10 @@ def main() -> None:
     ap.add_argument("--commands-only", action="store_true",
                     help="re-measure only the commands on the existing --rows and --scale stores and update bench/results/forensics.json "
                          "in place (the joins' and the export's figures kept, with when the commands were measured)")
+    ap.add_argument("--joins-only", action="store_true",
+                    help="re-measure only the as-of joins (--engines: duckdb, polars, chdb on the copy an earlier "
+                         "run exported, index) on the existing --rows and --scale stores and update "
+                         "bench/results/forensics.json in place (the export's and the commands' figures kept)")
     ap.add_argument("--add-scale", type=int, metavar="ROWS",
                     help="build (or reuse) a store of ROWS page_reads rows, run --engines on it and add it to the growth "
                          "table of bench/results/forensics.json (the main figures kept)")
@@ -284,6 +320,15 @@ def main() -> None:
         path.write_text(json.dumps(res, indent=2) + "\n")
         print(f"added {entry['read_rows'] / 1e6:.0f} M rows to the growth table: {entry['seconds']}; "
               f"commands {entry['commands']}")
+        return
+    if args.joins_only:
+        path = Path(__file__).parent / "results" / "forensics.json"
+        res = update_joins(path, [Path(args.dir) / f"sparse-{n}" for n in [*args.scale, args.rows]],
+                           args.engines.split(","))
+        path.write_text(json.dumps(res, indent=2) + "\n")
+        print(f"as-of join at {res['config']['read_rows'] / 1e6:.0f} M read rows: "
+              + ", ".join(f"{e} {v:.2f} s" for e, v in res["seconds"].items() if v is not None and e != "chdb_export"))
+        print(f"wrote {path}")
         return
     if args.commands_only:
         path = Path(__file__).parent / "results" / "forensics.json"
