@@ -260,7 +260,9 @@ def forensics_table(r: dict) -> str:
         f"replicated: {c['exposed_copies']} of {c['copies']} copies are the incident"
         f"{', the rest healthy traffic' if c['exposed_copies'] < c['copies'] else ''}), "
         f"{r['failing_read_rows'] / 1e6:.1f} M failing read rows ({r['failing_slot_reads'] / 1e6:.1f} M failing slot "
-        f"reads) to attribute, on this 2-core machine. Failing read rows with identical findings are merged into runs, "
+        f"reads) to attribute, on this 2-core machine"
+        f"{f' (medians of {rounds} rounds, the engines in turn in each)' if (rounds := r.get('join_rounds')) else ''}"
+        f". Failing read rows with identical findings are merged into runs, "
         f"cut only where a write changed a failing slot, and only the touched pages' write runs are expanded to "
         f"slots: {r['exposure_slot_rows'] / 1e3:.0f} K (run, failing slot) rows reach the as-of join.",
         "",

@@ -14,8 +14,9 @@ holds together.
 Every base table a query names is bound in a leading WITH clause: to the database's table, to that
 table filtered to one run (``run``), or - ``spans_table`` - to an OpenTelemetry Collector
 ``otel_traces`` table read in place, its attributes mapped to the typed columns as the OTLP
-receiver maps them. ``requests``, ``exposure_x``, ``exposure_slots`` and ``exposure_ngrams`` are
-materialised once per instance as temporary tables (a snapshot, as DuckDB's).
+receiver maps them. ``requests``, ``exposure_g``, ``exposure_x`` (the as-of join's steps: not where
+the exposure index serves), ``exposure_slots`` and ``exposure_ngrams`` are materialised once per
+instance as temporary tables (a snapshot, as DuckDB's).
 """
 from __future__ import annotations
 
@@ -38,7 +39,9 @@ from telemetry.store.chain import HashCache, Verdict, verify
 from telemetry.store.schema import arrow_schemas, collector_span_columns
 
 CH_DIR = SQL_DIR / "clickhouse"
-MATERIALISED = ["requests", "exposure_x", "exposure_slots", "exposure_ngrams"]
+MATERIALISED = ["requests", "exposure_g", "exposure_x", "exposure_slots", "exposure_ngrams"]
+DEPENDS = {"exposure_x": ["exposure_g"]}     # materialised first (exposure_x names exposure_g)
+JOIN_ONLY = {"exposure_g", "exposure_x"}     # the as-of join's steps: not needed beside the index
 SETTINGS = {"join_use_nulls": 1}
 _ids = itertools.count()
 
@@ -206,6 +209,8 @@ class ClickHouseForensics:
     def _ensure(self, name: str) -> None:
         if name in self._made:
             return
+        for dep in DEPENDS.get(name, []):
+            self._ensure(dep)
         text = self._bind(ch_sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name))
         self.target.command_params(f"CREATE TEMPORARY TABLE {self.uid}_{name} ENGINE = Memory AS {text}",
                                    self._params(text, None, None, {}), SETTINGS)
@@ -213,7 +218,7 @@ class ClickHouseForensics:
 
     def materialise(self) -> None:
         for m in MATERIALISED:
-            if not (m == "exposure_x" and self.indexed):     # the join's first half: not needed beside the index
+            if not (m in JOIN_ONLY and self.indexed):
                 self._ensure(m)
 
     def _prepare(self, text: str) -> None:
