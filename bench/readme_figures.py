@@ -275,6 +275,9 @@ def forensics_table(r: dict) -> str:
         *([f"| the same rows from the exposure index the ledger writer kept (DuckDB, "
            f"`exposure_slots_index.sql`; what readers use) | {fmt('index')} | {r.get('index_equals_copies_x_base')} |"]
           if "index" in sec else []),
+        *([f"| `kvledger forensics verify-index`'s work: the join and the index materialised and compared slot row for "
+           f"slot row (DuckDB) | {fmt('verify_index')} | {r.get('verify_index_equals_copies_x_base')} |"]
+          if sec.get("verify_index") else []),
         f"| goal | <= {r['goal_seconds']} s (the issue: <= 3 s) | |",
         *(["", f"Before ClickHouse can answer, `kvledger export` copies the store into it: "
            f"{r['chdb_export_rows_per_s'] * sec['chdb_export'] / 1e6:.0f} M rows in {fmt('chdb_export')} "

@@ -99,16 +99,21 @@ def check_index(con: "duckdb.DuckDBPyConnection") -> IndexCheck:
     con.sql(sql("exposure_slots")).to_table("_check_join")
     con.sql(sql("exposure_slots_index")).to_table("_check_index")
     cols = ", ".join(f'"{c}"' for c in INDEX_KEY)
-    only = lambda a, b: con.sql(f"SELECT {cols} FROM {a} EXCEPT ALL SELECT {cols} FROM {b} ORDER BY ALL").pl()  # noqa: E731
+    # each side's rows not in the other, as many times as they are more there (EXCEPT ALL's answer, both
+    # ways): one grouping of both sides together, not two EXCEPT ALLs (121 M read rows: 2.9 -> 0.65 s)
+    con.sql(f"CREATE OR REPLACE TEMP TABLE _check_diff AS SELECT {cols}, count(*) FILTER (WHERE s = 0) AS nj, "
+            f"count(*) FILTER (WHERE s = 1) AS ni FROM (SELECT {cols}, 0 AS s FROM _check_join UNION ALL "
+            f"SELECT {cols}, 1 AS s FROM _check_index) GROUP BY ALL HAVING nj <> ni")
+    only = lambda a, b: con.sql(f"SELECT {cols} FROM _check_diff, range({a} - {b}) WHERE {a} > {b} "  # noqa: E731
+                                f"ORDER BY ALL").pl()
     on = " AND ".join(f'j."{c}" IS NOT DISTINCT FROM i."{c}"' for c in INDEX_KEY)
     mass = con.sql(f"SELECT j.response, j.donor, j.node, j.page, j.slot, j.attention_mass AS join_mass, "
                    f"i.attention_mass AS index_mass FROM _check_join j JOIN _check_index i ON {on} "
                    f"WHERE (j.attention_mass IS NULL) <> (i.attention_mass IS NULL) "
                    f"OR abs(j.attention_mass - i.attention_mass) > 1e-9 * greatest(1, abs(j.attention_mass))").pl()
     n = lambda t: con.sql(f"SELECT count(*) FROM {t}").fetchall()[0][0]  # noqa: E731
-    out = IndexCheck(n("_check_join"), n("_check_index"), only("_check_join", "_check_index"),
-                     only("_check_index", "_check_join"), mass)
-    con.sql("DROP TABLE _check_join; DROP TABLE _check_index")
+    out = IndexCheck(n("_check_join"), n("_check_index"), only("nj", "ni"), only("ni", "nj"), mass)
+    con.sql("DROP TABLE _check_join; DROP TABLE _check_index; DROP TABLE _check_diff")
     return out
 
 
