@@ -111,13 +111,22 @@ def commands(store: Path, repeats: int = 3) -> dict:
     return out
 
 
+def _manifest(store: Path) -> dict:
+    """The bench store's manifest, or the error line (no traceback) where no bench store is there."""
+    try:
+        return json.loads((store / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"forensics bench: error: {store} is not a bench store this script built ({e}); "
+                         "build it first with --rows N (without --commands-only / --joins-only)")
+
+
 def update_commands(path: Path, stores: list[Path]) -> dict:
     """Re-measure only the commands of an earlier run's JSON, on the same stores (the joins and the
     export untouched: the export alone is minutes); says when."""
     res = json.loads(path.read_text())
     res["commands_measured_unix_time"] = int(time.time())
     for store in stores:
-        rows = json.loads((store / "manifest.json").read_text())["read_rows"]
+        rows = _manifest(store)["read_rows"]
         known = [res["config"]["read_rows"], *(x["read_rows"] for x in res.get("scaling", []))]
         if rows not in known:       # another store (e.g. rebuilt on a new layout): its joins were never measured
             raise SystemExit(f"{store} holds {rows} page_reads rows; {path.name} has figures for {known} only: "
@@ -140,7 +149,7 @@ def update_joins(path: Path, stores: list[Path], engines: list[str]) -> dict:
     fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb": chdb_join, "index": duckdb_index,
            "verify_index": duckdb_verify_index}
     for store in stores:
-        m = json.loads((store / "manifest.json").read_text())
+        m = _manifest(store)
         rows = m["read_rows"]
         entries = ([res] if rows == res["config"]["read_rows"] else []) + [
             x for x in res.get("scaling", []) if x["read_rows"] == rows]
