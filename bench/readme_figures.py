@@ -370,6 +370,12 @@ def dashboard_table(r: dict) -> str:
         kept += (f" The banner and the tiles are drawn before the sections' queries run: {r['first_banner_s']:.1f} s "
                  f"into the script first, {r['warm_banner_s']:.1f} s warm, {r['kept_banner_s']:.1f} s with the answers "
                  f"kept (goal <= {r['goal_banner_s']:.0f} s).")
+    if r.get("first_early_banner_s") is not None:
+        kept += (f" On the first render, where the n-gram evidence is still to be built, the banner first says what the "
+                 f"exposure index knows - the responses that read another customer's KV, critical and high not yet "
+                 f"told apart, the tenants, the protection state and the clock (`early_pairs.sql`) - "
+                 f"{r['first_early_banner_s']:.1f} s into the script (goal <= {r['goal_banner_s']:.0f} s), then becomes "
+                 f"the whole banner.")
     if "live_render_s" in r:
         kept += (f" A live store (a writer open on a copy of it, one flush of new traffic - every table, new "
                  f"incarnations - before each render; `bench/dashboard.py --live`): render {r['live_render_s']:.1f} s, "

@@ -24,7 +24,7 @@ import polars as pl
 import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dashboard.data import BANNER, TIERS, Filters, Panels, Protection  # noqa: E402
+from dashboard.data import BANNER, PROTECTION, TIERS, Filters, Panels, Protection  # noqa: E402
 from forensics.window import ago, parse_when, utcnow  # noqa: E402
 
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
@@ -124,7 +124,9 @@ with st.sidebar:
     until = st.text_input("To", QP.get("to", ""), key="to", placeholder="now",
                           help="ISO 8601 UTC or relative (now-5m); empty: now")
     meta = open_panels(Filters(start=when(since, "From"), end=when(until, "To")))
-    meta.prefetch(BANNER)   # the state line's queries at once, while the sidebar fills in (the rest after it)
+    # the state line's queries at once, while the sidebar fills in (the rest after it) - those that need no
+    # n-gram evidence only, where it is still to be built: the banner is drawn first without it (live())
+    meta.prefetch(PROTECTION if meta.fx.evidence_pending() else BANNER)
     tenants, nodes = ["all"] + meta.tenants(), ["all"] + meta.node_names()
     pick = lambda k, opts: opts.index(QP.get(k)) if QP.get(k) in opts else 0  # noqa: E731
     tenant = st.selectbox("Tenant", tenants, index=pick("tenant", tenants), key="tenant")
@@ -184,15 +186,18 @@ def clock(pr: Protection) -> str:
 
 def banner(p: Panels, t: dict, pr: Protection) -> None:
     """The page's state, loudest first: a store that does not verify, exposure, an unprotected or
-    degraded server, lost telemetry; green only when protected and clean."""
-    n, crit, high = t["affected_responses"], t["critical_responses"], t["high_responses"]
+    degraded server, lost telemetry; green only when protected and clean. ``t``: totals(), or early()
+    (no critical / high split yet: the n-gram evidence is still being built, and the banner says so)."""
+    n, cross = t["affected_responses"], t["cross_responses"]
     window = "in this window" if p.f.start or p.f.end else "in the store"
     unprotected = [r for r in pr.reasons if r != "the store does not verify"]
-    if crit or high:
-        st.error(f"EXPOSURE {window}: {crit + high} response(s) read another customer's KV ({crit} critical: the "
-                 f"donor's text surfaced in the output; {high} high). {t['donor_tenants']} donor and "
-                 f"{t['recipient_tenants']} recipient tenant(s). Notify them (`kvledger report`). {clock(pr)}.",
-                 icon=":material/error:")
+    if cross:
+        split = (f"{t['critical_responses']} critical: the donor's text surfaced in the output; {t['high_responses']} "
+                 "high" if "critical_responses" in t else "critical where the donor's text surfaced in the output: "
+                 "still being checked")
+        st.error(f"EXPOSURE {window}: {cross} response(s) read another customer's KV ({split}). {t['donor_tenants']} "
+                 f"donor and {t['recipient_tenants']} recipient tenant(s). Notify them (`kvledger report`). "
+                 f"{clock(pr)}.", icon=":material/error:")
     if pr.state == "red" and unprotected:
         st.error("UNPROTECTED: the latest run can expose one request's KV to another - " + "; ".join(
             r for r in unprotected[:4]) + ". `kvledger preflight` and `--policy hardened` turn the guards on.",
@@ -200,7 +205,7 @@ def banner(p: Panels, t: dict, pr: Protection) -> None:
     elif pr.state == "amber":
         st.warning("DEGRADED: " + "; ".join(pr.reasons) + " - missing data is not a clean bill.",
                    icon=":material/warning:")
-    if not (crit or high):
+    if not cross:
         if n:
             st.warning(f"{n} response(s) read KV that was not their own chain {window}, none of it another "
                        "customer's (same-tenant or unwritten slots).", icon=":material/warning:")
@@ -385,16 +390,24 @@ def live() -> None:
     if snap is None:                        # a fragment rerun: time it from here, on a fresh snapshot
         _T0 = time.perf_counter()
     p = open_panels(filters(snap.f.start if snap else None), snap)
-    p.prefetch(BANNER)
-    pr = p.protection()
     if p.fx.unverified_note:
         st.error(p.fx.unverified_note + " (`kvledger verify` names the damage)", icon=":material/error:")
         if not ALLOW_UNVERIFIED:
             st.error("Refusing to show numbers from a store that does not verify, as every reader does. Start the "
                      "dashboard with `--allow-unverified` to see them under this banner.", icon=":material/block:")
             return
-    t = p.totals()
-    banner(p, t, pr)
+    state = st.empty()
+    # where the n-gram evidence is still to be built (a first render with nothing kept: seconds at 100 M+
+    # rows), the banner first says what the exposure index already knows, then becomes the whole one
+    if (early := p.early()) is not None:
+        p.prefetch(PROTECTION)
+        with state.container():
+            banner(p, early, p.protection(early=True))
+        st.session_state["early_banner_s"] = time.perf_counter() - _T0     # (bench/dashboard.py reads it)
+    p.prefetch(BANNER)
+    pr, t = p.protection(), p.totals()
+    with state.container():
+        banner(p, t, pr)
     tiles(t, pr)
     st.session_state["state_line_s"] = time.perf_counter() - _T0     # the state drawn (bench/dashboard.py reads it)
     p.prefetch()            # the sections' queries at once

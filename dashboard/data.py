@@ -57,6 +57,14 @@ def guard_switches(run: pl.DataFrame) -> pl.DataFrame:
                                        .cast(pl.Boolean)))
 
 
+def _tenant_counts(real: pl.DataFrame) -> dict[str, int]:
+    """Recipient and donor tenants of the pairs that read another request's KV (``real``: no
+    unwritten slot, not blocked): cross-tenant only, as in the report."""
+    cross = real.filter(~pl.col("same_tenant"))
+    return {"recipient_tenants": cross["response_tenant"].n_unique() if cross.height else 0,
+            "donor_tenants": cross["donor_tenant"].drop_nulls().n_unique() if cross.height else 0}
+
+
 def _listed(items: list[str], n: int = 3) -> str:
     return ", ".join(items[:n]) + (f" and {len(items) - n} more" if len(items) > n else "")
 
@@ -75,8 +83,9 @@ def verified(store: str | Path) -> HashCache:
     return VERIFIED[key]
 
 # the queries the state line (banner and tiles) needs: run first, so the page's state is drawn
-# before the sections' own queries run
-BANNER = ("exposures", "scores", "served", "guards", "preflight", "gaps")
+# before the sections' own queries run; PROTECTION: those of them that need no n-gram evidence
+PROTECTION = ("served", "guards", "preflight", "gaps")
+BANNER = ("exposures", "scores", *PROTECTION)
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
         "fleet_ttft", "fleet_impact", "canary", "gaps")
@@ -173,14 +182,42 @@ class Panels:
     def totals(self) -> dict[str, int]:
         ex, sc = self.exposures(), self.scores()
         real = ex.filter((pl.col("donor") != -1) & (pl.col("evidence") != "blocked"))
-        cross = real.filter(~pl.col("same_tenant"))      # tenant counts are cross-tenant, as in the report
+        tiers = {f"{t}_responses": int((sc["tier"] == t).sum()) if sc.height else 0 for t in TIERS}
         return {"affected_responses": sc.height,
                 "surfaced_responses": int(sc["surfaced"].sum()) if sc.height else 0,
                 "foreign_tokens": int(real["foreign_tokens"].sum()) if real.height else 0,
-                "recipient_tenants": cross["response_tenant"].n_unique() if cross.height else 0,
-                "donor_tenants": cross["donor_tenant"].drop_nulls().n_unique() if cross.height else 0,
-                "exposure_score": int(sc["score"].sum()) if sc.height else 0,
-                **{f"{t}_responses": int((sc["tier"] == t).sum()) if sc.height else 0 for t in TIERS}}
+                **_tenant_counts(real), "exposure_score": int(sc["score"].sum()) if sc.height else 0,
+                **tiers, "cross_responses": tiers["critical_responses"] + tiers["high_responses"]}
+
+    def _early(self, whole: bool = False) -> pl.DataFrame | None:
+        """early_pairs over this window (``whole``: the whole store), run once."""
+        start, end = (None, None) if whole else (self.f.start, self.f.end)
+        key = ("early_pairs", start, end)
+        if key not in self._memo:
+            self._memo[key] = self.fx.early_pairs(start, end)
+        return self._memo[key]
+
+    def early(self) -> dict[str, int] | None:
+        """What the banner can say before the n-gram evidence is built - a first render with nothing
+        kept spends seconds on it at 100 M+ rows, and all else the banner needs a fraction of one:
+        totals' affected responses, responses that read another customer's KV (``cross_responses``:
+        critical and high together - the evidence is what tells them apart) and tenant counts, the
+        same numbers totals() gives once it is built (tests/test_dashboard.py). None where the
+        evidence is at hand already or the engine cannot say it earlier: the banner waits for totals."""
+        if not self.fx.evidence_pending() or (ex := self._early()) is None:
+            return None
+        ex = self._tenant(ex, "response_tenant", "donor_tenant")
+        keep = self.nodes_in_policy()
+        if self.f.node is not None or keep is not None:
+            nodes = {self.f.node} if self.f.node else keep
+            if self.f.node and keep is not None:
+                nodes &= keep
+            ex = ex.filter(pl.col("nodes").list.eval(pl.element().is_in(list(nodes))).list.any())
+        live = ex.filter(~pl.col("blocked"))
+        real = live.filter(pl.col("donor") != -1)
+        cross = real.filter(~pl.col("same_tenant"))
+        return {"affected_responses": live["response"].n_unique(), "cross_responses": cross["response"].n_unique(),
+                **_tenant_counts(real)}
 
     def gaps(self) -> pl.DataFrame:
         """Telemetry the collector knows it lost and could not fill: missing data, not a clean bill."""
@@ -264,9 +301,10 @@ class Panels:
         df = self._node(self._q("preflight"), "node")
         return df if self.f.policy is None else df.filter(pl.col("policy") == self.f.policy)
 
-    def protection(self, now: dt.datetime | None = None) -> Protection:
+    def protection(self, now: dt.datetime | None = None, early: bool = False) -> Protection:
         """The latest run's protection state and the exposure clock (never windowed: a window that
-        shows nothing does not make an unprotected server safe)."""
+        shows nothing does not make an unprotected server safe); ``early``: the clock from early_pairs
+        (the same reads, before the n-gram evidence is built - see early())."""
         from forensics.window import utcnow
         now = now or utcnow()
         red, amber = [], []
@@ -305,8 +343,11 @@ class Panels:
         lost = gaps.filter(~pl.col("filled")) if gaps.height else gaps
         if lost.height:
             amber.append(f"telemetry lost: {int(lost['items'].sum())} item(s) in {lost.height} gap(s)")
-        ex = self._q("exposures", whole=True)
-        real = ex.filter((pl.col("donor") != -1) & (pl.col("evidence") != "blocked")) if ex.height else ex
+        if early and (ex := self._early(whole=True)) is not None:
+            real = ex.filter((pl.col("donor") != -1) & ~pl.col("blocked"))
+        else:
+            ex = self._q("exposures", whole=True)
+            real = ex.filter((pl.col("donor") != -1) & (pl.col("evidence") != "blocked")) if ex.height else ex
         last = real["last_read"].max() if real.height else None
         recent = {m: real.filter(pl.col("last_read") >= now - dt.timedelta(minutes=m))["response"].n_unique()
                   if real.height else 0 for m in (5, 60)}

@@ -354,3 +354,62 @@ def test_a_restarted_dashboard_does_not_hash_the_store_again(glm53_vulnerable, t
     seg.write_bytes(seg.read_bytes()[:-8] + b"tampered")
     monkeypatch.setattr(data, "VERIFIED", {})
     assert not Panels(store).fx.verdict.ok and hashed == [seg]
+
+
+# ---- the banner before the n-gram evidence (issue 36: a first render with nothing kept) ----------
+def _nothing_kept(monkeypatch) -> None:
+    """A new dashboard process with no kept answers or evidence rows (the verification cache stays)."""
+    from forensics.queries import evidence
+    monkeypatch.setenv("KVLEDGER_ANSWER_CACHE", "0")
+    monkeypatch.setattr(evidence, "_KEPT", {})
+
+
+def test_the_early_banner_s_numbers_are_the_whole_banner_s_in_every_view(glm53_vulnerable, monkeypatch, tmp_path):
+    """Before the n-gram evidence is built, early() gives totals()' affected responses, the responses
+    that read another customer's KV (critical + high) and the tenant counts, and the protection
+    state and exposure clock are the same - for the whole store, windows around the leaks, a tenant,
+    a node and a policy, and a store whose foreign reads the read check blocked; once the evidence
+    is built there is no early banner."""
+    from engine.disagg.cluster import Guards
+    from engine.replay.faults import run_fault
+    from telemetry.recorder import recording
+    _, store = glm53_vulnerable
+    ex = Forensics(store).query("exposures")
+    assert ex.filter(~pl.col("same_tenant") & (pl.col("donor") != -1)).height     # cross-tenant reads to count
+    first, last = ex["first_read"].min(), ex["last_read"].max()
+    mid = first + (last - first) / 2
+    views = [Filters(), Filters(start=first - dt.timedelta(seconds=1), end=first), Filters(start=mid),
+             Filters(end=first - dt.timedelta(seconds=1)), Filters(tenant=ex["donor_tenant"].drop_nulls()[0]),
+             Filters(tenant=ex["response_tenant"].drop_nulls()[-1]), Filters(node="prefill0"),
+             Filters(node="prefill1-canary"), Filters(policy="vulnerable"), Filters(policy="hardened")]
+    hard = tmp_path / "blocked"         # the late write's reads, every one stopped by the read check
+    run_fault("late_write", guards=Guards.only("read_check"), recorder=recording(str(hard), flush_interval=0.2))
+    assert set(Forensics(hard).query("exposures")["evidence"]) == {"blocked"}
+    seen = set()
+    now = dt.datetime.now(dt.timezone.utc).replace(tzinfo=None)
+    for where, f in [(store, f) for f in views] + [(hard, Filters())]:
+        _nothing_kept(monkeypatch)
+        p = Panels(where, f)
+        assert p.fx.evidence_pending()
+        early, pr = p.early(), p.protection(now, early=True)
+        assert early is not None and "exposure_ngrams" not in p.fx._made     # said before the evidence
+        t = p.totals()
+        assert early == {k: t[k] for k in early}, f
+        assert pr == p.protection(now)
+        assert not p.fx.evidence_pending() and p.early() is None
+        seen.add(tuple(early.values()))
+    assert len(seen) >= 3 and (0, 0, 0, 0) in seen       # the views differ: the comparison is not of zeros only
+
+
+def test_a_first_render_with_nothing_kept_draws_the_early_banner_then_the_whole_one(glm53_vulnerable, monkeypatch):
+    _, store = glm53_vulnerable
+    _nothing_kept(monkeypatch)
+    at = _app(store, monkeypatch)
+    assert 0 < at.session_state["early_banner_s"] <= at.session_state["state_line_s"]
+    exposure = [e.value for e in at.error if e.value.startswith("EXPOSURE")]
+    # the early banner's place holds the whole one now: one EXPOSURE line, with its critical / high split
+    assert len(exposure) == 1 and "critical: the donor's text surfaced" in exposure[0], exposure
+    assert not any("still being checked" in e.value for e in at.error)
+    again = _app(store, monkeypatch)             # the evidence is kept in this process now: no early banner
+    assert "early_banner_s" not in again.session_state
+    assert [e.value for e in again.error if e.value.startswith("EXPOSURE")][0].split(" (")[0] == exposure[0].split(" (")[0]

@@ -36,6 +36,14 @@ class ForensicsBackend(Protocol):
     def unverified_note(self) -> str | None:
         """What every output must say when the store did not verify (None when it did)."""
 
+    def evidence_pending(self) -> bool:
+        """Whether the n-gram evidence of this snapshot is still to be built from scratch (seconds at
+        100 M+ rows): a dashboard then draws its banner from ``early_pairs`` first."""
+
+    def early_pairs(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> "pl.DataFrame | None":
+        """exposures' pairs (both tenants, blocked, nodes, first and last read) without the n-gram
+        evidence, read before it is built; None where the engine cannot (the banner waits for exposures)."""
+
     def exposure_slots(self) -> "pl.DataFrame":
         """One row per failing slot read, with its donor (the as-of join: the ground truth)."""
 

@@ -254,6 +254,12 @@ class ClickHouseForensics:
     def exposures(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> pl.DataFrame:
         return self.query("exposures", start, end)
 
+    def evidence_pending(self) -> bool:
+        return False            # no early banner here: the dashboard waits for exposures
+
+    def early_pairs(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> None:
+        return None
+
     def requests(self) -> pl.DataFrame:
         self._ensure("requests")
         return to_polars(self.target.query_arrow(f"SELECT * FROM {self.uid}_requests", None, SETTINGS))

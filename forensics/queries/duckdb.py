@@ -19,7 +19,7 @@ import duckdb
 import polars as pl
 
 from forensics.queries.grown import WHOLE, build as grow, enabled as grow_enabled
-from forensics.queries.evidence import build as build_evidence
+from forensics.queries.evidence import build as build_evidence, kept as evidence_kept
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
 from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, verify
@@ -196,6 +196,24 @@ class Forensics:
         3.5 s) to save a later, different query on the same snapshot about 0.2 s - so none is written;
         the next process starts from those entries instead (the whole-store answers are kept either way)."""
         return "requests" in self._grown and "exposure_slots" in self._grown
+
+    def evidence_pending(self) -> bool:
+        """Whether this snapshot's n-gram evidence is still to be built from every ngrams segment: not
+        made, no kept answers entry, no rows an earlier build kept (in this process or the state
+        directory). Seconds at 100 M+ read rows, where all else a dashboard's banner needs takes a
+        fraction of one."""
+        if "exposure_ngrams" in self._made or (self.answers is not None and self.answers.path.is_file()):
+            return False
+        return not evidence_kept(self.store, disk=self.keep_answers)
+
+    def early_pairs(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> pl.DataFrame | None:
+        """The window's (response, donor) pairs with both tenants, blocked, nodes, first and last read -
+        exposures' rows without the n-gram evidence (or the slot rows), from the exposure index
+        (``early_pairs.sql``); None where the store has no index (the pairs are then the as-of join's)."""
+        if not self.indexed:
+            return None
+        self._ensure("requests")
+        return self._run(self.con, sql("early_pairs"), start, end, {})
 
     def verify_index(self) -> "IndexCheck":
         """The exposure index against the as-of join over the ledger, slot row for slot row."""

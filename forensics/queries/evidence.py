@@ -121,6 +121,17 @@ def _save(key: str, kept: _Kept, ident: str) -> None:
     write_entry(_dir(key), tables, meta | {f"{name}_rows": t.num_rows for name, t in tables.items()})
 
 
+def kept(store: str | Path, disk: bool = True) -> bool:
+    """Whether rows of an earlier build of this store's evidence are at hand - in this process, or
+    (``disk``) in the state directory: a build from them reads the segments added since, not every
+    segment."""
+    key = str(Path(store).resolve())
+    with _LOCK:
+        if key in _KEPT:
+            return True
+    return disk and kept_on_disk() and (_dir(key) / "meta.json").is_file()
+
+
 def _ids(con: duckdb.DuckDBPyConnection, text: str, col: str) -> set[int]:
     return {v for (v,) in con.sql(text).select(col).fetchall() if v is not None}
 
