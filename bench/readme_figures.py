@@ -374,7 +374,7 @@ def dashboard_table(r: dict) -> str:
         kept += (f" On the first render, where the n-gram evidence is still to be built, the banner first says what the "
                  f"exposure index knows - the responses that read another customer's KV, critical and high not yet "
                  f"told apart, the tenants, the protection state and the clock (`early_pairs.sql`) - "
-                 f"{r['first_early_banner_s']:.1f} s into the script (goal <= {r['goal_banner_s']:.0f} s), then becomes "
+                 f"{r['first_early_banner_s']:.2f} s into the script (goal <= {r['goal_banner_s']:.0f} s), then becomes "
                  f"the whole banner.")
     if "live_render_s" in r:
         kept += (f" A live store (a writer open on a copy of it, one flush of new traffic - every table, new "
