@@ -1159,3 +1159,52 @@ def test_grown_tables_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulne
     monkeypatch.setattr(grown, "_ident", lambda text, pairs: "other SQL")
     again, did = build()
     assert again == first and did == {"built": 2, "loaded": 0, "saved": 2}
+
+
+# ---- what a command says while it builds (a first command on a big store takes seconds) --------------
+def _on_a_terminal(argv: list[str], env: dict) -> tuple[bytes, bytes, int]:
+    """Run the CLI with its stderr on a pseudo-terminal (stdout a pipe): what the terminal showed,
+    stdout, exit status."""
+    import pty
+    import subprocess
+    import sys
+    main_fd, term = pty.openpty()
+    proc = subprocess.Popen([sys.executable, "-m", "engine.commands", *argv], stdout=subprocess.PIPE, stderr=term,
+                            env=env)
+    os.close(term)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(main_fd, 65536)
+        except OSError:                 # the terminal closed: the process is gone
+            break
+        if not chunk:
+            break
+        shown += chunk
+    out = proc.stdout.read()
+    rc = proc.wait(timeout=120)
+    os.close(main_fd)
+    return shown, out, rc
+
+
+def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53_vulnerable, tmp_path):
+    """On a terminal, stderr carries a status line while the store is verified and the shared tables
+    are built - the n-gram evidence named, and whether every ngrams segment is read - and the
+    answer on stdout is the same as in a pipe, where stderr stays empty."""
+    import subprocess
+    import sys
+    _, store = glm53_vulnerable
+    env = {**os.environ, "KVLEDGER_ANSWER_CACHE": "0"}      # nothing kept: every shared table is built
+    argv = ["forensics", "exposures", "--store", str(store), "--format", "json"]
+    shown, out, rc = _on_a_terminal(argv, env)
+    assert rc == 0, shown
+    text = shown.decode(errors="replace")
+    for phase in ("kvledger: verifying the store", "kvledger: building requests and the exposure slots",
+                  "kvledger: building the n-gram evidence: every ngrams segment is read"):
+        assert phase in text, text
+    piped = subprocess.run([sys.executable, "-m", "engine.commands", *argv], capture_output=True, env=env, timeout=120)
+    assert piped.returncode == 0 and piped.stderr == b"" and json.loads(piped.stdout) == json.loads(out) != []
+    shown, _, rc = _on_a_terminal(["forensics", "verify-index", "--store", str(store)], env)
+    assert rc == 0 and b"recomputing the exposure index" in shown
+    shown, _, rc = _on_a_terminal(["forensics", "exposures", "--store", str(tmp_path / "none")], env)
+    assert rc != 0 and b"kvledger: error:" in shown and b"Traceback" not in shown

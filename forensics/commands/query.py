@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import datetime as dt
 import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from engine.commands.options import add_store, check_window, timestamp
@@ -82,17 +84,24 @@ def run(c: QueryConfig) -> int:
     from forensics.queries.coverage import PAGE_LEVEL, coverage
     from forensics.queries.fleet import folded
 
-    fx = open_forensics(c.store, c.run, allow_unverified=c.allow_unverified, anchor=c.anchor,
-                        **c.engine.kwargs(spans=True))
+    with status() as say:
+        fx = open_forensics(c.store, c.run, allow_unverified=c.allow_unverified, anchor=c.anchor,
+                            **c.engine.kwargs(spans=True))
+        if c.query == VERIFY_INDEX:
+            from forensics.queries.duckdb import indexed
+            say("recomputing the exposure index from the ledger (the as-of join) and comparing the two")
+            chk = fx.verify_index() if indexed(fx.con) else None
+        else:
+            fx.phase = say
+            df, answered, fold_note = folded(fx, c.query, c.source, c.start, c.end, bucket_s=c.bucket)
+            cover = coverage(df if answered == "runs" else fx.query("runs")) if answered in PAGE_LEVEL else None
     if c.query == VERIFY_INDEX:
-        return verify_index(fx, c)
-    df, answered, fold_note = folded(fx, c.query, c.source, c.start, c.end, bucket_s=c.bucket)
+        return verify_index(fx, c, chk)
     note = fx.unverified_note
     if note:
         print(f"kvledger: warning: {note}", file=sys.stderr)
     if fold_note:
         print(f"kvledger: note: {fold_note}", file=sys.stderr)
-    cover = coverage(df if answered == "runs" else fx.query("runs")) if answered in PAGE_LEVEL else None
     for sentence in cover.sentences() if cover else []:
         print(f"kvledger: warning: {sentence}", file=sys.stderr)
     title = f"kvledger forensics {answered} ({c.store})"
@@ -106,25 +115,39 @@ def run(c: QueryConfig) -> int:
     return 3 if cover is not None and cover.none and answered != "runs" else rc
 
 
-def verify_index(fx, c: QueryConfig) -> int:
-    """The exposure index against the as-of join, slot row for slot row: every difference named."""
+@contextmanager
+def status(stream=None) -> "Iterator[Callable[[str], None]]":
+    """A status line on stderr while the store is verified and the snapshot's shared tables are
+    built (a first command on a 100 M-row store with nothing kept: seconds), where stderr is a
+    terminal - gone once the answer is ready; elsewhere (a pipe, a script) nothing. Yields what to
+    call with each new phase."""
+    stream = sys.stderr if stream is None else stream
+    if not stream.isatty():
+        yield lambda text: None
+        return
+    from rich.console import Console
+    with Console(file=stream).status("kvledger: verifying the store") as line:
+        yield lambda text: line.update(f"kvledger: {text}")
+
+
+def verify_index(fx, c: QueryConfig, chk) -> int:
+    """The exposure index against the as-of join, slot row for slot row (``chk``: fx.verify_index()'s
+    answer, None where a run has no index): every difference named."""
     import json
 
     import polars as pl
 
     from forensics.output import emit
-    from forensics.queries.duckdb import indexed
     note = fx.unverified_note
     if note:
         print(f"kvledger: warning: {note}", file=sys.stderr)
-    if not indexed(fx.con):
+    if chk is None:
         missing = fx.con.sql("SELECT DISTINCT boot FROM config_snapshots WHERE page_ledger IS NOT FALSE "
                              "AND exposure_index IS NOT TRUE ORDER BY boot").fetchall()
         print(f"kvledger: warning: {len(missing)} run(s) recorded a page ledger without the exposure index (written "
               f"before it): {', '.join(repr(r[0]) for r in missing[:5])}; readers answer them from the as-of join, "
               "and there is no index to verify", file=sys.stderr)
         return 3
-    chk = fx.verify_index()
     diff = pl.concat([chk.only_join.with_columns(side=pl.lit("join only")),
                       chk.only_index.with_columns(side=pl.lit("index only"))], how="diagonal_relaxed")
     summary = (f"exposure index {'==' if chk.ok else '!='} as-of join: {chk.join_rows} slot row(s) from the join, "

@@ -8,6 +8,8 @@ import datetime as dt
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     import polars as pl
 
     from telemetry.store import Verdict
@@ -20,6 +22,7 @@ class ForensicsBackend(Protocol):
     engine: str                     # "duckdb" | "chdb" | "clickhouse"
     source: str                     # where it reads, for the reader ("the local store", a DSN)
     verdict: "Verdict"              # the store's verification, done before the first answer
+    phase: "Callable[[str], None] | None"   # told, when set, what is being built (a command's status line)
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> "pl.DataFrame":

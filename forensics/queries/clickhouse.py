@@ -117,6 +117,7 @@ class ClickHouseForensics:
                  tenant_attribute: str = "tenant.id", allow_unverified: bool = False, anchor=None,
                  cache: dict | None = None, progress=None, use_index: bool = True):
         self.engine, self.run, self.spans_table = engine, run, spans_table
+        self.phase = None           # (the ClickHouse engines say nothing of their build)
         self.uid = f"kvl{os.getpid()}_{next(_ids)}"
         if spans_table and not re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)?", spans_table):
             raise ClickHouseError(f"--spans-table {spans_table!r}: expected TABLE or DATABASE.TABLE")

@@ -12,7 +12,7 @@ import datetime as dt
 import hashlib
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 from pathlib import Path
 
 import duckdb
@@ -129,6 +129,7 @@ class Forensics:
         every output must (``unverified_note``). ``cache``: a long-lived reader's verification
         cache, so a growing store is verified incrementally."""
         self.store, self.run = Path(store), run
+        self.phase: "Callable[[str], None] | None" = None    # told what is being built (a command's status line)
         if cache is None:                   # a command: the segment hashes of earlier commands, outside the store
             cache = HashCache(self.store)
         self.verdict = verify(self.store, anchor, cache=cache)
@@ -188,6 +189,10 @@ class Forensics:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)
 
+    def _say(self, text: str) -> None:
+        if self.phase is not None:
+            self.phase(text)
+
     def all_kept(self) -> bool:
         """Whether every shared table of this snapshot is kept in the state directory already:
         requests and exposure_slots grown (grown.py keeps them, with the segments they cover) and the
@@ -228,9 +233,14 @@ class Forensics:
                 self.from_cache.update(todo)
                 self._made.update(todo)
             else:
+                self._say("building requests and the exposure slots")
                 with ThreadPoolExecutor(2) as pool:
                     for f in [pool.submit(self._ensure, t, self.con.cursor(), False) for t in MATERIALISED[:2]]:
                         f.result()
+                if evidence_kept(self.store, disk=self.keep_answers):
+                    self._say("building the n-gram evidence from the rows an earlier reader kept")
+                else:
+                    self._say("building the n-gram evidence: every ngrams segment is read (nothing kept yet)")
                 self._ensure(MATERIALISED[2], cached=False)
                 if self.answers is not None and len(self.from_cache) < len(MATERIALISED) and not self.all_kept():
                     self.answers.save_later(self.con)       # written while the query runs
