@@ -43,8 +43,9 @@ def main() -> None:
                     help="comma-separated flush intervals (s) to measure the ledger at (default: the default only)")
     ap.add_argument("--account-gens", type=int, default=40, help="generate calls of the CPU accounting pass")
     ap.add_argument("--calibrate-rounds", type=int, default=40,
-                    help="rounds of the priority calibration (a thread burning the writer's CPU, at normal and at "
-                         "idle priority, vs nothing; one generate call each)")
+                    help="rounds of the priority calibration (the writer's CPU burnt by a Python thread at normal and "
+                         "at idle priority, by an idle thread holding no GIL and by an idle process, vs nothing; one "
+                         "generate call each)")
     ap.add_argument("--ingest-steps", type=int, default=300)
     ap.add_argument("--ingest-context", type=int, default=2048)
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
@@ -166,8 +167,10 @@ def main() -> None:
     print(f"Python's GC over the rounds and the accounting ({'heap frozen by the engine' if gcs['frozen_objects'] else 'heap NOT frozen'}, "
           f"{gcs['frozen_objects']} objects): full collections {gcs['full']}, longest {gcs['longest_full_ms']:.1f} ms; "
           f"all collections {gcs['count']}, {gcs['total_ms']:.0f} ms, longest {gcs['longest_ms']:.1f} ms")
-    print(f"a thread burning {c['burn_ms_per_s']:.1f} ms of CPU a second (the writer's) costs the decode "
-          f"{100 * c['normal_cost']:+.1f} % at normal priority, {100 * c['idle_cost']:+.1f} % under SCHED_IDLE")
+    print(f"{c['burn_ms_per_s']:.1f} ms of CPU a second (the writer's) burnt beside the decode costs it: a Python "
+          f"thread {100 * c['normal_cost']:+.1f} % at normal priority, {100 * c['idle_cost']:+.1f} % under SCHED_IDLE; "
+          f"under SCHED_IDLE holding no GIL {100 * c['idle_nogil_cost']:+.1f} %, from a separate process "
+          f"{100 * c['idle_process_cost']:+.1f} %")
     ing = res["ingest"]
     print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
           f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
@@ -242,46 +245,106 @@ def _account(engine, tel, prompts, sp, gens: int, tokens_per_gen: int) -> dict:
             "writer_priority": tel.writer.priority}
 
 
-def _calibrate(engine, prompts, sp, ms_per_s: float, rounds: int) -> dict:
-    """What the store writer's CPU costs the decode at each priority, with no store in the way: a
-    pure-Python thread (it holds the GIL, as the writer's Python does) burning ``ms_per_s`` of CPU a
-    second in bursts, at normal priority and under SCHED_IDLE, vs no thread; rounds interleaved,
-    the order rotated, the burn only during its own variant's window."""
-    from telemetry.store.writer import enter_idle_priority
-    on = {"normal": threading.Event(), "idle": threading.Event()}
-    stop = threading.Event()
+BURN_SLICE_S = 0.005      # a burner's CPU in slices of 5 ms, each followed by the sleep that keeps its rate
 
-    def burn(ev: threading.Event, idle: bool) -> None:
-        if idle:
+# the separate process's burner (_calibrate): SCHED_IDLE, pure Python, burning while told "on" (stdin)
+_PROCESS_BURNER = """
+import os, select, sys, time
+os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+rate, piece = float(sys.argv[1]), float(sys.argv[2])
+on, line = False, b""
+while True:
+    if select.select([0], [], [], 0 if on else None)[0]:
+        chunk = os.read(0, 64)
+        if not chunk:
+            break
+        line += chunk
+        while b"\\n" in line:
+            cmd, line = line.split(b"\\n", 1)
+            on = cmd == b"on"
+            os.write(1, b"ok\\n")
+        continue
+    t = time.thread_time()
+    while time.thread_time() - t < piece:
+        sum(range(200))
+    select.select([0], [], [], piece * (1e3 / rate - 1))
+"""
+
+
+def _burn_slices(stop, on: threading.Event, ms_per_s: float, burn) -> None:
+    """While ``on`` is set: ``burn()`` for BURN_SLICE_S of this thread's CPU, then sleep so that the
+    thread takes ``ms_per_s`` of CPU a second - the rate spread over the window, as the writer's work
+    is (a fold or a flush every second or two), not one burst a window."""
+    while not stop.is_set():
+        if not on.wait(0.1):
+            continue
+        t = time.thread_time()
+        while time.thread_time() - t < BURN_SLICE_S:
+            burn()
+        time.sleep(BURN_SLICE_S * (1e3 / ms_per_s - 1))
+
+
+def _calibrate(engine, prompts, sp, ms_per_s: float, rounds: int) -> dict:
+    """What the store writer's CPU costs the decode, and why, with no store in the way: ``ms_per_s``
+    of CPU a second burnt beside the decode (5 ms slices at that rate) by
+    - a pure-Python thread (it holds the GIL, as the writer's Python does) at normal priority and under
+      SCHED_IDLE (``normal``, ``idle``);
+    - a thread under SCHED_IDLE whose burn holds no GIL (sha256 of 64 KiB blocks: hashlib lets the GIL go),
+      the same CPU (``idle_nogil``);
+    - a separate process under SCHED_IDLE burning pure Python (its own GIL) (``idle_process``);
+    vs nothing; one generate call a variant, rounds interleaved, the order rotated. The gap between
+    ``idle`` and ``idle_nogil`` / ``idle_process`` is what holding the engine's GIL costs beyond the CPU."""
+    import hashlib
+    import subprocess
+    from telemetry.store.writer import enter_idle_priority
+    ms_per_s = max(ms_per_s, 0.1)
+    on = {"normal": threading.Event(), "idle": threading.Event(), "idle_nogil": threading.Event()}
+    stop = threading.Event()
+    block = os.urandom(64 << 10)
+
+    def burner(k: str) -> None:
+        if k != "normal":
             enter_idle_priority()
-        while not stop.is_set():
-            if not ev.wait(0.1):
-                continue
-            t = time.thread_time()
-            while time.thread_time() - t < ms_per_s / 2e3:          # a burst of half a second's worth
-                sum(range(200))
-            time.sleep(0.5)
-    threads = [threading.Thread(target=burn, args=(on[k], k == "idle"), daemon=True) for k in on]
+        burn = (lambda: hashlib.sha256(block).digest()) if k == "idle_nogil" else (lambda: sum(range(200)))
+        _burn_slices(stop, on[k], ms_per_s, burn)
+    threads = [threading.Thread(target=burner, args=(k,), daemon=True) for k in on]
     for t in threads:
         t.start()
-    wall: dict[str, list[float]] = {"off": [], "normal": [], "idle": []}
+    child = subprocess.Popen([sys.executable, "-c", _PROCESS_BURNER, str(ms_per_s), str(BURN_SLICE_S)],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def tell(cmd: bytes) -> None:
+        child.stdin.write(cmd + b"\n")
+        child.stdin.flush()
+        if child.stdout.readline() != b"ok\n":
+            raise RuntimeError("the calibration's burner process did not answer")
+    wall: dict[str, list[float]] = {"off": [], **{k: [] for k in on}, "idle_process": []}
     names = list(wall)
-    for rep in track(range(rounds), description="priority calibration"):
-        for k in names[rep % 3:] + names[:rep % 3]:
-            if k in on:
-                on[k].set()
-            t0 = time.perf_counter()
-            engine.generate(prompts, sp)
-            wall[k].append(time.perf_counter() - t0)
-            for ev in on.values():
-                ev.clear()
-    stop.set()
-    for t in threads:
-        t.join()
+    try:
+        for rep in track(range(rounds), description="priority calibration"):
+            for k in names[rep % len(names):] + names[:rep % len(names)]:
+                if k in on:
+                    on[k].set()
+                elif k == "idle_process":
+                    tell(b"on")
+                t0 = time.perf_counter()
+                engine.generate(prompts, sp)
+                wall[k].append(time.perf_counter() - t0)
+                for ev in on.values():
+                    ev.clear()
+                if k == "idle_process":
+                    tell(b"off")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+        child.stdin.close()
+        child.wait(10)
     off = sum(wall["off"])
-    return {"burn_ms_per_s": ms_per_s, "rounds": rounds,
-            **{f"{k}_cost": 1 - off / sum(wall[k]) for k in on},
-            **{f"{k}_cost_ci95": _bootstrap_cost(wall["off"], wall[k]) for k in on}}
+    burners = [k for k in names if k != "off"]
+    return {"burn_ms_per_s": ms_per_s, "rounds": rounds, "slice_ms": 1e3 * BURN_SLICE_S,
+            **{f"{k}_cost": 1 - off / sum(wall[k]) for k in burners},
+            **{f"{k}_cost_ci95": _bootstrap_cost(wall["off"], wall[k]) for k in burners}}
 
 
 def _thread_cpu(prefix: str) -> float:
