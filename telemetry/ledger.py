@@ -505,7 +505,8 @@ class PageLedger:
         incs, ids, prompt_lens = self._batch
         self._pending.append(StepRecord(
             engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, ids, prompt_lens, engine.pool.page_size,
-            lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets, self._generations(engine.pool, out.slot_pages),
+            lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets,
+            self._generations(engine.pool, out.slot_pages if (pn := getattr(out, "slot_pages_np", None)) is None else pn),
             out.new_writers, out.new_tags,
             lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
             out.page_mass))
