@@ -111,12 +111,27 @@ def mixed(tmp_path_factory):
     return store, [run_fault(name, policy, recorder=recording(str(store), flush_interval=0.2)) for name, policy in MIXED]
 
 
-# ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine) ----------
+# ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine), and tests
+# marked `amx` on a CPU without AMX tiles (CI's machines are Intel Xeons with them or AMD EPYCs
+# without): on a CPU that has the tiles an `amx` test that skips fails the run as any other ---------
 _bad_skips: list[str] = []
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+_ABSENT_HARDWARE = {"gpu"} | ({"amx"} if "amx_tile" not in _cpu_flags() else set())
+
+
 def pytest_runtest_logreport(report):
-    if report.skipped and "gpu" not in report.keywords:
+    if report.skipped and not _ABSENT_HARDWARE & set(report.keywords):
         _bad_skips.append(report.nodeid)
 
 
@@ -127,7 +142,8 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_terminal_summary(terminalreporter):
     if _bad_skips:
-        terminalreporter.write_line(f"FAILED: {len(_bad_skips)} test(s) skipped without the gpu marker: "
+        terminalreporter.write_line(f"FAILED: {len(_bad_skips)} test(s) skipped without a marker of hardware absent here "
+                                    f"({', '.join(sorted(_ABSENT_HARDWARE))}): "
                                     + ", ".join(_bad_skips[:5]), red=True)
 
 

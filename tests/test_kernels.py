@@ -261,6 +261,7 @@ def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, 
     torch.testing.assert_close(lin(x.view(1, M, K)), want(x)[None], **tol)
 
 
+@pytest.mark.amx
 @pytest.mark.parametrize("N, K", [(1216, 896), (1192, 448), (600, 896)])
 @pytest.mark.parametrize("M", [1, 5, 16])
 def test_decode_rows_on_amx_tiles_give_onednn_s_bf16_product_bit_for_bit(N, K, M, monkeypatch):
@@ -344,6 +345,7 @@ def _amx_prefill_runs() -> bool:
     return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
 
 
+@pytest.mark.amx
 @pytest.mark.parametrize("Hq, Hkv, D, S, n, ql, spread", [
     (4, 2, 64, 16, 100, 100, 1.0),       # a whole prompt: square causal, a partial last query and key block
     (4, 2, 64, 16, 300, 13, 1.0),        # a continuing chunk: lower-right causal, 13 rows
@@ -424,7 +426,7 @@ def test_prefill_attention_of_an_fp32_pool_equals_fp32_attention(Hq, Hkv, D, S, 
     out = buf[1:ql + 1, :Hq * D].unflatten(1, (Hq, D))
     calls = kernels.CALLS
     if not kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out):
-        pytest.skip(f"the fp32 prefill kernel does not run here ({kernels.why_not() or 'no AVX-512 in the build, or head_dim not taken'})")
+        pytest.skip(f"the fp32 prefill kernel does not run here ({kernels.why_not() or 'neither AVX-512 nor AVX2 with FMA in the build, or head_dim not taken'})")
     assert kernels.CALLS == calls + 1
     assert torch.isnan(buf[0]).all() and torch.isnan(buf[ql + 1:]).all() and torch.isnan(buf[1:ql + 1, Hq * D:]).all()
     mask = torch.arange(n)[None, :] <= torch.arange(n - ql, n)[:, None]
@@ -446,6 +448,7 @@ def test_prefill_attention_declines_what_it_does_not_take_and_writes_nothing():
         assert bool((out == 7.0).all())
 
 
+@pytest.mark.amx
 def test_prefill_attention_leaves_the_threads_tiles_to_torch_as_it_found_them():
     """torch's bf16 SDPA and oneDNN's bf16 products configure AMX tiles per thread too: run before and
     after the kernel on the same threads they give the same numbers (the kernel puts the thread's tile
@@ -478,6 +481,7 @@ def _decode(pool, layer, q, pages, seq, Hkv, amx: bool, monkeypatch):
     return out, pm[1:], kernels.AMX_DECODES - before == 1
 
 
+@pytest.mark.amx
 @pytest.mark.parametrize("Hq, Hkv, D, S, seq", [
     (4, 2, 64, 16, [3000, 2500, 17, 1]),     # the long workload's shape; a partial tile; one key
     (14, 2, 64, 16, [600, 333, 512]),        # Qwen2's 7 query heads a KV head
@@ -529,6 +533,7 @@ def test_decode_attention_declines_to_the_vector_kernel_what_the_tiles_do_not_ta
                                         monkeypatch)[0])
 
 
+@pytest.mark.amx
 def test_decode_attention_leaves_the_threads_tiles_to_torch_as_it_found_them(monkeypatch):
     """As the prefill kernel: torch's bf16 SDPA and products before and after it on the same threads
     give the same numbers, and the caller's subnormals are not flushed."""

@@ -40,7 +40,7 @@
 #define PREFILL_ARGS q_tok_stride, ql, n, kv, pages, S, Hq, Hkv, D, page_stride, rec_stride, k_off, v_off, scale, \
     out, out_tok_stride, nthreads
 
-/* a kernel this build cannot run (no AMX, no AVX-512): -1, nothing written */
+/* a kernel this build cannot run (no AMX; no AVX-512 and no AVX2 with FMA): -1, nothing written */
 #define DECLINED(name, q_t, kv_t)                                                                             \
     int name(PREFILL_PARAMS(q_t, kv_t)) {                                                                    \
         (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv;   \
@@ -288,9 +288,10 @@ DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
 /* kvl_paged_prefill_f32: one prefill chunk's attention over an fp32 pool, every product and sum in
    fp32 (vLLM-CPU's "vec" attention on an fp32 cache does the same). torch's SDPA needs the chunk's
    pages gathered first and, where the chunk continues a request, a mask tensor (its masked path ran
-   at three quarters of its causal one in the engine). Flash attention on AVX-512 FMAs, transposed
+   at three quarters of its causal one in the engine). Flash attention on AVX-512 FMAs (or AVX2's:
+   vectors of 8 lanes, fewer registers, smaller blocks), transposed
    for the scores as the AMX kernel above: a task is one query head x RB query rows (NV vectors of
-   16 lanes, a lane a row); S^T = K Q^T KS keys at a time in NV KS accumulators (each key's value
+   VLF lanes, a lane a row); S^T = K Q^T KS keys at a time in NV KS accumulators (each key's value
    broadcast against the rows' vectors), the mask, the block's maxima, the softmax and the sums all
    vertical (no horizontal reductions); then O = alpha O + P V, RR rows x DV vectors of head dims a
    register block (each V row loaded once, each probability broadcast).
@@ -299,10 +300,11 @@ DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
    layer's K and V: 4 KB on the long bench model), and the same kernel ran 1.3x slower so. e^x is
    vexp.h's (within 2 ulp of expf); keys past the request are zeros, masked (a page's unused slots
    may hold anything: never read). Measured: bench/prefill_attention.py.
-   Returns -1 (nothing written: the caller's SDPA runs) where the build has no AVX-512 or head_dim is
-   not a multiple of 16 or above 256; 1 when a scratch allocation failed. */
-#if defined(__AVX512F__)
+   Returns -1 (nothing written: the caller's SDPA runs) where the build has neither AVX-512 nor AVX2
+   with FMA, or head_dim is not a multiple of the vector's lanes (16; 8 on AVX2) or above 256; 1 when a scratch allocation failed. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#if defined(__AVX512F__)
 /* register blocks: NV vectors of query rows x KS keys of scores; RR query rows x DV (at most DVMAX)
    vectors of head dims of P V - 16 accumulators of the 32 AVX-512 registers (48 rows a task measured
    no faster on a 3000-token prompt and 10 % slower on a 600-token one) */
@@ -312,6 +314,20 @@ DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
 #define KS 8
 #define RR 4
 #define DVMAX 4
+#else
+/* AVX2 + FMA (16 registers of 8 lanes): NV x KS = AVX2_NV x 4 score accumulators beside NV query
+   vectors and a broadcast key value; P V in RR x DVMAX = 4 x 2 accumulators (bench/prefill_attention.py
+   on an AVX2 CPU picked these) */
+#ifndef AVX2_NV
+#define AVX2_NV 2
+#endif
+#define VLF 8
+#define VMAX(a, b) ((vf)_mm256_max_ps((__m256)(a), (__m256)(b)))
+#define NV AVX2_NV
+#define KS 4
+#define RR 4
+#define DVMAX 2
+#endif
 #define RB (NV * VLF)       /* query rows a task */
 #define KBF 64              /* keys a softmax block */
 #define DMAXF 256
@@ -481,9 +497,12 @@ int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
                 float als[RB] __attribute__((aligned(64)));
 #pragma GCC unroll 4
                 for (int v = 0; v < NV; v++) stv(als + v * VLF, al[v]);
-                if (D % (4 * VLF) == 0 && DVMAX >= 4)
+#if DVMAX >= 4
+                if (D % (4 * VLF) == 0)
                     pv_block(acc, st, als, vb, kn, D, 4);
-                else if (D % (2 * VLF) == 0)
+                else
+#endif
+                if (D % (2 * VLF) == 0)
                     pv_block(acc, st, als, vb, kn, D, 2);
                 else
                     pv_block(acc, st, als, vb, kn, D, 1);
@@ -504,8 +523,7 @@ int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
 
 #else
 
-/* no AVX-512 in this build: the caller's torch path (an AVX2 build of this kernel ran at 0.7x of its
-   AVX-512 build: not measured against SDPA on an AVX2 CPU) */
+/* neither AVX-512 nor AVX2 with FMA in this build: the caller's torch path */
 DECLINED(kvl_paged_prefill_f32, float, float)
 
 #endif
