@@ -14,7 +14,7 @@ the tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple
 more than 8 query heads a KV head), the vector one.
 ``paged_prefill`` (paged_prefill.c) is a prefill chunk's attention: a bf16 pool's on AMX tiles where
 the CPU has them (bf16 products, as SDPA's bf16 path), an fp32 pool's on AVX-512 FMAs (fp32 products:
-1.3-2.1x SDPA, bench/prefill_attention.py) or, on a CPU without AVX-512, AVX2's (1.4-2.3x SDPA on an
+1.3-2.1x SDPA, bench/prefill_attention.py) or, on a CPU without AVX-512, AVX2's (1.1-2.5x SDPA on an
 AMD EPYC); K/V read from the records, no gather into the engine's
 tensors, no mask tensor. Where it declines torch's SDPA runs.
 ``add_rms_norm``, ``silu_mul`` and ``rope`` (dense.c) are a decoder layer's small ops, one pass each

@@ -315,17 +315,15 @@ DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
 #define RR 4
 #define DVMAX 4
 #else
-/* AVX2 + FMA (16 registers of 8 lanes): NV x KS = AVX2_NV x 4 score accumulators beside NV query
-   vectors and a broadcast key value; P V in RR x DVMAX = 4 x 2 accumulators (bench/prefill_attention.py
-   on an AVX2 CPU picked these) */
-#ifndef AVX2_NV
-#define AVX2_NV 2
-#endif
+/* AVX2 + FMA (16 registers of 8 lanes): NV x KS = 3 x 4 score accumulators beside 3 query vectors
+   and a broadcast key value, 24 query rows a task; P V in RR x DVMAX = 6 x 2 accumulators. On an AMD
+   EPYC (bench/prefill_attention.py, the same run's SDPA as yardstick) 1.1-2.5x SDPA; 2 x 4 and 4 x 2
+   blocks (16 rows) ran at 0.9-2.1x */
 #define VLF 8
 #define VMAX(a, b) ((vf)_mm256_max_ps((__m256)(a), (__m256)(b)))
-#define NV AVX2_NV
+#define NV 3
 #define KS 4
-#define RR 4
+#define RR 6
 #define DVMAX 2
 #endif
 #define RB (NV * VLF)       /* query rows a task */
