@@ -33,19 +33,14 @@ def main() -> None:
 
     from bench._common import write
     from forensics.queries.duckdb import Forensics
-    from tests.interop.peers import Collect, build_vllm_model, free_port, peers_venv, start_vllm, stop, wait_up
+    from tests.interop.peers import build_vllm_model, peers_venv, start_vllm_with_collect, stop
     work = Path(tempfile.mkdtemp(prefix="kvledger-peers-bench-"))
     model = build_vllm_model(work / "tiny-llama")
-    port, kv_port, replay_port = free_port(), free_port(), free_port()
-    collect = Collect(work / "store", ["--kv-events", f"tcp://127.0.0.1:{kv_port},replay=tcp://127.0.0.1:{replay_port},"
-                                       "name=vllm-0", "--scrape", f"http://127.0.0.1:{port}/metrics,name=vllm-0",
-                                       "--scrape-interval", "0.5"], work / "collect.log")
-    proc, log = start_vllm(peers_venv() / "bin" / "python", work, model, port, collect.grpc_port, kv_port, replay_port)
-    root = f"http://127.0.0.1:{port}"
+    v = start_vllm_with_collect(peers_venv() / "bin" / "python", work, model)
+    proc, root, collect = v.proc, v.root, v.collect
     done, tokens, errors = [], [0], [0]
     lock = threading.Lock()
     try:
-        wait_up(proc, root, log)
         client = openai.OpenAI(base_url=root + "/v1", api_key="bench", max_retries=0, timeout=120)
         client.completions.create(model="tiny", prompt="warm up", max_tokens=4)       # not counted
         stop_at = time.time() + a.seconds
@@ -75,7 +70,7 @@ def main() -> None:
     finally:
         stop(proc)
         summary = collect.stop()
-    fx = Forensics(work / "store")
+    fx = Forensics(collect.store)
     spans = fx.con.sql("SELECT count(*) FROM spans WHERE SpanName = 'llm_request'").fetchall()[0][0]
     ev = fx.con.sql("SELECT count(DISTINCT (epoch, seq)), max(seq), count(*), sum(len(block_hashes)) "
                     "FROM kv_events WHERE instance = 'vllm-0'").fetchall()[0]

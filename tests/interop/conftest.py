@@ -22,6 +22,7 @@ from tests.interop.peers import (  # noqa: F401
     peer_env,
     peers_venv,
     start_vllm,
+    start_vllm_with_collect,
     stop,
     wait_up,
 )
@@ -44,21 +45,16 @@ def peers_python() -> Path:
 
 @pytest.fixture(scope="session")
 def vllm(peers_python, tmp_path_factory):
-    """A real vLLM serving a tiny Llama, exporting traces (gRPC) and KV events to a running collect."""
+    """A real vLLM serving a tiny Llama, exporting traces (gRPC) and KV events to a running collect
+    (a failed start is tried once more on fresh ports; the report names both starts' error lines)."""
     work = tmp_path_factory.mktemp("vllm")
     model = build_vllm_model(work / "tiny-llama")
-    port, kv_port, replay_port = free_port(), free_port(), free_port()
-    collect = Collect(work / "store", ["--kv-events", f"tcp://127.0.0.1:{kv_port},replay=tcp://127.0.0.1:{replay_port},"
-                                       "name=vllm-0", "--scrape", f"http://127.0.0.1:{port}/metrics,name=vllm-0",
-                                       "--scrape-interval", "0.5"], work / "collect.log")
-    proc, log = start_vllm(peers_python, work, model, port, collect.grpc_port, kv_port, replay_port)
-    root = f"http://127.0.0.1:{port}"
     try:
-        try:
-            wait_up(proc, root, log)
-        except RuntimeError as e:
-            pytest.fail(str(e), pytrace=False)
-        yield VLLM(root + "/v1", root, log, "tiny", collect, kv_port)
+        v = start_vllm_with_collect(peers_python, work, model)
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+    try:
+        yield v
     finally:
-        stop(proc)
-        collect.stop()
+        stop(v.proc)
+        v.collect.stop()

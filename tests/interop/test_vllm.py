@@ -121,3 +121,22 @@ def test_collect_receives_vllm_kv_events_grpc_spans_and_metrics_into_one_store(v
     assert set(mine["cache_evidence"]) <= {"hits rose", "no hits"}, mine["cache_evidence"]    # the scrape decides
     raw = b"".join(f.read_bytes() for f in store.rglob("*") if f.is_file())
     assert salt_a.encode() not in raw                                  # the salt only as a keyed pseudonym
+
+
+def test_a_vllm_that_fails_to_start_is_reported_by_its_worker_s_own_error(peers_python, tmp_path):
+    """The harness's report of a failed start ends with the cause vLLM's worker printed (CI shows only
+    the tail of its output; the API server's traceback only says "see root cause above"): a Llama of
+    16-dim heads, for which vLLM's CPU attention has no kernel, started once. The shared ``vllm``
+    fixture tries a failed start once more on fresh ports; this asks for one start."""
+    from tests.interop.peers import build_vllm_model, start_vllm_with_collect
+    model = build_vllm_model(tmp_path / "heads-16")
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=8)          # 128 / 8: 16-dim heads
+    (model / "config.json").write_text(json.dumps(config))
+    with pytest.raises(RuntimeError) as e:
+        start_vllm_with_collect(peers_python, tmp_path, model, attempts=1)
+    report = str(e.value)
+    assert report.startswith("start 1 of 1: vLLM exited ")
+    causes = report.rsplit("error lines", 1)[1].splitlines()[1:]
+    assert any(line.startswith("(Worker pid=") and "Error: " in line for line in causes), causes
+    assert causes[-1].startswith("RuntimeError: Engine core initialization failed"), causes
