@@ -54,6 +54,22 @@ def write(name: str, payload: dict) -> Path:
     return out
 
 
+def add_results_option(ap: argparse.ArgumentParser, default: str) -> None:
+    """--results NAME: the results file's stem under bench/results (another CPU's figures beside
+    this one's rather than over them)."""
+    ap.add_argument("--results", default=None, metavar="NAME",
+                    help=f"results file stem under bench/results (default: {default}); 1-64 of a-z, 0-9 and _")
+
+
+def results_name(ap: argparse.ArgumentParser, given: "str | None", default: str) -> str:
+    """The checked stem (``ap.error`` - exit 2 - on anything but [a-z0-9_]{1,64})."""
+    import re
+    name = given or default
+    if not re.fullmatch(r"[a-z0-9_]{1,64}", name):
+        ap.error(f"--results must be 1-64 characters of a-z, 0-9 and _ (a file stem), got {name!r}")
+    return name
+
+
 def workload_parser(description: str, repeats: int) -> argparse.ArgumentParser:
     """The shared decode workload's options: --batch, --new-tokens, --repeats."""
     ap = argparse.ArgumentParser(description=description)

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import cpu, interleaved, write  # noqa: E402
+from bench._common import cpu, interleaved, results_name, write  # noqa: E402
 from engine import kernels  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
@@ -299,10 +298,8 @@ def main() -> None:
     if peers is None and not args.no_vllm:
         print(f"no vLLM column: {python} not found (bash tests/interop/peers.sh builds it)", flush=True)
     # one results file per thread count and dtype
-    name = args.results or ("engine" + ("_bf16" if args.dtype == "bfloat16" else "")
-                            + ("" if args.threads == 2 else f"_{args.threads}t"))
-    if not re.fullmatch(r"[a-z0-9_]{1,64}", name):
-        ap.error(f"--results must be 1-64 characters of a-z, 0-9 and _ (a file stem), got {name!r}")
+    name = results_name(ap, args.results, "engine" + ("_bf16" if args.dtype == "bfloat16" else "")
+                        + ("" if args.threads == 2 else f"_{args.threads}t"))
     if args.projections_only and args.dtype != "float32":
         ap.error("--projections-only times the fp32 layouts (run it without --dtype)")
     if args.projections_only:

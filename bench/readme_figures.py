@@ -161,7 +161,8 @@ def telemetry_table(r: dict) -> str:
         f"| decode tokens/s, no recorder vs spans + metrics + page ledger | {t['off']:.0f} vs {t['spans_ledger']:.0f} "
         f"(cost {100 * r['spans_ledger_cost']:+.1f} %) | <= 3 % |"]
     return "\n".join([
-        f"Telemetry, same workload as above ({c['batch']} prompts, {c['new_tokens']} new tokens), "
+        f"Telemetry (`bench/results/{r.get('bench', 'telemetry')}.json`, a CPU with {_isa(r.get('cpu'))}), same workload as above "
+        f"({c['batch']} prompts, {c['new_tokens']} new tokens), "
         f"{c['repeats']} rounds of the variants back to back, their order rotated each round. A variant's turn is "
         f"{c.get('gens_per_round', 1)} generate calls and ends when everything it recorded is "
         f"written and linked, so no ledger work falls outside its window (pessimistic for the idle-priority writer: "
@@ -252,7 +253,7 @@ def _gc(r: dict) -> list[str]:
         return []
     frozen = (f"the heap frozen once the engines were built, {g['frozen_objects']:,} objects: "
               "engine/osutil.freeze_heap, as vLLM's engine does" if g["frozen_objects"] else "the heap not frozen")
-    off = _load("telemetry_gc_off")       # the same bench run with KVLEDGER_GC_FREEZE=0
+    off = _load(f"{r.get('bench', 'telemetry')}_gc_off")    # the same bench run with KVLEDGER_GC_FREEZE=0
     text = (f"Python's garbage collector over the rounds and the accounting ({frozen}): {g['full']} full "
             f"collections, the longest {g['longest_full_ms']:.1f} ms; {g['count']} collections in all, "
             f"{g['total_ms']:.0f} ms, the longest {g['longest_ms']:.1f} ms. A full collection scans every object "
@@ -660,7 +661,7 @@ def _layout_rows(r: dict) -> list[str]:
 
 SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table,
-            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "forensics": forensics_table,
+            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 

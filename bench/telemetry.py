@@ -10,7 +10,7 @@
 2. ledger ingest, end to end: real StepOutputs captured from a decode-heavy batch are fed through
    the ledger (numpy columns -> bounded queue -> writer thread -> coalesce -> Parquet segment ->
    chain link) as fast as it takes them; rows/s counts per-step read rows plus slot writes.
-Writes bench/results/telemetry.json.
+Writes bench/results/telemetry.json (``--results NAME``: NAME.json).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 from rich.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import tiny_llama_workload, workload_parser, write  # noqa: E402
+from bench._common import add_results_option, results_name, tiny_llama_workload, workload_parser, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -49,7 +49,9 @@ def main() -> None:
     ap.add_argument("--ingest-steps", type=int, default=300)
     ap.add_argument("--ingest-context", type=int, default=2048)
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
+    add_results_option(ap, "telemetry")
     args = ap.parse_args()
+    name = results_name(ap, args.results, "telemetry")
     model, prompts, g, tmp = tiny_llama_workload(args.batch)
     sp = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     cfg = lambda: EngineConfig(kv_memory_budget=64 << 20, page_size=16, max_num_seqs=args.batch)  # noqa: E731
@@ -148,7 +150,7 @@ def main() -> None:
                       "rows_per_s_end_to_end": rows_in / total, "rows_per_s_engine_side": rows_in / submitted,
                       "cold_rows_per_s_end_to_end": rows_in / runs[0][0],
                       "rows_stored": stored["page_reads"] + stored["page_writes"], "bytes_on_disk": size}}
-    out = write("telemetry", res)
+    out = write(name, res)
     print(f"decode tokens/s: off {tps['off']:.0f}, spans {tps['spans']:.0f} (cost {100 * res['spans_cost']:+.1f} %, "
           f"CPU {100 * res['spans_cpu_cost']:+.1f} %)")
     for fi, r in ledger.items():
