@@ -13,18 +13,21 @@ Spans go through a ``BatchSpanProcessor`` (queue sized by ``span_queue_size``) t
 spans exported are both counted and ``spans_dropped`` is exposed (and the SDK's own
 ``otel.sdk.processor.span.processed{error.type=queue_full}`` metric lands in the store).
 With ``OTEL_EXPORTER_OTLP_ENDPOINT`` (or ``..._TRACES_ENDPOINT``) set and the optional exporter
-installed (``pip install kvledger[otlp]``), spans also go to that collector. Without one, a finished
-request's child spans (admission, prefill, decode) skip the SDK: ``SpanRows`` writes the rows the
-exporter would have made of them straight into the store (their root still goes through the SDK).
+installed (``pip install kvledger[otlp]``), spans also go to that collector. Without one, a request's
+spans skip the SDK: its root is a ``RowSpan`` (ids from the node's id generator, no SDK span, processor
+or export thread) and ``SpanRows`` writes the rows the exporter would have made of it and of its
+children (admission, prefill, decode) straight into the store.
 """
 from __future__ import annotations
 
 import logging
 import os
 import threading
+import time
 from typing import Sequence
 
 import pyarrow as pa
+from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import (HistogramDataPoint, MetricExporter, MetricExportResult,
@@ -133,9 +136,10 @@ class StoreSpanExporter(SpanExporter):
 class SpanRows:
     """Spans written as rows straight into the ``spans`` columns - no SDK span object, processor or
     export thread - where the store is their only destination (no OTLP collector configured): a
-    finished request's child spans (``Telemetry._end_request``), each row what StoreSpanExporter makes
-    of the same span through the SDK (tests/test_telemetry.py holds the two equal). One thread
-    builds them (the store writer's); counted as ended when added, as exported when taken."""
+    request's root (``RowSpan``) and its child spans (``Telemetry._end_request``), each row what
+    StoreSpanExporter makes of the same span through the SDK (tests/test_telemetry.py holds the two
+    equal). One thread builds them (the store writer's); counted as ended when added, as exported
+    when taken."""
 
     def __init__(self):
         self.cols, self.n, self.by_node = _span_columns(), 0, {}
@@ -143,9 +147,15 @@ class SpanRows:
     def add(self, node: "NodeTelemetry", parent, name: str, start: int, end: int, attrs: dict) -> None:
         """A child of ``parent`` (a span context) on ``node``, from ``start`` to ``end`` (ns since the
         epoch), kind INTERNAL, status UNSET, its id from the node's tracer provider's id generator."""
-        _append_span(self.cols, start, end, parent.trace_id, node.tracers.id_generator.generate_span_id(),
-                     parent.span_id, str(parent.trace_state.to_header()), name, "INTERNAL", node.resource_row,
-                     node.scope, attrs)
+        self.add_span(node, start, end, parent.trace_id, node.tracers.id_generator.generate_span_id(),
+                      parent.span_id, str(parent.trace_state.to_header()), name, "INTERNAL", attrs)
+
+    def add_span(self, node: "NodeTelemetry", start: int, end: int, trace_id: int, span_id: int,
+                 parent_id: int | None, trace_state: str, name: str, kind: str, attrs,
+                 status: tuple[str, str] = ("UNSET", ""), events=()) -> None:
+        """One span's row (a root: ``parent_id`` None), counted as ended on ``node``."""
+        _append_span(self.cols, start, end, trace_id, span_id, parent_id, trace_state, name, kind, node.resource_row,
+                     node.scope, attrs, status, events)
         node.direct_ended += 1
         self.by_node[node] = self.by_node.get(node, 0) + 1
         self.n += 1
@@ -159,6 +169,66 @@ class SpanRows:
                 node.direct_exported += k
         self.cols, self.n, self.by_node = _span_columns(), 0, {}
         return table
+
+
+class _Event:
+    """A span event as ``_append_span`` reads it (the SDK's ``Event``: name and time)."""
+    __slots__ = ("name", "timestamp", "attributes")
+
+    def __init__(self, name: str, attributes, timestamp: int):
+        self.name, self.attributes, self.timestamp = name, attributes, timestamp
+
+
+class RowSpan(trace.NonRecordingSpan):
+    """A request's root span where the store is the spans' only destination: no SDK span object, no
+    sampler, processor, queue or export thread. Started on the engine's thread (its ids from the node's
+    id generator, as the SDK's would be: every ledger row of the request names them), ended on the
+    store writer's (``Telemetry._end_request``), where its row goes into ``rows`` - what
+    StoreSpanExporter makes of the same span through the SDK (tests/test_telemetry.py holds the two
+    equal). A child started through the SDK under it (``trace.set_span_in_context``) is its child."""
+
+    def __init__(self, node: "NodeTelemetry", rows: SpanRows, name: str, kind: str, start: int, attributes: dict):
+        ids = node.tracers.id_generator
+        super().__init__(trace.SpanContext(ids.generate_trace_id(), ids.generate_span_id(), is_remote=False,
+                                           trace_flags=trace.TraceFlags(trace.TraceFlags.SAMPLED)))
+        self.node, self.rows, self.name, self.kind, self.start = node, rows, name, kind, start
+        self.attributes, self.status, self.events, self.ended = attributes, ("UNSET", ""), [], False
+
+    def set_attributes(self, attributes) -> None:
+        if self.ended:                            # the SDK ignores (and warns of) calls on an ended span
+            return
+        for k, v in attributes.items():           # the SDK's order: a key set again moves to the end
+            self.attributes.pop(k, None)
+            self.attributes[k] = v
+
+    def set_attribute(self, key: str, value) -> None:
+        self.set_attributes({key: value})
+
+    def set_status(self, status, description: str | None = None) -> None:
+        code = status.status_code if isinstance(status, trace.Status) else status
+        desc = (status.description if isinstance(status, trace.Status) else description) or ""
+        if not self.ended and self.status[0] != "OK":      # the SDK's rule: OK is final, UNSET changes nothing
+            if code is trace.StatusCode.OK:
+                self.status = ("OK", "")
+            elif code is trace.StatusCode.ERROR:
+                self.status = ("ERROR", desc)
+
+    def add_event(self, name: str, attributes=None, timestamp: int | None = None) -> None:
+        if not self.ended:
+            self.events.append(_Event(name, attributes or {},
+                                      timestamp if timestamp is not None else time.time_ns()))
+
+    def is_recording(self) -> bool:
+        return not self.ended
+
+    def end(self, end_time: int | None = None) -> None:
+        """The row, once (a second end is ignored, as the SDK ignores it)."""
+        if self.ended:
+            return
+        self.ended = True
+        ctx = self.get_span_context()
+        self.rows.add_span(self.node, self.start, end_time if end_time is not None else time.time_ns(), ctx.trace_id,
+                           ctx.span_id, None, "", self.name, self.kind, self.attributes, self.status, self.events)
 
 
 class StoreMetricExporter(MetricExporter):
@@ -247,8 +317,8 @@ class NodeTelemetry:
             schedule_delay_millis=SPAN_EXPORT_DELAY_MS, meter_provider=self.meters))
         if (otlp := otlp_processor()) is not None:
             self.tracers.add_span_processor(otlp)
-        # where the store is the spans' only destination, a finished request's child spans are written
-        # as rows (SpanRows) rather than built and exported through the SDK: bench/telemetry.py
+        # where the store is the spans' only destination, a request's root (RowSpan) and its child spans
+        # are written as rows (SpanRows) rather than built and exported through the SDK: bench/telemetry.py
         self.direct = otlp is None
         self.direct_ended = self.direct_exported = 0        # those rows (SpanRows), beside the SDK's counts
         self.resource_row, self.scope = _resource_row(res), ("kvledger", tel.version)

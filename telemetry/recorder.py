@@ -27,7 +27,7 @@ from opentelemetry.trace import Status, StatusCode
 from engine.errors import InputError
 from engine.recorder import LandedRecords, Recorder, RecorderFactory, TransferRecord
 from telemetry.ledger import PageLedger, forget_oldest_half, perf_to_unix_ns
-from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, SpanRows, otlp_processor
+from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, RowSpan, SpanRows, otlp_processor
 from telemetry.store import FLUSH_INTERVAL, SegmentWriter
 from telemetry.store.keys import Keys
 
@@ -79,7 +79,7 @@ class Telemetry(Recorder):
         self._transfers: dict[int, TransferRecord] = {}
         # finished requests whose spans the store writer's thread ends (request_finished)
         self._finishing: collections.deque = collections.deque()
-        self._child_rows = SpanRows()       # their child spans, where written as rows (NodeTelemetry.direct)
+        self._child_rows = SpanRows()       # their spans, where written as rows (NodeTelemetry.direct)
         self._finish_lock = threading.Lock()
         self._finish_queued = False
         # every signed chain head also leaves as telemetry - a span `kvledger.anchor` to the OTLP
@@ -159,15 +159,19 @@ class Telemetry(Recorder):
             req.on_finish.append(lambda r: self._child(engine, r, "prefill", r.prefill_started_at, r.first_token_at,
                                                        **{"kvledger.prompt_tokens.prefilled": r.prefilled_tokens}))
             return
-        model = self._model(engine)
-        root = self._node(engine).tracer.start_span(
-            f"{OPERATION} {model}", kind=trace.SpanKind.SERVER, start_time=perf_to_unix_ns(req.arrival),
-            attributes={GA.GEN_AI_OPERATION_NAME: OPERATION, GA.GEN_AI_PROVIDER_NAME: PROVIDER,
-                        GA.GEN_AI_REQUEST_MODEL: model, GA.GEN_AI_RESPONSE_ID: str(req.incarnation),
-                        "kvledger.operation": "request", "kvledger.incarnation": req.incarnation,
-                        "kvledger.node": engine.cfg.node_id, "kvledger.tenant": self.keys.pseudonym(req.tenant),
-                        "kvledger.cache_scope": self.keys.pseudonym(req.scope),
-                        "kvledger.prompt_tokens.received": len(req.prompt_ids)})
+        model, node = self._model(engine), self._node(engine)
+        attrs = {GA.GEN_AI_OPERATION_NAME: OPERATION, GA.GEN_AI_PROVIDER_NAME: PROVIDER,
+                 GA.GEN_AI_REQUEST_MODEL: model, GA.GEN_AI_RESPONSE_ID: str(req.incarnation),
+                 "kvledger.operation": "request", "kvledger.incarnation": req.incarnation,
+                 "kvledger.node": engine.cfg.node_id, "kvledger.tenant": self.keys.pseudonym(req.tenant),
+                 "kvledger.cache_scope": self.keys.pseudonym(req.scope),
+                 "kvledger.prompt_tokens.received": len(req.prompt_ids)}
+        if node.direct:             # the store is the only destination: a row, no SDK span (otel.RowSpan)
+            root = RowSpan(node, self._child_rows, f"{OPERATION} {model}", "SERVER", perf_to_unix_ns(req.arrival),
+                           attrs)
+        else:
+            root = node.tracer.start_span(f"{OPERATION} {model}", kind=trace.SpanKind.SERVER,
+                                          start_time=perf_to_unix_ns(req.arrival), attributes=attrs)
         ctx = root.get_span_context()
         self._roots[req.incarnation] = root
         forget_oldest_half(self._ids, self.ids_cap)     # past 1 Mi requests, the oldest lose their ids on late rows

@@ -217,10 +217,10 @@ def _pairs(m) -> list[tuple]:
     return list(m.items()) if isinstance(m, dict) else [(e["key"], e["value"]) for e in m]
 
 
-def test_child_spans_written_as_rows_equal_those_the_sdk_exports(tmp_path, monkeypatch):
-    """Where the store is the spans' only destination a finished request's children are written as
-    rows (SpanRows), not through the SDK: the same requests through both paths give the same rows but
-    for ids and times, each child under its root's trace and span, and the same counts."""
+def test_spans_written_as_rows_equal_those_the_sdk_exports(tmp_path, monkeypatch):
+    """Where the store is the spans' only destination a request's root (RowSpan) and its children are
+    written as rows (SpanRows), not through the SDK: the same requests through both paths give the same
+    rows but for ids and times, each child under its root's trace and span, and the same counts."""
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
     monkeypatch.delenv("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", raising=False)
     tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
@@ -243,19 +243,28 @@ def test_child_spans_written_as_rows_equal_those_the_sdk_exports(tmp_path, monke
     assert (kids["Duration"] >= 0).all() and (kids["Timestamp"] >= kids["t0"]).all()
     assert kids["SpanId"].n_unique() == kids.height
 
+    timed = ("kvledger.time_to_first_token", "gen_ai.response.id")      # a root's values that differ by request
+
     def shape(rows: pl.DataFrame) -> list:
-        """A run's children but for ids, times and which incarnation: sorted rows."""
+        """A run's spans but for ids, times and which incarnation: sorted rows (the keys in order)."""
         order = {inc: i for i, inc in enumerate(sorted(rows["incarnation"].unique()))}
         out = []
         for r in rows.drop("TraceId", "SpanId", "ParentSpanId", "Timestamp", "Duration", "TraceId_right", "root",
-                           "t0").iter_rows(named=True):
-            r["SpanAttributes"] = [(k, v) for k, v in _pairs(r["SpanAttributes"]) if k != "kvledger.incarnation"]
+                           "t0", "ttft_s", "request_id").iter_rows(named=True):
+            r["SpanAttributes"] = [(k, "" if k in timed else v) for k, v in _pairs(r["SpanAttributes"])
+                                   if k != "kvledger.incarnation"]
             r["incarnation"] = order[r["incarnation"]]
             out.append(repr(sorted(r.items())))
         return sorted(out)
     incs = sorted(kids["incarnation"].unique())
     first, second = (kids.filter(pl.col("incarnation").is_in(part)) for part in (incs[:3], incs[3:]))
     assert shape(first) == shape(second)
+    root_rows = spans.filter(pl.col("operation") == "request").with_columns(
+        pl.lit("").alias("TraceId_right"), pl.lit("").alias("root"), pl.lit(0).alias("t0"))
+    assert root_rows.height == 6 and root_rows["SpanId"].n_unique() == 6 and root_rows["TraceId"].n_unique() == 6
+    assert (root_rows["ParentSpanId"] == "").all() and (root_rows["SpanKind"] == "SERVER").all()
+    rows_first, rows_second = (root_rows.filter(pl.col("incarnation").is_in(part)) for part in (incs[:3], incs[3:]))
+    assert shape(rows_first) == shape(rows_second)      # attributes in the SDK's order, status, scope, resource
     # the attributes in the SDK's order (insertion), as strings
     row = first.filter(pl.col("operation") == "prefill").row(0, named=True)
     assert [k for k, _ in _pairs(row["SpanAttributes"])] == ["kvledger.operation", "kvledger.node", "kvledger.incarnation",
@@ -263,11 +272,66 @@ def test_child_spans_written_as_rows_equal_those_the_sdk_exports(tmp_path, monke
     assert row["SpanKind"] == "INTERNAL" and row["StatusCode"] == "UNSET" and row["ScopeName"] == "kvledger"
 
 
+@pytest.mark.parametrize("case", ["ok", "rejected", "error_then_ok", "ok_then_error", "ended_twice"])
+def test_a_root_written_as_a_row_equals_the_sdk_s_export_of_the_same_span(tmp_path, case):
+    """RowSpan against the SDK's own span, the same calls on both (attributes set at start and later,
+    a key set again, status rules, an event, a second end): StoreSpanExporter's row of the SDK span
+    and SpanRows' row of the RowSpan are the same but for the ids."""
+    from opentelemetry.trace import SpanKind, Status, StatusCode
+
+    from telemetry.otel import RowSpan, SpanRows, StoreSpanExporter
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60)
+    _engine(tel)
+    node = next(iter(tel.nodes.values()))
+    start, attrs = 1_700_000_000_000_000_000, {"gen_ai.operation.name": "text_completion", "kvledger.incarnation": 7,
+                                               "kvledger.operation": "request", "kvledger.tenant": "t"}
+    sdk = node.tracer.start_span("text_completion recall", kind=SpanKind.SERVER, start_time=start, attributes=dict(attrs))
+    rows = SpanRows()
+    row = RowSpan(node, rows, "text_completion recall", "SERVER", start, dict(attrs))
+    for span in (sdk, row):
+        span.set_attributes({"gen_ai.usage.output_tokens": 3, "gen_ai.response.finish_reasons": ["length"],
+                             "kvledger.operation": "request"})         # set again: moves to the end, as the SDK's
+        if case == "rejected":
+            span.set_status(Status(StatusCode.ERROR, "pool too small"))
+            span.add_event("rejected", {"kvledger.rejection.where": "admission"}, timestamp=start + 5)
+            span.set_attributes({"error.type": "PoolTooSmall"})
+        elif case == "error_then_ok":
+            span.set_status(Status(StatusCode.ERROR, "x"))
+            span.set_status(Status(StatusCode.OK))
+        elif case == "ok_then_error":
+            span.set_status(Status(StatusCode.OK))
+            span.set_status(Status(StatusCode.ERROR, "ignored: OK is final"))
+        span.end(end_time=start + 1000)
+        if case == "ended_twice":        # ignored by both: the row is the first end's
+            span.set_attributes({"late": 1})
+            span.set_status(Status(StatusCode.ERROR, "late"))
+            span.end(end_time=start + 9999)
+    got = []
+
+    class Writer:
+        accepting = True
+
+        def submit(self, table, data):
+            got.append(data)
+    StoreSpanExporter(Writer()).export([sdk])
+    a, b = got[0].to_pylist()[0], rows.take().to_pylist()[0]
+    assert (a["TraceId"], a["SpanId"]) != (b["TraceId"], b["SpanId"])
+    for r in (a, b):
+        del r["TraceId"], r["SpanId"]
+    assert a == b
+    assert b["StatusCode"] == {"ok": "UNSET", "rejected": "ERROR", "error_then_ok": "OK", "ok_then_error": "OK",
+                               "ended_twice": "UNSET"}[case]
+    assert b["Duration"] == 1000
+    tel.close()
+
+
 def test_spans_dropped_by_a_full_queue_are_counted(tmp_path, monkeypatch):
     real = StoreSpanExporter.export
     monkeypatch.setattr(StoreSpanExporter, "export", lambda self, spans: (time.sleep(0.3), real(self, spans))[1])
     tel = Telemetry(tmp_path / "s", span_queue_size=2, model_name="recall", metric_interval=60)
     eng = _engine(tel)
+    for node in tel.nodes.values():      # through the SDK's queue (as with an OTLP collector configured)
+        node.direct = False
     eng.generate([f"prompt number {i} " * 4 for i in range(12)], SamplingParams(max_tokens=4))
     stats = tel.close()
     assert stats["spans_dropped"] > 0 and stats["spans_dropped"] == stats["spans_ended"] - stats["spans_exported"]
