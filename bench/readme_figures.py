@@ -441,7 +441,8 @@ def _load(name: str) -> dict | None:
 def serve_table(r: dict) -> str:
     c, k, a = r["config"], r["soak"], r["after"]
     return "\n".join([
-        f"`kvledger serve` ({c['mode']}, {c['policy']}) on loopback, {c['model']}: {c['tenants']} tenants send "
+        f"`kvledger serve` ({c['mode']}, {c['policy']}) on loopback, {c['model']}, on a CPU with {_isa(r.get('cpu'))} "
+        f"(`{r['bench']}.json`): {c['tenants']} tenants send "
         f"{c['requests']} requests at once with the official `openai` async client (half streamed), up to "
         f"{c['new_tokens']} new tokens, greedy; vs `LLMEngine.generate` on the same prompts and engine "
         f"configuration, median of {c['rounds']} interleaved rounds"
@@ -478,7 +479,7 @@ def serve_table(r: dict) -> str:
               f"alone's speed, the client's ramp and the first request's way to the engine "
               f"{al['served_round_phases_s']['client_ramp'] + al['served_round_phases_s']['to_engine']:.2f} s a round"
               if "served_round_phases_s" in al else "") + ") | >= 0.9x |"]
-          if (al := _load("serve_alone")) and "vs_vllm_serve" in r else []),
+          if (al := _load("serve_alone")) and "vs_vllm_serve" in r and al.get("cpu") == r.get("cpu") else []),
         *([f"| CPU per generated token: server (both processes) vs engine alone | "
            f"{r['server_cpu_ms_per_token']:.2f} vs {r['engine_cpu_ms_per_token']:.2f} ms | |"]
           if "server_torch_threads" in r else []),
@@ -662,7 +663,7 @@ def _layout_rows(r: dict) -> list[str]:
 SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table,
             "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
-            "dashboard": dashboard_table, "serve": serve_table, "collect": collect_table,
+            "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench._common import write  # noqa: E402
+from bench._common import add_results_option, results_name, write  # noqa: E402
 
 SERVER_ENV: dict = {}
 # a pool every running request fits in (128 x 17 pages of 16 tokens), as vLLM's 1 GiB KV cache space
@@ -173,7 +173,10 @@ def main() -> None:
                     help="the server's --max-num-batched-tokens, and the reference engine's (default: serve's own)")
     ap.add_argument("--no-vllm", action="store_true", help="leave `vllm serve` out (default: in, where the peers' "
                     "venv is: tests/interop/peers.sh)")
+    add_results_option(ap, "serve, with _Nt, _alone and the limits appended where those options are given")
     args = ap.parse_args()
+    if args.results is not None:
+        results_name(ap, args.results, "serve")
     if args.torch_threads is not None and not 1 <= args.torch_threads <= 1024:
         ap.error(f"--torch-threads must be in [1, 1024], got {args.torch_threads}")
     for flag, hi in (("max_num_seqs", 4096), ("max_num_batched_tokens", 1 << 20)):
@@ -357,7 +360,7 @@ def main() -> None:
         name += "_alone"
     if args.max_num_seqs or args.max_num_batched_tokens:     # not serve's defaults: a file of its own
         name += f"_{limits['max_num_seqs']}seqs_{limits['max_num_batched_tokens']}tok"
-    out = write(name, res)
+    out = write(args.results or name, res)
     print("a served round's wall: " + ", ".join(f"{k} {v:.3f}" for k, v in res["served_round_phases_s"].items())
           + f"; the engine alone {res['engine_alone_round_s']:.3f} s")
     print(f"served {res['served_tokens_per_s']:.0f} vs engine {res['engine_tokens_per_s']:.0f} tokens/s -> "
