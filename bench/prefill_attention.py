@@ -1,6 +1,7 @@
 """Prefill attention alone: the native kernels (engine/kernels/paged_prefill.c - AMX tiles for a bf16
-pool, AVX-512 or AVX2 FMAs for an fp32 one) against torch's SDPA on the same pages, as the engine would call
-each (SDPA after its page gather; with its mask where the chunk continues a request), interleaved,
+pool, AVX-512 or AVX2 FMAs for an fp32 one, and for a bf16 one's values widened where the products are
+fp32) against torch's SDPA on the same pages, as the engine would call
+each (SDPA after its page gather - and its widening to fp32; with its mask where the chunk continues a request), interleaved,
 medians; GFLOP/s of the causal products (2 * Hq * D * keys read). The pool has the long bench
 model's 4 layers (a key's record holds every layer's K and V). Writes
 bench/results/prefill_attention.json (prefill_attention_avx2.json on a CPU without AVX-512).
@@ -28,7 +29,7 @@ CASES = [   # (label, query heads, KV heads, head dim, keys n, query rows ql): r
 ]
 
 
-def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.dtype) -> dict:
+def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.dtype, bf16_products: bool) -> dict:
     S, L = 16, 4
     P = (n + S - 1) // S
     g = torch.Generator().manual_seed(0)
@@ -45,13 +46,15 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.
         v = pool.v(1).index_select(0, pages).view(P * S, Hkv, D)
         if mask is None:
             k, v = k[:ql], v[:ql]
-        o = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
+        if not bf16_products:       # fp32 products: the stored values widened (an fp32 pool's: as they are)
+            k, v = k.float(), v.float()
+        o = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                            v.transpose(0, 1)[None], attn_mask=mask, is_causal=mask is None,
                                            scale=D ** -0.5, enable_gqa=True)
         out.copy_(o[0].transpose(0, 1))
 
     def kernel():
-        assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out)
+        assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out, bf16_products=bf16_products)
 
     sdpa(), kernel()
     t = interleaved({"sdpa": sdpa, "kernel": kernel}, repeats)
@@ -60,29 +63,34 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.
             "ratio_kernel_vs_sdpa": t["sdpa"] / t["kernel"]}
 
 
-def runs(dtype: torch.dtype) -> bool:
+def runs(dtype: torch.dtype, bf16_products: bool) -> bool:
     """Whether the native prefill kernel for a pool of this type runs on this machine."""
     pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, dtype), dtype=dtype)
-    return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
+    return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32),
+                                 bf16_products=bf16_products)
 
 
 AVX512 = "avx512f" in cpu().get("isa", [])
-KERNELS = {torch.bfloat16: "AMX tiles (bf16 products)",
-           torch.float32: f"{'AVX-512' if AVX512 else 'AVX2'} FMAs (fp32 products)"}
+VEC = "AVX-512" if AVX512 else "AVX2"
+KERNELS = {   # the JSON's name: (the pool's type, bf16 products, what runs)
+    "bfloat16": (torch.bfloat16, True, "AMX tiles (bf16 products)"),
+    "float32": (torch.float32, False, f"{VEC} FMAs (fp32 products)"),
+    "bfloat16_fp32": (torch.bfloat16, False, f"{VEC} FMAs over a bf16 pool's values widened (fp32 products)"),
+}
 
 
 def main() -> None:
     args = kernel_bench_args(__doc__)
-    here = [dt for dt in KERNELS if runs(dt)]
+    here = [name for name, (dt, bp, _) in KERNELS.items() if runs(dt, bp)]
     if not here:
         sys.exit(f"kvledger: error: no native prefill kernel runs here ({kernels.why_not() or 'no AMX tiles, no AVX-512 or AVX2 with FMA'})")
     res = {"threads": args.threads, "repeats": args.repeats, "kernels": {}}
-    for dt in here:
-        name = str(dt).removeprefix("torch.")
-        cases = res["kernels"][name] = {"kernel": KERNELS[dt], "cases": {}}
+    for name in here:
+        dt, bf16_products, what = KERNELS[name]
+        cases = res["kernels"][name] = {"kernel": what, "cases": {}}
         for label, Hq, Hkv, D, n, ql in CASES:
             r = cases["cases"][label] = ({"heads": [Hq, Hkv, D], "keys": n, "rows": ql}
-                                         | case(Hq, Hkv, D, n, ql, args.repeats, dt))
+                                         | case(Hq, Hkv, D, n, ql, args.repeats, dt, bf16_products))
             print(f"{name} {label}: kernel {r['ms']['kernel']:.2f} ms ({r['gflops']['kernel']:.0f} GFLOP/s) vs SDPA "
                   f"{r['ms']['sdpa']:.2f} ms ({r['gflops']['sdpa']:.0f}) -> {r['ratio_kernel_vs_sdpa']:.2f}x", flush=True)
     # a CPU without AVX-512 (an AMD EPYC with AVX2) runs the AVX2 build: its figures kept apart

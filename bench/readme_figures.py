@@ -619,7 +619,8 @@ def gpu_table(r: dict) -> str:
 
 
 def prefill_attention_table(r: dict) -> str:
-    rows = [f"| {label} | {dt} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['kernel']:.2f} ms, "
+    pool = {"bfloat16_fp32": "bfloat16, widened"}
+    rows = [f"| {label} | {pool.get(dt, dt)} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['kernel']:.2f} ms, "
             f"{c['gflops']['kernel']:.0f} GFLOP/s | {c['ms']['sdpa']:.2f} ms, {c['gflops']['sdpa']:.0f} GFLOP/s | "
             f"**{c['ratio_kernel_vs_sdpa']:.2f}x** |"
             for dt, k in r["kernels"].items() for label, c in k["cases"].items()]
@@ -627,7 +628,8 @@ def prefill_attention_table(r: dict) -> str:
     return "\n".join([
         f"Prefill attention alone (`bench/prefill_attention.py`, {_isa(r.get('cpu'))}, {r['threads']} threads, "
         f"medians of {r['repeats']} interleaved calls on the same pages of a 4-layer pool; the native kernel - "
-        f"{names} - against SDPA after the engine's page gather, with its mask where the chunk continues a "
+        f"{names} - against SDPA after the engine's page gather (and, for fp32 products over a bf16 pool, its "
+        "widening), with its mask where the chunk continues a "
         "request):", "",
         "| chunk | pool | heads (query:KV x dim) | native kernel | torch SDPA | ratio |",
         "| --- | --- | --- | --- | --- | --- |", *rows])

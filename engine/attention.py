@@ -227,12 +227,13 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
       An fp32 pool's chunks: the native kernel (engine/kernels/paged_prefill.c: K/V read from the page
       records, no gather, no mask tensor; every product in fp32; 1.3-2.1x SDPA) where the build has
-      AVX-512, else SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.6-2.3x SDPA:
+      AVX-512 or AVX2 with FMA, else SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.6-2.3x SDPA:
       bench/prefill_attention.py)
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and
-      for a chunk whose mass is measured, fp32.
+      for a chunk whose mass is measured, fp32 - a bf16 pool's chunks then through the fp32 kernel
+      over its K/V widened as they are packed (the numbers of SDPA's fp32 path after the gather).
     The read check itself always covers every slot read.
     A bf16 q (``StepContext.bf16_queries``: rounded already, as the bf16 prefill rounds it) comes with
     ``q_exact`` (rows -> their fp32 q): the decode rows and any chunk not attended in bf16 take that."""
@@ -272,14 +273,16 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
     low = prefill_dtype is not None and prefill_dtype != qdt and kl.dtype == prefill_dtype
-    # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX), an fp32 pool's (fp32 FMAs)
-    native = qdt == torch.float32 and (low if kl.dtype == torch.bfloat16 else kl.dtype == torch.float32)
+    # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX), else over its values
+    # widened (fp32 FMAs, as an fp32 pool's)
+    native = qdt == torch.float32 and kl.dtype in (torch.bfloat16, torch.float32)
     for i, (b, t0, ql, pages, n, from_start) in enumerate(plan.pre):
         cb = len(pages)
         qb = q[t0:t0 + ql]
         exact = exact_mass or (mass_pages is not None and bool(mass_pages[b].any()))
         if (native and not exact
-                and kernels.paged_prefill(qb, pool, layer, pages, n, num_kv_heads, scale, out[t0:t0 + ql])):
+                and kernels.paged_prefill(qb, pool, layer, pages, n, num_kv_heads, scale, out[t0:t0 + ql],
+                                          bf16_products=low)):
             page_mass[b, :cb] = float("nan")
             continue
         if bf16q and (exact or not low):        # this chunk's q unrounded

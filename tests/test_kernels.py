@@ -405,19 +405,22 @@ def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq,
     (4, 2, 64, 16, 1, 1, 1.0),           # a one-token prompt
     (4, 2, 64, 16, 150, 150, 40.0),      # scores spread over hundreds: most probabilities 0
 ])
-def test_prefill_attention_of_an_fp32_pool_equals_fp32_attention(Hq, Hkv, D, S, n, ql, spread):
+@pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16], ids=["fp32_pool", "bf16_pool_widened"])
+def test_prefill_attention_of_an_fp32_pool_equals_fp32_attention(Hq, Hkv, D, S, n, ql, spread, stored):
     """paged_prefill.c's fp32 kernel (vector FMAs, K/V packed out of the records) against attention in
     float64 over the same pages, read out of order, the unused slots of the last page NaN (never read):
     within fp32 rounding - no farther than torch's own fp32 SDPA from it (x4, at least 2e-6) -
-    nothing outside the chunk's rows written."""
+    nothing outside the chunk's rows written. A bf16 pool's records with fp32 products (a CPU without
+    bf16 products: ``bf16_products=False``) the same, over the stored values widened."""
     from engine.kv.pool import KVPool
     g = torch.Generator().manual_seed(n * 11 + ql + D)
     P = (n + S - 1) // S
-    pool = KVPool(3, Hkv * D, S, (P + 5) * KVPool.page_bytes_for(3, Hkv * D, S), dtype=torch.float32)
+    pool = KVPool(3, Hkv * D, S, (P + 5) * KVPool.page_bytes_for(3, Hkv * D, S, stored), dtype=stored)
     pages = torch.randperm(pool.num_pages, generator=g)[:P]
     slot = torch.arange(n)
     k, v = torch.randn(n, Hkv, D, generator=g), torch.randn(n, Hkv, D, generator=g)
     pool.store(1, pages[slot // S], slot % S, k, v)
+    k, v = k.to(stored).float(), v.to(stored).float()          # the values as stored
     if n % S:
         pool.k(1)[pages[-1], n % S:] = float("nan")
         pool.v(1)[pages[-1], n % S:] = float("nan")
@@ -425,7 +428,7 @@ def test_prefill_attention_of_an_fp32_pool_equals_fp32_attention(Hq, Hkv, D, S, 
     buf = torch.full((ql + 3, Hq * D + 8), float("nan"))       # a strided view: rows wider than the heads
     out = buf[1:ql + 1, :Hq * D].unflatten(1, (Hq, D))
     calls = kernels.CALLS
-    if not kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out):
+    if not kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out, bf16_products=False):
         pytest.skip(f"the fp32 prefill kernel does not run here ({kernels.why_not() or 'neither AVX-512 nor AVX2 with FMA in the build, or head_dim not taken'})")
     assert kernels.CALLS == calls + 1
     assert torch.isnan(buf[0]).all() and torch.isnan(buf[ql + 1:]).all() and torch.isnan(buf[1:ql + 1, Hq * D:]).all()
@@ -442,10 +445,18 @@ def test_prefill_attention_declines_what_it_does_not_take_and_writes_nothing():
     from engine.kv.pool import KVPool
     fp32 = KVPool(1, 40, 4, 4 * KVPool.page_bytes_for(1, 40, 4))
     bf16 = KVPool(1, 48, 4, 4 * KVPool.page_bytes_for(1, 48, 4, torch.bfloat16), dtype=torch.bfloat16)
-    for pool, D in ((fp32, 20), (bf16, 48)):       # head_dim 20 (not a multiple of a vector); 48 (of 32)
+    bf16_20 = KVPool(1, 20, 4, 4 * KVPool.page_bytes_for(1, 20, 4, torch.bfloat16), dtype=torch.bfloat16)
+    # head_dim 20 (not a multiple of a vector), in fp32 and widened from bf16; 48 on AMX tiles (not of 32)
+    for pool, D, bf16_products in ((fp32, 20, True), (bf16_20, 20, False), (bf16, 48, True)):
         out = torch.full((2, 1, D), 7.0)
-        assert not kernels.paged_prefill(torch.randn(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0, out)
+        assert not kernels.paged_prefill(torch.randn(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0, out,
+                                         bf16_products=bf16_products)
         assert bool((out == 7.0).all())
+    # bf16 queries (rounded for bf16 products) are not taken for fp32 products
+    out = torch.full((2, 1, 48), 7.0)
+    assert not kernels.paged_prefill(torch.randn(2, 1, 48).bfloat16(), bf16, 0, torch.tensor([0]), 2, 1, 1.0, out,
+                                     bf16_products=False)
+    assert bool((out == 7.0).all())
 
 
 @pytest.mark.amx

@@ -108,7 +108,7 @@ def _build() -> ctypes.CDLL:
                        ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_bf16q", "kvl_paged_prefill_f32"):
+    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_bf16q", "kvl_paged_prefill_f32", "kvl_paged_prefill_f32b"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64,
                                        ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
@@ -204,22 +204,25 @@ def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: t
 
 
 def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int, num_kv_heads: int,
-                  scale: float, out: torch.Tensor) -> bool:
+                  scale: float, out: torch.Tensor, bf16_products: bool = True) -> bool:
     """Attention of one prefill chunk (paged_prefill.c): q [ql, Hq, D] fp32 (the chunk's rows: any row
     stride, heads adjacent; with a bf16 pool also bf16 - queries rounded already, as the kernel rounds
     them), its queries at positions n - ql .. n - 1 of a request whose n keys are on ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's on AMX tiles (the products in bf16, as
-    SDPA's bf16 path), an fp32 pool's on vector FMAs (every product in fp32). False (nothing written)
-    when the native path cannot run this call."""
+    SDPA's bf16 path) - or, with ``bf16_products`` False and fp32 q, on vector FMAs in fp32 over its
+    values widened (SDPA's fp32 path after the gather: a CPU without bf16 products); an fp32 pool's on
+    vector FMAs (every product in fp32). False (nothing written) when the native path cannot run this call."""
     lib = native()
     bf16q = q.dtype == torch.bfloat16 and pool.dtype == torch.bfloat16     # rounded already (rope_bf16)
+    widen = pool.dtype == torch.bfloat16 and not bf16_products
     if (lib is None or pool.dtype not in STORED or not pool.buf.is_cpu or (q.dtype != torch.float32 and not bf16q)
+            or (widen and bf16q)
             or out.dtype != torch.float32 or q.stride(2) != 1 or q.stride(1) != q.shape[2]
             or out.stride(2) != 1 or out.stride(1) != out.shape[2] or pages.dtype != torch.long):
         return False
     ql, Hq, D = q.shape
     k = pool.k(layer)
     pages = pages.contiguous()
-    rc = getattr(lib, "kvl_paged_prefill" + ("_bf16q" if bf16q else STORED[pool.dtype]))(
+    rc = getattr(lib, "kvl_paged_prefill" + ("_bf16q" if bf16q else "_f32b" if widen else STORED[pool.dtype]))(
         q.data_ptr(), q.stride(0), ql, n, k.untyped_storage().data_ptr(), pages.data_ptr(), pool.page_size, Hq,
         num_kv_heads, D, k.stride(0), k.stride(1), k.storage_offset(), pool.v(layer).storage_offset(), scale,
         out.data_ptr(), out.stride(0), torch.get_num_threads())

@@ -384,7 +384,13 @@ static inline __attribute__((always_inline)) void pv_block(float *acc, const flo
         }
 }
 
-int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
+/* the fp32 kernel over records of fp32 (kv_b16 0) or of bf16 (1: each K and V row widened as it is
+   packed - exact - so the products and sums are fp32's over the stored values, as SDPA's fp32 path
+   after its gather and widening) */
+static inline __attribute__((always_inline)) int prefill_f32(const float *q, int64_t q_tok_stride, int64_t ql,
+        int64_t n, const void *kv, int kv_b16, const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
+        int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale, float *out,
+        int64_t out_tok_stride, int nthreads) {
     if (D % VLF || D > DMAXF || ql < 1 || n < ql || Hq % Hkv) return -1;
     const int64_t G = Hq / Hkv, nqb = (ql + RB - 1) / RB, first = n - ql;    /* first: query row 0's position */
     /* each KV head's K and V rows packed contiguous, [Hkv][np][D], zeros past n (the last block's
@@ -406,9 +412,19 @@ int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
                 memset(vr, 0, sizeof(float) * D);
                 continue;
             }
-            const float *r = kv + pages[i / S] * page_stride + (i % S) * rec_stride + h * D;
-            memcpy(kr, r + k_off, sizeof(float) * D);
-            memcpy(vr, r + v_off, sizeof(float) * D);
+            const int64_t at = pages[i / S] * page_stride + (i % S) * rec_stride + h * D;
+            if (kv_b16) {
+                const uint16_t *r = (const uint16_t *)kv + at;
+                for (int64_t d = 0; d < D; d++) {
+                    const uint32_t kb = (uint32_t)r[k_off + d] << 16, vb = (uint32_t)r[v_off + d] << 16;
+                    memcpy(kr + d, &kb, 4);
+                    memcpy(vr + d, &vb, 4);
+                }
+            } else {
+                const float *r = (const float *)kv + at;
+                memcpy(kr, r + k_off, sizeof(float) * D);
+                memcpy(vr, r + v_off, sizeof(float) * D);
+            }
         }
     }
 #pragma omp parallel num_threads(nthreads)
@@ -519,9 +535,22 @@ int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
     return 0;
 }
 
+int kvl_paged_prefill_f32(PREFILL_PARAMS(float, float)) {
+    return prefill_f32(q, q_tok_stride, ql, n, kv, 0, pages, S, Hq, Hkv, D, page_stride, rec_stride, k_off, v_off,
+                       scale, out, out_tok_stride, nthreads);
+}
+
+/* kvl_paged_prefill_f32b: the same over a bf16 pool (fp32 queries, fp32 products): a CPU without
+   bf16 products (an AVX2-only one, or KVLEDGER_BF16_GEMM=0) attends in fp32 over the stored values */
+int kvl_paged_prefill_f32b(PREFILL_PARAMS(float, uint16_t)) {
+    return prefill_f32(q, q_tok_stride, ql, n, kv, 1, pages, S, Hq, Hkv, D, page_stride, rec_stride, k_off, v_off,
+                       scale, out, out_tok_stride, nthreads);
+}
+
 #else
 
 /* neither AVX-512 nor AVX2 with FMA in this build: the caller's torch path */
 DECLINED(kvl_paged_prefill_f32, float, float)
+DECLINED(kvl_paged_prefill_f32b, float, uint16_t)
 
 #endif
