@@ -628,8 +628,9 @@ def prefill_attention_table(r: dict) -> str:
     return "\n".join([
         f"Prefill attention alone (`bench/prefill_attention.py`, {_isa(r.get('cpu'))}, {r['threads']} threads, "
         f"medians of {r['repeats']} interleaved calls on the same pages of a 4-layer pool; the native kernel - "
-        f"{names} - against SDPA after the engine's page gather (and, for fp32 products over a bf16 pool, its "
-        "widening), with its mask where the chunk continues a "
+        f"{names} - against SDPA after the engine's page gather"
+        f"{' (and, for fp32 products over a bf16 pool, its widening)' if 'bfloat16_fp32' in r['kernels'] else ''}, "
+        "with its mask where the chunk continues a "
         "request):", "",
         "| chunk | pool | heads (query:KV x dim) | native kernel | torch SDPA | ratio |",
         "| --- | --- | --- | --- | --- | --- |", *rows])
