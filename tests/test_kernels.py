@@ -259,6 +259,13 @@ def test_a_bf16_weight_stays_bf16_and_its_products_run_where_stated(M, gemm, N, 
     wide = torch.randn(M, K + 8)[:, 3:3 + K]
     torch.testing.assert_close(lin(wide), want(wide), **tol)
     torch.testing.assert_close(lin(x.view(1, M, K)), want(x)[None], **tol)
+    # widened once for several calls (LlamaModel.mlp's chunks) where every F.linear call would widen it:
+    # the weight's values, and the same product bit for bit
+    once = lin.wide(M)
+    assert (once is not None) == (gemm == "fp32" and lin.weight is None and M > llama.BF16_KERNEL_ROWS)
+    if once is not None:
+        assert torch.equal(once, w.float())
+        assert torch.equal(lin(x, wide=once), lin(x)) and torch.equal(lin(wide, wide=once), lin(wide))
 
 
 @pytest.mark.amx

@@ -200,6 +200,29 @@ def test_a_step_s_mlp_in_row_tiles_gives_the_numbers_of_one_pass(tiny_llama, mon
         torch.testing.assert_close(torch.stack(b), torch.stack(a), atol=1e-4, rtol=0)
 
 
+def test_a_bf16_mlp_in_row_tiles_widens_its_weights_once_a_step(tiny_llama, monkeypatch):
+    """bf16 weights with fp32 products (a CPU without bf16 ones): a step's MLP in row tiles widens
+    gate_up's and down's weights once for all its tiles (Linear.wide), not once a tile - the same
+    tokens and logits bit for bit as widening them every tile."""
+    from engine.models import llama
+    monkeypatch.setenv("KVLEDGER_BF16_GEMM", "0")
+    model = LlamaModel.from_pretrained(tiny_llama, torch.bfloat16)
+    monkeypatch.setattr(llama, "MLP_ROWS", 8)
+    monkeypatch.setattr(llama, "BF16_KERNEL_ROWS", 4)      # tiles of 8 rows: products through F.linear
+    widened = []
+    real = llama.Linear._widened
+    monkeypatch.setattr(llama.Linear, "_widened", lambda self: widened.append(self) or real(self))
+    once_toks, once_logits = _greedy_with_logits(model, PROMPTS, 4)
+    once = len(widened)
+    widened.clear()
+    monkeypatch.setattr(llama.Linear, "wide", lambda self, m: None)     # every tile widens again
+    toks, logits = _greedy_with_logits(model, PROMPTS, 4)
+    assert 0 < once < len(widened)
+    assert toks == once_toks
+    for a, b in zip(once_logits, logits):
+        assert torch.equal(torch.stack(a), torch.stack(b))
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_bf16_prefill_s_qkv_kept_in_bf16_gives_the_numbers_of_the_fp32_detour(kind, request, monkeypatch):
     """bf16 products (KVLEDGER_BF16_GEMM=1) on a bf16 pool: a step with prefill rows hands its qkv

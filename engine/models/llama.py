@@ -240,13 +240,30 @@ class Linear:
         fp32 - what the op before it (a norm) may hand over directly, no conversion op between."""
         return torch.bfloat16 if self.bf16mm and m > self.fp32_rows else torch.float32
 
-    def __call__(self, x: torch.Tensor, keep_bf16: bool = False) -> torch.Tensor:
+    def wide(self, m: int) -> torch.Tensor | None:
+        """The weight widened to fp32 [n, k] where a product of ``m`` rows widens it on every call (a bf16
+        weight with fp32 products, more rows than the native kernel takes, no fp32 layout kept: a CPU
+        without bf16 products); None elsewhere. A caller with several such calls in a row
+        (``LlamaModel.mlp``'s chunks) widens once and hands it to each (``__call__``'s ``wide``)."""
+        if (self.weight is not None or self.bf16mm or self.rows is None or self.rows.dtype != torch.bfloat16
+                or m <= BF16_KERNEL_ROWS or (self.onednn is not None and self.onednn.dtype == torch.float32)):
+            return None
+        return self._widened()
+
+    def _widened(self) -> torch.Tensor:
+        nb, k, r = self.rows.shape                # packed rows [blocks, k, R]: one pass, widening as it copies
+        w = torch.empty(nb, r, k, dtype=torch.float32)
+        w.copy_(self.rows.transpose(1, 2))
+        return w.view(nb * r, k)[:self.n]
+
+    def __call__(self, x: torch.Tensor, keep_bf16: bool = False, wide: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T + b in fp32; ``keep_bf16``: where the product runs in bf16 (``bf16mm``) its bf16
         result as it is (the next bf16 product takes it as it is: no widening and rounding back in
-        between). A bf16 x is taken by that path as it is, else widened."""
+        between). A bf16 x is taken by that path as it is, else widened. ``wide``: ``self.wide()``
+        made once by the caller for several calls of that many rows (the same numbers)."""
         if x.dim() != 2 or not x.is_contiguous():
             lead = x.shape[:-1]
-            return self(x.reshape(-1, self.k).contiguous(), keep_bf16).view(*lead, self.n)
+            return self(x.reshape(-1, self.k).contiguous(), keep_bf16, wide).view(*lead, self.n)
         rows, m = self.rows, x.shape[0]
         if self.bf16mm and m > self.fp32_rows:
             global BF16_GEMM_CALLS
@@ -268,7 +285,7 @@ class Linear:
                 return out
         if self.onednn is not None and self.onednn.dtype == torch.float32:
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, self.bias, "none", [], "")
-        w = self.weight if self.weight is not None else rows.to(x.dtype).transpose(1, 2).reshape(-1, self.k)[:self.n]
+        w = self.weight if self.weight is not None else wide if wide is not None else self._widened()
         return F.linear(x, w.to(x.dtype), self.bias)
 
 
@@ -363,9 +380,11 @@ class LlamaModel(nn.Module):
         bf16 up to down's (keep_bf16). A step of more than MLP_ROWS rows (a long prefill chunk) runs it
         MLP_ROWS rows at a time: the [rows, 2 x intermediate] activations then stay in cache between
         the three ops (at 4096 rows of the big shape they are 74 MB, streamed out and back in)."""
+        gu, dn = self.gate_up[i], self.down[i]
         if h.shape[0] <= MLP_ROWS:
-            return self.down[i](silu_mul(self.gate_up[i](h, keep_bf16=True)), keep_bf16=True)
-        return torch.cat([self.down[i](silu_mul(self.gate_up[i](h[r:r + MLP_ROWS], keep_bf16=True)), keep_bf16=True)
+            return dn(silu_mul(gu(h, keep_bf16=True)), keep_bf16=True)
+        wg, wd = gu.wide(MLP_ROWS), dn.wide(MLP_ROWS)      # a weight every chunk would widen again: once
+        return torch.cat([dn(silu_mul(gu(h[r:r + MLP_ROWS], keep_bf16=True, wide=wg)), keep_bf16=True, wide=wd)
                           for r in range(0, h.shape[0], MLP_ROWS)])
 
     def attend_bf16(self, i: int, h: torch.Tensor, ctx: StepContext, half: tuple) -> torch.Tensor | None:
