@@ -259,7 +259,7 @@ class Linear:
     def __call__(self, x: torch.Tensor, keep_bf16: bool = False, wide: torch.Tensor | None = None) -> torch.Tensor:
         """x @ w.T + b in fp32; ``keep_bf16``: where the product runs in bf16 (``bf16mm``) its bf16
         result as it is (the next bf16 product takes it as it is: no widening and rounding back in
-        between). A bf16 x is taken by that path as it is, else widened. ``wide``: ``self.wide()``
+        between). A bf16 x is taken by that path as it is, else widened. ``wide``: ``self.wide(m)``
         made once by the caller for several calls of that many rows (the same numbers)."""
         if x.dim() != 2 or not x.is_contiguous():
             lead = x.shape[:-1]
