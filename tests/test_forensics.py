@@ -474,21 +474,35 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
-@pytest.mark.parametrize("in_list", [0, 1024])
-def test_the_evidence_finds_the_pairs_rows_by_an_in_list_or_a_join_alike(glm53_vulnerable, monkeypatch, in_list):
-    """Up to IN_LIST incarnations the pairs' ngrams rows are looked up by an IN list (row groups of
-    other incarnations skipped by their min and max), beyond by a join: the rule's answer either way."""
+@pytest.mark.parametrize("absent", [0, 200, 6000])
+def test_the_evidence_finds_the_pairs_rows_alike_with_the_join_s_values_pushed_into_the_scan_or_not(
+        glm53_vulnerable, absent):
+    """The pairs' ngrams rows (and a candidate hash's) are found by a semi join whose values DuckDB
+    pushes into the scan as a filter (row groups of other incarnations skipped) for up to PUSHED of
+    them (DuckDB's own default: 50): with the pairs' incarnations alone, with 200 absent ones added
+    (pushed beyond DuckDB's default) and with 6000 (more than PUSHED: not pushed), the rows an IN
+    list gives, and the connection's setting is DuckDB's default again after each lookup (other
+    queries on it are not changed); the evidence is the rule's."""
     from forensics.queries import evidence
     from forensics.queries.duckdb import sql
     _, store = glm53_vulnerable
-    monkeypatch.setattr(evidence, "IN_LIST", in_list)
     evidence._KEPT.clear()
     fx = Forensics(store, answer_cache=False)
     fx.materialise()
     incs = evidence._ids(fx.con, sql("evidence/pairs"), "incarnation")
-    assert 0 < len(incs) <= 1024                       # in_list 1024: this store's lookup is the IN list
-    got = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
-    assert got and got == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
+    values = incs | set(range(-absent, 0))
+    rows = lambda t: sorted(zip(*[t.column(c).to_pylist() for c in evidence.COLUMNS]), key=repr)  # noqa: E731
+    whole = fx.con.table("ngrams")
+    got = evidence._rows(fx.con, whole, "incarnation", values, evidence.COLUMNS)
+    want = whole.filter(f"incarnation IN ({', '.join(map(str, incs))})").select(*evidence.COLUMNS).to_arrow_table()
+    assert got.num_rows > 0 and rows(got) == rows(want)
+    assert fx.con.sql("SELECT current_setting('dynamic_or_filter_threshold')").fetchall() == [(50,)]
+    h = got.column("hash")[0].as_py()
+    hits = evidence._rows(fx.con, whole, "hash", {h} | set(range(-absent, 0)), ["incarnation", "role", "hash"])
+    assert hits.num_rows > 0 and set(hits.column("hash").to_pylist()) == {h}
+    assert fx.con.sql("SELECT current_setting('dynamic_or_filter_threshold')").fetchall() == [(50,)]
+    ev = fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall()
+    assert ev and ev == fx.con.sql(f"SELECT * FROM ({sql('exposure_ngrams')}) ORDER BY ALL").fetchall()
     fx.close()
     evidence._KEPT.clear()
 
