@@ -215,10 +215,11 @@ def profile(run, top: int = 8) -> list[dict]:
 def projection_calls(shape: dict, rows: int, repeats: int = 200) -> dict:
     """One decode step's projections of this model shape (``rows`` = the batch), each timed through
     the native few-rows kernel and through oneDNN with its weight prepacked, interleaved call by call
-    (median us): what engine.models.llama.few_rows chooses between."""
+    (median us): what engine.models.llama.few_rows chooses between (and, for a big weight,
+    kernel_decodes_faster, by its own timing at load)."""
     import statistics
 
-    from engine.models.llama import PACK_ROWS, few_rows, packing_available
+    from engine.models.llama import FEW_ROWS, PACK_ROWS, few_rows, kernel_decodes_faster, packing_available
     H, inter, heads, kvh = shape["hidden"], shape["intermediate"], shape["heads"], shape["kv_heads"]
     D = H // heads
     shapes = {"qkv": ((heads + 2 * kvh) * D, H), "o": (H, heads * D), "gate_up": (2 * inter, H),
@@ -240,7 +241,8 @@ def projection_calls(shape: dict, rows: int, repeats: int = 200) -> dict:
         med = {k: 1e6 * statistics.median(v) for k, v in t.items()}
         out[name] = {"n": n, "k": k, "rows": rows, "kernel_us": med["kernel"], "onednn_us": med["onednn"],
                      "ratio_onednn_vs_kernel": med["onednn"] / med["kernel"], "engine_uses": "kernel"
-                     if few_rows(rows, n, k) else "onednn"}
+                     if rows <= FEW_ROWS and (few_rows(rows, n, k) or kernel_decodes_faster(rows_w, dnn, n, k, None))
+                     else "onednn"}
     return out
 
 

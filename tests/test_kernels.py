@@ -177,6 +177,58 @@ def test_each_projection_path_equals_f_linear(M, N, K, bias):
     torch.testing.assert_close(kept(x), want, atol=1e-4, rtol=1e-4)
 
 
+BIG_N, BIG_K = 2048, 1040          # 2.13 M values: more than llama.FEW_ROWS_WEIGHT (decode path timed)
+
+
+@pytest.mark.parametrize("faster", ["kernel", "onednn"])
+def test_a_big_weight_s_decode_rows_take_the_path_timed_faster_here(monkeypatch, faster):
+    """A weight of more than FEW_ROWS_WEIGHT values runs a decode step's rows (up to FEW_ROWS)
+    through whichever of the native kernel and oneDNN was timed faster on this CPU for its shape -
+    bit for bit that path's product - and more rows through oneDNN; the same product as F.linear
+    to float rounding either way."""
+    assert llama.packing_available()
+    torch.manual_seed(5)
+    w, b = torch.randn(BIG_N, BIG_K), torch.randn(BIG_N)
+    monkeypatch.setattr(llama, "_DECODE_CHOICE", {(BIG_N, BIG_K, True, torch.get_num_threads()): faster == "kernel"})
+    lin = llama.Linear(w, b, onednn=True)
+    assert lin.decode_kernel is (faster == "kernel") and lin.rows is not None and lin.onednn is not None
+    dnn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.onednn, b, "none", [], "")  # noqa: E731
+    for m in (1, 8, llama.FEW_ROWS, llama.FEW_ROWS + 1):
+        x = torch.randn(m, BIG_K)
+        path = kernels.linear(x, lin.rows, BIG_N, b) if faster == "kernel" and m <= llama.FEW_ROWS else dnn(x)
+        assert torch.equal(lin(x), path)
+        torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-3, rtol=1e-4)
+
+
+def test_a_big_weight_s_decode_path_is_timed_once_a_shape_and_thread_count(monkeypatch):
+    """The timing runs once per (shape, bias, torch threads) in a process - a second weight of the
+    shape reuses it, another thread count times again; a small weight is never timed (the static
+    rule); where the kernel declines the shape, oneDNN is chosen untimed."""
+    monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
+    real, calls = kernels.linear, []
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(kernels, "linear", counting)
+    small = llama.Linear(torch.randn(256, 64), None, onednn=True)
+    assert small.decode_kernel and calls == []
+    first = llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True)
+    assert calls == [llama.CALIBRATE_ROWS] * (1 + llama.CALIBRATE_CALLS)     # a first call, then the timed ones
+    again = llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True)
+    assert len(calls) == 1 + llama.CALIBRATE_CALLS and again.decode_kernel == first.decode_kernel
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True)
+        assert len(calls) == 2 * (1 + llama.CALIBRATE_CALLS)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
+    monkeypatch.setattr(kernels, "linear", lambda *a, **kw: None)      # the kernel declines
+    assert llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True).decode_kernel is False
+
+
 def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dropped(tiny_qwen2, monkeypatch):
     """Each of a layer's four projections and the lm_head carry the few-rows layout and (with oneDNN)
     its prepacked one, and no third copy; with the native kernels switched off after load the oneDNN

@@ -3,6 +3,7 @@ loading an HF-format directory. Attention goes through the paged pool via ``Step
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,14 +186,52 @@ def packing_available() -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
+FEW_ROWS = 16            # decode rows the native kernel may take (from 16 rows up oneDNN's blocking wins)
+FEW_ROWS_WEIGHT = 1 << 21   # weights of up to this many values always take them through it
+
+
 def few_rows(m: int, n: int, k: int) -> bool:
-    """Whether an [m, k] x [k, n] product goes to the native few-rows kernel rather than oneDNN: at
-    decode sizes on a small weight oneDNN's per-call cost is most of the call (bench/engine.py's
-    ``decode_projections``: the tiny model's projections at 8 rows took ~0.6-0.9x oneDNN's time
-    through the kernel); on a weight of millions of values the weight's memory traffic sets both and
-    oneDNN is as fast or a little faster (the big shape's gate_up, down, lm_head); from 16 rows up
-    oneDNN's blocking wins."""
-    return m <= 16 and n * k <= 1 << 21
+    """Whether an [m, k] x [k, n] product goes to the native few-rows kernel rather than oneDNN by
+    the static rule: at decode sizes on a small weight oneDNN's per-call cost is most of the call
+    (bench/engine.py's ``decode_projections``: the tiny model's projections at 8 rows took ~0.5-0.7x
+    oneDNN's time through the kernel on every CPU measured). A bigger weight's decode rows are
+    decided by timing both on this CPU (``kernel_decodes_faster``): its memory traffic sets both, and
+    which is faster depends on the CPU and the thread count."""
+    return m <= FEW_ROWS and n * k <= FEW_ROWS_WEIGHT
+
+
+_DECODE_CHOICE: dict[tuple[int, int, bool, int], bool] = {}     # (n, k, bias, threads) -> kernel faster
+CALIBRATE_ROWS, CALIBRATE_CALLS = 8, 9
+
+
+def kernel_decodes_faster(rows: torch.Tensor, onednn: torch.Tensor, n: int, k: int,
+                          bias: torch.Tensor | None) -> bool:
+    """Whether the native kernel runs a decode step's rows of a weight of more than FEW_ROWS_WEIGHT
+    values faster than oneDNN's prepacked product, timed once per shape and torch thread count in
+    this process (CALIBRATE_CALLS interleaved calls of CALIBRATE_ROWS rows each, medians; about
+    0.1 s for the big shape's weights at one thread). The static rule had oneDNN take all of them
+    (measured where it was set, an AVX-512 CPU at 2 threads: 0.95-1.0x), but bench/engine.py's
+    ``decode_projections`` found the kernel 1.1-1.3x faster on them on an AVX2-only CPU at 1 and 2
+    threads and 1.05-1.23x on the AVX-512 one at 2 - and oneDNN 1.25-1.35x faster on two of them
+    there at 1 thread. The two give the same product to float rounding."""
+    import statistics
+    key = (n, k, bias is not None, torch.get_num_threads())
+    if key not in _DECODE_CHOICE:
+        x = torch.randn(CALIBRATE_ROWS, k)
+        if kernels.linear(x, rows, n, bias) is None:        # the kernel declines: oneDNN
+            _DECODE_CHOICE[key] = False
+            return False
+        torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+        t: dict[str, list[float]] = {"kernel": [], "onednn": []}
+        for _ in range(CALIBRATE_CALLS):
+            t0 = time.perf_counter()
+            kernels.linear(x, rows, n, bias)
+            t1 = time.perf_counter()
+            torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
+            t["kernel"].append(t1 - t0)
+            t["onednn"].append(time.perf_counter() - t1)
+        _DECODE_CHOICE[key] = statistics.median(t["kernel"]) < statistics.median(t["onednn"])
+    return _DECODE_CHOICE[key]
 
 
 class Linear:
@@ -206,7 +245,7 @@ class Linear:
     does), every row count, except a small weight's decode rows (the native kernel, fp32 arithmetic
     on the widened weight: oneDNN's per-call cost is most of such a call). Elsewhere the arithmetic
     is fp32: a decode step's rows in the native kernel, more rows on an fp32 copy through F.linear."""
-    __slots__ = ("weight", "bias", "bias16", "onednn", "rows", "n", "k", "bf16mm", "fp32_rows", "tiles")
+    __slots__ = ("weight", "bias", "bias16", "onednn", "rows", "n", "k", "bf16mm", "fp32_rows", "tiles", "decode_kernel")
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, onednn: bool = False):
         self.n, self.k = weight.shape
@@ -230,6 +269,11 @@ class Linear:
         # the loaded weight is dropped where the layouts cover every path: oneDNN's fp32 one; a bf16
         # weight's packed rows (more rows widen them) or, with bf16 products, oneDNN's bf16 one plus
         # the packed rows for fp32 decode rows where those run fp32
+        # an fp32 weight's decode rows (up to FEW_ROWS) through the native kernel: by the static rule, or
+        # for a big weight where both layouts are kept, whichever is faster here (timed once a shape)
+        self.decode_kernel = self.rows is not None and fp32 and (
+            few_rows(1, self.n, self.k) or self.onednn is not None
+            and kernel_decodes_faster(self.rows, self.onednn, self.n, self.k, self.bias))
         covered = (self.onednn is not None if fp32 else
                    self.onednn is not None and (self.rows is not None or not small) if self.bf16mm else
                    self.rows is not None)
@@ -278,7 +322,7 @@ class Linear:
             return out if keep_bf16 else out.float()
         if x.dtype != torch.float32:
             x = x.float()
-        if rows is not None and (few_rows(m, self.n, self.k) if rows.dtype == torch.float32
+        if rows is not None and (m <= FEW_ROWS and self.decode_kernel if rows.dtype == torch.float32
                                  else m <= BF16_KERNEL_ROWS):
             out = kernels.linear(x, rows, self.n, self.bias)
             if out is not None:
