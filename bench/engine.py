@@ -217,9 +217,8 @@ def projection_calls(shape: dict, rows: int, repeats: int = 200) -> dict:
     the native few-rows kernel and through oneDNN with its weight prepacked, interleaved call by call
     (median us): what engine.models.llama.few_rows chooses between (and, for a big weight,
     kernel_decodes_faster, by its own timing at load)."""
-    import statistics
-
-    from engine.models.llama import FEW_ROWS, PACK_ROWS, few_rows, kernel_decodes_faster, packing_available
+    from engine.models.llama import (FEW_ROWS, PACK_ROWS, few_rows, interleaved_medians, kernel_decodes_faster,
+                                     packing_available)
     H, inter, heads, kvh = shape["hidden"], shape["intermediate"], shape["heads"], shape["kv_heads"]
     D = H // heads
     shapes = {"qkv": ((heads + 2 * kvh) * D, H), "o": (H, heads * D), "gate_up": (2 * inter, H),
@@ -230,15 +229,9 @@ def projection_calls(shape: dict, rows: int, repeats: int = 200) -> dict:
     for name, (n, k) in shapes.items():
         w, x = torch.randn(n, k), torch.randn(rows, k)
         rows_w, dnn = kernels.pack_rows(w), torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS)
-        t: dict[str, list[float]] = {"kernel": [], "onednn": []}
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            kernels.linear(x, rows_w, n, None)
-            t1 = time.perf_counter()
-            torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], "")
-            t["kernel"].append(t1 - t0)
-            t["onednn"].append(time.perf_counter() - t1)
-        med = {k: 1e6 * statistics.median(v) for k, v in t.items()}
+        med = {k: 1e6 * v for k, v in interleaved_medians(
+            {"kernel": lambda: kernels.linear(x, rows_w, n, None),
+             "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, dnn, None, "none", [], "")}, repeats).items()}
         out[name] = {"n": n, "k": k, "rows": rows, "kernel_us": med["kernel"], "onednn_us": med["onednn"],
                      "ratio_onednn_vs_kernel": med["onednn"] / med["kernel"], "engine_uses": "kernel"
                      if rows <= FEW_ROWS and (few_rows(rows, n, k) or kernel_decodes_faster(rows_w, dnn, n, k, None))

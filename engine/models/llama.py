@@ -222,16 +222,24 @@ def kernel_decodes_faster(rows: torch.Tensor, onednn: torch.Tensor, n: int, k: i
             _DECODE_CHOICE[key] = False
             return False
         torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
-        t: dict[str, list[float]] = {"kernel": [], "onednn": []}
-        for _ in range(CALIBRATE_CALLS):
-            t0 = time.perf_counter()
-            kernels.linear(x, rows, n, bias)
-            t1 = time.perf_counter()
-            torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
-            t["kernel"].append(t1 - t0)
-            t["onednn"].append(time.perf_counter() - t1)
-        _DECODE_CHOICE[key] = statistics.median(t["kernel"]) < statistics.median(t["onednn"])
+        med = interleaved_medians({"kernel": lambda: kernels.linear(x, rows, n, bias),
+                                   "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")},
+                                  CALIBRATE_CALLS)
+        _DECODE_CHOICE[key] = med["kernel"] < med["onednn"]
     return _DECODE_CHOICE[key]
+
+
+def interleaved_medians(fns: dict, calls: int) -> dict[str, float]:
+    """Each of ``fns`` (name -> a call) run ``calls`` times, in turn call by call; the median seconds
+    of each (bench/engine.py's decode projections too)."""
+    import statistics
+    t: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(calls):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            t[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(v) for name, v in t.items()}
 
 
 class Linear:
