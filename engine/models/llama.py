@@ -214,7 +214,6 @@ def kernel_decodes_faster(rows: torch.Tensor, onednn: torch.Tensor, n: int, k: i
     ``decode_projections`` found the kernel 1.1-1.3x faster on them on an AVX2-only CPU at 1 and 2
     threads and 1.05-1.23x on the AVX-512 one at 2 - and oneDNN 1.24x and 1.37x faster on two of
     them there at 1 thread. The two give the same product to float rounding."""
-    import statistics
     key = (n, k, bias is not None, torch.get_num_threads())
     if key not in _DECODE_CHOICE:
         x = torch.randn(CALIBRATE_ROWS, k)
@@ -274,14 +273,14 @@ class Linear:
         # copy packed as tiles (kernels.pack_tiles: oneDNN's numbers bit for bit, 1.1-1.3x its speed at
         # 1-16 rows where it is alone and more in a step - see decode_tiles); None: oneDNN takes them
         self.tiles = kernels.pack_tiles(weight) if self.bf16mm and not small and decode_tiles() else None
-        # the loaded weight is dropped where the layouts cover every path: oneDNN's fp32 one; a bf16
-        # weight's packed rows (more rows widen them) or, with bf16 products, oneDNN's bf16 one plus
-        # the packed rows for fp32 decode rows where those run fp32
         # an fp32 weight's decode rows (up to FEW_ROWS) through the native kernel: by the static rule, or
         # for a big weight where both layouts are kept, whichever is faster here (timed once a shape)
         self.decode_kernel = self.rows is not None and fp32 and (
             few_rows(1, self.n, self.k) or self.onednn is not None
             and kernel_decodes_faster(self.rows, self.onednn, self.n, self.k, self.bias))
+        # the loaded weight is dropped where the layouts cover every path: oneDNN's fp32 one; a bf16
+        # weight's packed rows (more rows widen them) or, with bf16 products, oneDNN's bf16 one plus
+        # the packed rows for fp32 decode rows where those run fp32
         covered = (self.onednn is not None if fp32 else
                    self.onednn is not None and (self.rows is not None or not small) if self.bf16mm else
                    self.rows is not None)

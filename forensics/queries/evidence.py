@@ -147,9 +147,9 @@ def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: l
     then skipped by their min and max. Measured on the bench's stores (DuckDB 2.0.1, one-off): 60 of
     the 121 M read rows' store's incarnations 0.53 -> 0.13 s, 500 0.52 -> 0.45 s, all 3575 the
     same; 979 on the 33 M store 0.65 -> 0.28 s against the literal IN list used before for up to
-    1024 (which DuckDB checks row by row: slower than the join from 8 values on, but for the
-    join's own 50-value pushdown's edge). Hashes are spread over every row group: their lookup
-    reads them all either way."""
+    1024 (which DuckDB checks row by row: slower than this join at 8-32 and 500-1024 values; only
+    at 60, past DuckDB's own 50-value pushdown, was it faster than the join unpushed, 0.42 against
+    0.53 s). Hashes are spread over every row group: their lookup reads them all either way."""
     con.register("_want", pa.table({"v": pa.array(sorted(values), pa.int64())}))
     pushed = min(max(len(values), 50), PUSHED)
     try:
