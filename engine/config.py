@@ -19,6 +19,26 @@ def parse_bytes(text: str | int) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+DECODE_PATHS = ("timed", "kernel", "onednn")
+DECODE_PATH_ENV = "KVLEDGER_DECODE_KERNEL"
+
+
+def decode_path() -> str:
+    """Where a big fp32 weight's decode rows go (engine/models/llama.py ``kernel_decodes_faster``):
+    ``timed`` (the default) whichever of the native kernel and oneDNN is timed faster on this CPU
+    when the weight is loaded, or pinned to ``kernel`` or ``onednn`` by ``KVLEDGER_DECODE_KERNEL``:
+    the two give the same product to float rounding, so processes that must give the same greedy
+    tokens where the two paths time within noise pin one. Commands that build an engine check it
+    first (``kvledger: error:`` on anything else)."""
+    import os
+    value = os.environ.get(DECODE_PATH_ENV, "timed").strip().lower() or "timed"
+    if value not in DECODE_PATHS:
+        from engine.errors import InputError
+        raise InputError(f"{DECODE_PATH_ENV} must be one of {', '.join(DECODE_PATHS)}, got "
+                         f"{os.environ[DECODE_PATH_ENV]!r}")
+    return value
+
+
 @dataclass(slots=True)
 class EngineConfig:
     # The KV pool is sized from this budget (as SGLang sizes it from memory left after weights);

@@ -90,6 +90,20 @@ def test_a_bad_writer_priority_is_one_clear_line_and_takes_no_store(tmp_path, mo
     assert "Traceback" not in err and len(err.strip().splitlines()) == 1 and not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("argv", [["generate", "--model", "recall", "--prompt", "x"], ["serve"], ["replay", "late_write"]],
+                         ids=["generate", "serve", "replay"])
+@pytest.mark.parametrize("value", ["bogus", "oneDNN-please", "1"])
+def test_a_bad_decode_path_is_one_clear_line_before_anything_is_loaded(argv, value, tmp_path, monkeypatch, capsys):
+    """KVLEDGER_DECODE_KERNEL (timed, kernel or onednn) is checked by every command that builds an
+    engine before it loads a model, opens a store or listens."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("KVLEDGER_DECODE_KERNEL", value)
+    assert main([*argv, "--store", str(tmp_path / "store")] if argv[0] != "generate" else argv) != 0
+    err = capsys.readouterr().err.strip()
+    assert err == f"kvledger: error: KVLEDGER_DECODE_KERNEL must be one of timed, kernel, onednn, got {value!r}"
+    assert not (tmp_path / "store").exists() and not (tmp_path / "kvledger-store").exists()
+
+
 KEYS_FILES = {   # keys file text, what the error says
     "not JSON": ('{"k": ', "is not JSON"),
     "empty": ("{}", "expected a JSON object of api-key -> tenant"),

@@ -189,7 +189,7 @@ def test_a_big_weight_s_decode_rows_take_the_path_timed_faster_here(monkeypatch,
     assert llama.packing_available()
     torch.manual_seed(5)
     w, b = torch.randn(BIG_N, BIG_K), torch.randn(BIG_N)
-    monkeypatch.setattr(llama, "_DECODE_CHOICE", {(BIG_N, BIG_K, True, torch.get_num_threads()): faster == "kernel"})
+    monkeypatch.setattr(llama, "_DECODE_CHOICE", {(BIG_N, BIG_K, True, torch.get_num_threads(), "timed"): faster == "kernel"})
     lin = llama.Linear(w, b, onednn=True)
     assert lin.decode_kernel is (faster == "kernel") and lin.rows is not None and lin.onednn is not None
     dnn = lambda x: torch.ops.mkldnn._linear_pointwise(x, lin.onednn, b, "none", [], "")  # noqa: E731
@@ -227,6 +227,38 @@ def test_a_big_weight_s_decode_path_is_timed_once_a_shape_and_thread_count(monke
     monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
     monkeypatch.setattr(kernels, "linear", lambda *a, **kw: None)      # the kernel declines
     assert llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True).decode_kernel is False
+
+
+@pytest.mark.parametrize("pinned", ["kernel", "onednn"])
+def test_a_big_weight_s_decode_path_pinned_is_not_timed(monkeypatch, pinned):
+    """KVLEDGER_DECODE_KERNEL=kernel or onednn pins a big weight's decode rows to that path, untimed
+    (whatever the timing would say; a declining kernel still gives oneDNN) - two processes then give
+    the same numbers - and "timed" (or unset) times it; the choices of each are kept apart."""
+    monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
+    real, calls = kernels.linear, []
+
+    def counting(*a, **kw):
+        calls.append(a[0].shape[0])
+        return real(*a, **kw)
+    monkeypatch.setattr(kernels, "linear", counting)
+    monkeypatch.setenv("KVLEDGER_DECODE_KERNEL", pinned)
+    torch.manual_seed(6)
+    w = torch.randn(BIG_N, BIG_K)
+    lin = llama.Linear(w, None, onednn=True)
+    assert lin.decode_kernel is (pinned == "kernel")
+    assert calls == ([llama.CALIBRATE_ROWS] if pinned == "kernel" else [])     # whether it declines, no timing
+    x = torch.randn(4, BIG_K)
+    calls.clear()
+    lin(x)
+    assert calls == ([4] if pinned == "kernel" else [])
+    monkeypatch.setenv("KVLEDGER_DECODE_KERNEL", "timed")
+    llama.Linear(w, None, onednn=True)
+    assert len(calls) == (pinned == "kernel") + 1 + llama.CALIBRATE_CALLS and len(llama._DECODE_CHOICE) == 2
+    if pinned == "kernel":
+        monkeypatch.setenv("KVLEDGER_DECODE_KERNEL", "kernel")
+        monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
+        monkeypatch.setattr(kernels, "linear", lambda *a, **kw: None)      # the kernel declines: oneDNN anyway
+        assert llama.Linear(w, None, onednn=True).decode_kernel is False
 
 
 def test_every_projection_is_laid_out_once_for_each_path_and_the_loaded_copy_dropped(tiny_qwen2, monkeypatch):

@@ -6,6 +6,7 @@ import sys
 import time
 from dataclasses import dataclass
 
+from engine.config import decode_path
 from engine.errors import InputError
 
 
@@ -57,6 +58,7 @@ def physical_memory() -> int:
 
 
 def make_config(args) -> GenerateConfig:
+    decode_path()                   # KVLEDGER_DECODE_KERNEL checked before anything is loaded
     for flag, value in (("--max-tokens", args.max_tokens), ("--context-length", args.context_length),
                         ("--page-size", args.page_size)):
         if value is not None and not 1 <= value <= MAX_TOKENS:

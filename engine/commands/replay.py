@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.commands.options import DEFAULT_STORE, add_store, check_writable_store
+from engine.config import decode_path
 from engine.errors import InputError
 
 MAX_REPLAY_CONTEXT = 131_072
@@ -51,6 +52,7 @@ def add_arguments(r) -> None:
 
 
 def make_config(a) -> ReplayConfig:
+    decode_path()                   # KVLEDGER_DECODE_KERNEL checked before anything is loaded
     from engine.replay import FAULTS, MODES, SCENARIOS
     known = {**SCENARIOS, **FAULTS}
     if a.list:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 from engine.commands.options import add_store, check_listen, check_port, check_range, check_writable_store
+from engine.config import decode_path
 from engine.errors import InputError
 from engine.server.config import ServeConfig
 
@@ -58,6 +59,7 @@ def add_arguments(sv) -> None:
 
 
 def make_config(a) -> ServeConfig:
+    decode_path()                   # KVLEDGER_DECODE_KERNEL checked here: the engine's process inherits it
     from engine.server.limits import MAX_LIMIT
     check_port("--port", a.port)
     check_listen(a.host, ("--port", a.port))

@@ -12,6 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from engine import kernels
+from engine.config import decode_path
 from engine.errors import ModelLoadError
 from engine.step import StepContext
 
@@ -200,7 +201,7 @@ def few_rows(m: int, n: int, k: int) -> bool:
     return m <= FEW_ROWS and n * k <= FEW_ROWS_WEIGHT
 
 
-_DECODE_CHOICE: dict[tuple[int, int, bool, int], bool] = {}     # (n, k, bias, threads) -> kernel faster
+_DECODE_CHOICE: dict[tuple[int, int, bool, int, str], bool] = {}     # (n, k, bias, threads, path) -> kernel
 CALIBRATE_ROWS, CALIBRATE_CALLS = 8, 9
 
 
@@ -213,13 +214,18 @@ def kernel_decodes_faster(rows: torch.Tensor, onednn: torch.Tensor, n: int, k: i
     (measured where it was set, an AVX-512 CPU at 2 threads: 0.95-1.0x), but bench/engine.py's
     ``decode_projections`` found the kernel 1.1-1.3x faster on them on an AVX2-only CPU at 1 and 2
     threads and 1.05-1.23x on the AVX-512 one at 2 - and oneDNN 1.24x and 1.37x faster on two of
-    them there at 1 thread. The two give the same product to float rounding."""
-    key = (n, k, bias is not None, torch.get_num_threads())
+    them there at 1 thread. The two give the same product to float rounding. ``KVLEDGER_DECODE_KERNEL``
+    = ``kernel`` or ``onednn`` pins the path, untimed (``engine.config.decode_path``)."""
+    path = decode_path()
+    key = (n, k, bias is not None, torch.get_num_threads(), path)
     if key not in _DECODE_CHOICE:
         x = torch.randn(CALIBRATE_ROWS, k)
-        if kernels.linear(x, rows, n, bias) is None:        # the kernel declines: oneDNN
+        if path == "onednn" or kernels.linear(x, rows, n, bias) is None:    # pinned, or the kernel declines
             _DECODE_CHOICE[key] = False
             return False
+        if path == "kernel":
+            _DECODE_CHOICE[key] = True
+            return True
         torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")
         med = interleaved_medians({"kernel": lambda: kernels.linear(x, rows, n, bias),
                                    "onednn": lambda: torch.ops.mkldnn._linear_pointwise(x, onednn, bias, "none", [], "")},
