@@ -252,6 +252,42 @@ def test_a_store_written_by_an_older_schema_still_opens_and_answers(glm53_vulner
     assert then.sort("transfer_id").equals(now.sort("transfer_id"))
 
 
+def test_segments_of_two_schemas_bound_by_their_known_columns_read_as_every_file_read_by_name(glm53_vulnerable,
+                                                                                                 tmp_path):
+    """A reader whose verification cache holds its segments' column signatures binds each table a
+    group of segments per signature (no footer of every file read at each bind): where half of a
+    table's segments lack columns added later, every table reads the same rows as when every file's
+    schema is read by name (the path without signatures), the missing columns NULL; a file changed
+    since its signature was taken misses it."""
+    import pyarrow.parquet as pq
+
+    from telemetry.store.chain import _sha, file_columns, read_chain
+    from telemetry.store.reader import segment_files
+    _, store = glm53_vulnerable
+    old = tmp_path / "mixed-schema"
+    shutil.copytree(store, old)
+    segs = sorted((old / "segments" / "spans").glob("*.parquet"))
+    assert len(segs) >= 2
+    for seg in segs[::2]:
+        pq.write_table(pq.read_table(seg).drop_columns(["ttft_s", "error_type"]), seg)
+    _relink(old)
+    cache: dict = {}
+    for link in read_chain(old):
+        _sha(old / link.file, cache)        # what a verification leaves in the reader's cache
+    files = segment_files(old)
+    sigs = {file_columns(f, cache) for f in files["spans"]}
+    assert None not in sigs and len(sigs) == 2
+    fast, slow = open_store(old, files=files, cache=cache), open_store(old, files=files)
+    for table in files:
+        a, b = (c.sql(f"SELECT * FROM {table}").pl() for c in (fast, slow))
+        assert a.columns == b.columns and a.height == b.height, table
+        assert a.sort(a.columns, nulls_last=True).equals(b.sort(b.columns, nulls_last=True)), table
+    nulls, spans = fast.sql("SELECT count(*) FILTER (WHERE ttft_s IS NULL), count(*) FROM spans").fetchall()[0]
+    assert 0 < nulls < spans and fast.sql("SELECT count(ttft_s) FROM spans").fetchall()[0][0] > 0
+    pq.write_table(pq.read_table(segs[1]), segs[1], compression="zstd")     # changed: its signature misses
+    assert file_columns(str(segs[1]), cache) is None
+
+
 def test_the_report_reads_as_a_breach_notification(glm53_vulnerable, glm53_hardened, tmp_path):
     """Title block with the controller and DPO placeholders, the summary first with whether the
     exposure is contained now and which protections are in force, data subjects as cache scopes,

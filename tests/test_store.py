@@ -104,6 +104,24 @@ def test_a_big_stores_segments_are_hashed_ahead_on_threads_with_the_same_verdict
     assert verify(store, cache=cache) == before and calls == []                         # kept by the reader
 
 
+def test_a_chain_file_parsed_once_in_a_process_is_parsed_again_when_a_byte_changes(store):
+    """read_chain_files keeps each chain file's parse under the digest of its bytes: an unchanged
+    file is not parsed again, and one whose bytes change - the same size, right after a verify in the
+    same process - is, so the change is named."""
+    from telemetry.store.chain import read_chain_files
+    assert verify(store).ok
+    first, again = read_chain_files(store), read_chain_files(store)
+    assert [a is b for a, b in zip(first, again)] == [True] * len(first) == [True] * 4
+    f = store / "chain" / "000000002.json"
+    body = json.loads(f.read_text())
+    sig = body["signature"]
+    body["signature"] = ("A" if sig[0] != "A" else "B") + sig[1:]          # same size, one character
+    f.write_text(json.dumps(body))
+    v = verify(store)
+    assert not v.ok and "chain/000000002.json: not signed by this store's key" in v.broken
+    assert read_chain_files(store)[2] is not again[2] and read_chain_files(store)[1] is again[1]
+
+
 def test_a_flush_links_its_segments_in_one_chain_file(tmp_path):
     """The segments of one flush are linked by one chain file (a list of links): it verifies and
     reads back like single links, and an edit to any link inside it is named."""

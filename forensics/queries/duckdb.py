@@ -143,7 +143,9 @@ class Forensics:
         # exactly the segments this snapshot holds (a live store grows meanwhile): the n-gram evidence
         # reads only the ones an earlier snapshot of this process had not (evidence.py)
         self.files = segment_files(self.store, set(self.left_out))
-        self.con = open_store(self.store, run, files=self.files)
+        self.con = open_store(self.store, run, files=self.files, cache=cache)
+        if isinstance(cache, HashCache):
+            cache.save()                    # the segments' column signatures open_store read (chain.file_columns)
         # the run's boot id, when ``run`` named one (a prefix): the views hold that run's rows only
         self.boot = None if run is None else self.con.sql("SELECT any_value(boot) FROM config_snapshots").fetchall()[0][0]
         self._grown: dict[str, object] = {}     # the Arrow tables under grown views (alive as long as con)
