@@ -665,7 +665,25 @@ def _layout_rows(r: dict) -> list[str]:
             "| --- | --- | --- | --- |", *rows]
 
 
-SECTIONS = {"engine": engine_table, "prefill_attention": prefill_attention_table,
+def segments_table(r: dict) -> str:
+    """bench/segments.py: the same rows in many small flushes against a few big ones."""
+    c, st, m, x = r["config"], r["stores"], r["median_s"], r["many_over_few"]
+    many, few = st["many"], st["few"]
+    mins = many["flushes"] * c["writer_flush_interval_s"] / 60
+    rows = [f"The same rows ({many['read_rows'] / 1e6:.1f} M page_reads rows: {c['copies']} copies of the forensics "
+            f"bench's replays) flushed {many['flushes']} times ({many['files']:,} segment files; at the writer's "
+            f"{c['writer_flush_interval_s']:.0f} s flush interval, about {mins:.0f} minutes of one engine's "
+            f"writing) and {few['flushes']} times ({few['files']} files), from the shell, medians of "
+            f"{c['repeats']} rounds, the stores in turn (`bench/segments.py`, {_isa(r.get('cpu'))}):", "",
+            f"| command | {many['flushes']} flushes | {few['flushes']} flushes | ratio |", "| --- | --- | --- | --- |"]
+    names = {"verify": "`kvledger verify` (no cache: every segment hashed)",
+             "first": "`forensics exposures`, nothing kept but the verification cache",
+             "later": "the same again (the kept answer)"}
+    rows += [f"| {names[k]} | {m['many'][k]:.1f} s | {m['few'][k]:.1f} s | {x[k]:.1f}x |" for k in names]
+    return "\n".join(rows)
+
+
+SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table,
             "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "collect": collect_table,

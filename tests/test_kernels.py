@@ -200,10 +200,8 @@ def test_a_big_weight_s_decode_rows_take_the_path_timed_faster_here(monkeypatch,
         torch.testing.assert_close(lin(x), F.linear(x, w, b), atol=1e-3, rtol=1e-4)
 
 
-def test_a_big_weight_s_decode_path_is_timed_once_a_shape_and_thread_count(monkeypatch):
-    """The timing runs once per (shape, bias, torch threads) in a process - a second weight of the
-    shape reuses it, another thread count times again; a small weight is never timed (the static
-    rule); where the kernel declines the shape, oneDNN is chosen untimed."""
+def _count_kernel_calls(monkeypatch) -> list[int]:
+    """No decode choice made yet in this process; the rows of every native kernel.linear call from now on."""
     monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
     real, calls = kernels.linear, []
 
@@ -211,6 +209,14 @@ def test_a_big_weight_s_decode_path_is_timed_once_a_shape_and_thread_count(monke
         calls.append(a[0].shape[0])
         return real(*a, **kw)
     monkeypatch.setattr(kernels, "linear", counting)
+    return calls
+
+
+def test_a_big_weight_s_decode_path_is_timed_once_a_shape_and_thread_count(monkeypatch):
+    """The timing runs once per (shape, bias, torch threads) in a process - a second weight of the
+    shape reuses it, another thread count times again; a small weight is never timed (the static
+    rule); where the kernel declines the shape, oneDNN is chosen untimed."""
+    calls = _count_kernel_calls(monkeypatch)
     small = llama.Linear(torch.randn(256, 64), None, onednn=True)
     assert small.decode_kernel and calls == []
     first = llama.Linear(torch.randn(BIG_N, BIG_K), None, onednn=True)
@@ -234,13 +240,7 @@ def test_a_big_weight_s_decode_path_pinned_is_not_timed(monkeypatch, pinned):
     """KVLEDGER_DECODE_KERNEL=kernel or onednn pins a big weight's decode rows to that path, untimed
     (whatever the timing would say; a declining kernel still gives oneDNN) - two processes then give
     the same numbers - and "timed" (or unset) times it; the choices of each are kept apart."""
-    monkeypatch.setattr(llama, "_DECODE_CHOICE", {})
-    real, calls = kernels.linear, []
-
-    def counting(*a, **kw):
-        calls.append(a[0].shape[0])
-        return real(*a, **kw)
-    monkeypatch.setattr(kernels, "linear", counting)
+    calls = _count_kernel_calls(monkeypatch)
     monkeypatch.setenv("KVLEDGER_DECODE_KERNEL", pinned)
     torch.manual_seed(6)
     w = torch.randn(BIG_N, BIG_K)
