@@ -21,6 +21,7 @@ from bench._bigstore import build  # noqa: E402
 from bench._common import write  # noqa: E402
 from forensics.queries.duckdb import Forensics, sql  # noqa: E402
 from telemetry.store import open_store, read_chain  # noqa: E402
+from telemetry.store.chain import live_links  # noqa: E402
 
 
 def duckdb_index(store: Path) -> tuple[int, int]:
@@ -185,7 +186,7 @@ def polars_join(store: Path) -> tuple[int, int]:
     """The same computation as exposure_slots.sql, in polars: group failing reads with identical
     findings, cut groups at writes to a failing slot, expand runs to failing slots and the touched
     pages' write runs to slots, as-of join."""
-    files = {t: [str(store / c.file) for c in read_chain(store) if c.table == t] for t in ("page_reads", "page_writes")}
+    files = {t: [str(store / c.file) for c in live_links(read_chain(store)) if c.table == t] for t in ("page_reads", "page_writes")}
     f = (pl.scan_parquet(files["page_reads"]).filter(pl.col("bad_mask") != 0)
          .select(*GROUP, "slots_read", "lclock_first").collect())
     g = f.group_by(GROUP).agg(lo=pl.col("lclock_first").min(), hi=pl.col("lclock_first").max())

@@ -666,20 +666,37 @@ def _layout_rows(r: dict) -> list[str]:
 
 
 def segments_table(r: dict) -> str:
-    """bench/segments.py: the same rows in many small flushes against a few big ones."""
-    c, st, m, x = r["config"], r["stores"], r["median_s"], r["many_over_few"]
-    many, few = st["many"], st["few"]
+    """bench/segments.py: the same rows in many small flushes, merged or not by the writer, against a few big ones."""
+    c, st, m = r["config"], r["stores"], r["median_s"]
+    many, few, merged = st["many"], st["few"], st.get("merged")
     mins = many["flushes"] * c["writer_flush_interval_s"] / 60
     rows = [f"The same rows ({many['read_rows'] / 1e6:.1f} M page_reads rows: {c['copies']} copies of the forensics "
-            f"bench's replays) flushed {many['flushes']} times ({many['files']:,} segment files; at the writer's "
-            f"{c['writer_flush_interval_s']:.0f} s flush interval, about {mins:.0f} minutes of one engine's "
-            f"writing) and {few['flushes']} times ({few['files']} files), from the shell, medians of "
-            f"{c['repeats']} rounds, the stores in turn (`bench/segments.py`, {_isa(r.get('cpu'))}):", "",
-            f"| command | {many['flushes']} flushes | {few['flushes']} flushes | ratio |", "| --- | --- | --- | --- |"]
+            f"bench's replays) flushed {many['flushes']} times (at the writer's {c['writer_flush_interval_s']:.0f} s "
+            f"flush interval, about {mins:.0f} minutes of one engine's writing) by a writer that merges nothing "
+            f"({many['files']:,} segment files)"
+            + (f" and by one that merges as it writes (the default since the thirty-fifth session: "
+               f"{merged['merges']} merges of {merged['compact_fan']} segments, {merged['files']} files left)"
+               if merged else "")
+            + f", and {few['flushes']} times ({few['files']} files); from the shell, medians of "
+            f"{c['repeats']} rounds, the stores in turn (`bench/segments.py`, {_isa(r.get('cpu'))}):", ""]
+    if merged:
+        rows += [f"| command | {many['flushes']} flushes, nothing merged | {many['flushes']} flushes, merged | "
+                 f"{few['flushes']} flushes | merged vs nothing merged |", "| --- | --- | --- | --- | --- |"]
+    else:
+        rows += [f"| command | {many['flushes']} flushes | {few['flushes']} flushes | ratio |", "| --- | --- | --- | --- |"]
     names = {"verify": "`kvledger verify` (no cache: every segment hashed)",
              "first": "`forensics exposures`, nothing kept but the verification cache",
              "later": "the same again (the kept answer)"}
-    rows += [f"| {names[k]} | {m['many'][k]:.1f} s | {m['few'][k]:.1f} s | {x[k]:.1f}x |" for k in names]
+    for k, name in names.items():
+        if merged:
+            rows.append(f"| {name} | {m['many'][k]:.1f} s | {m['merged'][k]:.1f} s | {m['few'][k]:.1f} s | "
+                        f"**{m['many'][k] / m['merged'][k]:.1f}x** |")
+        else:
+            rows.append(f"| {name} | {m['many'][k]:.1f} s | {m['few'][k]:.1f} s | {r['many_over_few'][k]:.1f}x |")
+    if merged and "write_s" in many and "write_s" in merged:
+        rows.append(f"| writing the store (the bench's writer, {many['flushes']} flushes back to back) | "
+                    f"{many['write_s']:.1f} s | {merged['write_s']:.1f} s | | cost "
+                    f"{(merged['write_s'] / many['write_s'] - 1) * 100:+.0f} % |")
     return "\n".join(rows)
 
 

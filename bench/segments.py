@@ -1,11 +1,14 @@
 """How a store's segment count weighs on its readers: the same rows written in many small flushes
 (the ledger writer flushes every 2 s, each flush a segment per table) against a few big ones.
 
-Both stores hold the same copies of the forensics bench's replays (bench/_bigstore.py: one copy in
+The stores hold the same copies of the forensics bench's replays (bench/_bigstore.py: one copy in
 100 from the incident's replay), flushed every ``--per-small`` copies (default 1: one flush per
-copy, about 3.7 K page_reads rows a segment - a flush of a busy engine) and every ``--per-big``
-copies (default 1000). Each is measured from the shell as a user runs it, the stores in turn each
-round, medians of ``--repeats``:
+copy, about 3.7 K page_reads rows a segment - a flush of a busy engine) by a writer that merges
+nothing (``many``, as before the thirty-fifth session) and by one that merges as it writes (``merged``:
+the writer's default compaction, telemetry/store/writer.py ``COMPACT_FAN``, its merged files deleted
+at once), and every ``--per-big`` copies (default 1000, ``few``). The writing of the two small-flush
+stores is timed (what the merges cost the writer). Each is measured from the shell as a user runs
+it, the stores in turn each round, medians of ``--repeats``:
 
 - ``kvledger verify --no-anchor`` (it keeps no cache: every segment hashed; the bench's stores have no anchor);
 - ``kvledger forensics exposures --format json`` with nothing kept but the verification cache (a
@@ -32,21 +35,23 @@ from bench._common import add_results_option, results_name, write  # noqa: E402
 WRITE_PER_FLUSH_S = 2.0        # the writer's default flush interval (telemetry.store.FLUSH_INTERVAL)
 
 
-def build(root: Path, copies: int, per: int) -> dict:
-    """A store of ``copies`` copies flushed every ``per`` (made once; reused where its manifest says so)."""
+def build(root: Path, copies: int, per: int, fan: int = 0) -> dict:
+    """A store of ``copies`` copies flushed every ``per`` by a writer merging ``fan`` segments at a
+    time (0: none) - made once, reused where its manifest says so."""
     import pyarrow as pa
 
     import bench._bigstore as B
     from telemetry.store import SegmentWriter
     manifest = root / "manifest.json"
-    want = {"copies": copies, "per": per, "layout": B.LAYOUT}
-    if manifest.exists() and {k: json.loads(manifest.read_text()).get(k) for k in want} == want:
+    want = {"copies": copies, "per": per, "layout": B.LAYOUT, "compact_fan": fan}
+    if manifest.exists() and {k: json.loads(manifest.read_text()).get(k, 0 if k == "compact_fan" else None)
+                              for k in want} == want:
         return json.loads(manifest.read_text())
     shutil.rmtree(root, ignore_errors=True)
     _, vuln = B._base(root.parent, "vulnerable", 0, False)
     _, healthy = B._base(root.parent, "hardened", 0, False)
-    w = SegmentWriter(root, max_rows=5_000_000)
-    reads = 0
+    w = SegmentWriter(root, max_rows=5_000_000, compact_fan=fan, compact_grace=0)
+    reads, t0 = 0, time.perf_counter()
     for k0 in range(0, copies, per):
         ks = range(k0, min(copies, k0 + per))
         for t in B.TABLES:
@@ -55,8 +60,8 @@ def build(root: Path, copies: int, per: int) -> dict:
             w.submit(t, part)
         w.flush()
     w.close()
-    m = {**want, "read_rows": reads, "flushes": -(-copies // per),
-         "files": sum(1 for _ in (root / "segments").rglob("*.parquet"))}
+    m = {**want, "read_rows": reads, "flushes": -(-copies // per), "write_s": time.perf_counter() - t0,
+         "merges": w.compactions, "files": sum(1 for _ in (root / "segments").rglob("*.parquet"))}
     manifest.write_text(json.dumps(m))
     return m
 
@@ -88,22 +93,24 @@ def main() -> None:
                     ("--repeats", args.repeats)):
         if v < 1:
             ap.error(f"{flag} must be >= 1, got {v}")
-    stores = {"many": (args.root / f"many-{args.copies}-{args.per_small}", args.per_small),
-              "few": (args.root / f"few-{args.copies}-{args.per_big}", args.per_big)}
+    from telemetry.store.writer import COMPACT_FAN
+    stores = {"many": (args.root / f"many-{args.copies}-{args.per_small}", args.per_small, 0),
+              "merged": (args.root / f"merged-{args.copies}-{args.per_small}-{COMPACT_FAN}", args.per_small, COMPACT_FAN),
+              "few": (args.root / f"few-{args.copies}-{args.per_big}", args.per_big, 0)}
     made = {}
-    for label, (path, per) in stores.items():
+    for label, (path, per, fan) in stores.items():
         t = time.perf_counter()
-        made[label] = build(path, args.copies, per)
+        made[label] = build(path, args.copies, per, fan)
         print(f"{label}: {made[label]['flushes']} flushes, {made[label]['files']} segment files, "
               f"{made[label]['read_rows']:,} page_reads rows ({time.perf_counter() - t:.0f} s)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-segments-"))
     warm = {}
-    for label, (path, _) in stores.items():      # a first command leaves the verification cache (and more)
+    for label, (path, *_) in stores.items():      # a first command leaves the verification cache (and more)
         warm[label] = tmp / f"warm-{label}"
         _run(["forensics", "exposures", "--format", "json", "--store", str(path)], warm[label])
     times: dict[str, dict[str, list[float]]] = {k: {"verify": [], "first": [], "later": []} for k in stores}
     for rep in range(args.repeats):
-        for label, (path, _) in (list(stores.items())[::1 if rep % 2 == 0 else -1]):
+        for label, (path, *_) in (list(stores.items())[::1 if rep % 2 == 0 else -1]):
             times[label]["verify"].append(_run(["verify", "--no-anchor", "--store", str(path)], tmp / "none"))
             state = tmp / f"first-{label}-{rep}"
             shutil.copytree(warm[label] / "verified", state / "verified")
@@ -114,12 +121,14 @@ def main() -> None:
                   flush=True)
     med = {label: {k: statistics.median(v) for k, v in t.items()} for label, t in times.items()}
     ratio = {k: med["many"][k] / med["few"][k] for k in med["many"]}
+    merged = {k: med["merged"][k] / med["few"][k] for k in med["many"]}
     for k in ratio:
-        print(f"{k}: many {med['many'][k]:.2f} s, few {med['few'][k]:.2f} s ({ratio[k]:.1f}x)")
+        print(f"{k}: many {med['many'][k]:.2f} s ({ratio[k]:.1f}x), merged {med['merged'][k]:.2f} s ({merged[k]:.1f}x), "
+              f"few {med['few'][k]:.2f} s")
     shutil.rmtree(tmp, ignore_errors=True)
     write(name, {"config": {"copies": args.copies, "per_small": args.per_small, "per_big": args.per_big,
                             "repeats": args.repeats, "writer_flush_interval_s": WRITE_PER_FLUSH_S},
-                 "stores": made, "seconds": times, "median_s": med, "many_over_few": ratio})
+                 "stores": made, "seconds": times, "median_s": med, "many_over_few": ratio, "merged_over_few": merged})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from forensics.queries.grown import WHOLE, build as grow, enabled as grow_enable
 from forensics.queries.evidence import build as build_evidence, kept as evidence_kept
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
-from telemetry.store import GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, verify
+from telemetry.store import (GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, segment_merges,
+                             verify)
 from telemetry.store.chain import HashCache, damaged_segments
 
 SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named queries
@@ -143,6 +144,7 @@ class Forensics:
         # exactly the segments this snapshot holds (a live store grows meanwhile): the n-gram evidence
         # reads only the ones an earlier snapshot of this process had not (evidence.py)
         self.files = segment_files(self.store, set(self.left_out))
+        self.merges = segment_merges(self.store)     # what the writer merged: kept tables carry over (grown.py)
         self.con = open_store(self.store, run, files=self.files, cache=cache)
         if isinstance(cache, HashCache):
             cache.save()                    # the segments' column signatures open_store read (chain.file_columns)
@@ -184,9 +186,10 @@ class Forensics:
             elif grow_enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
                 self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
                                     self._text(name), sql("queues" if name == "requests" else "exposure_pairs_of"),
-                                    disk=self.keep_answers and self.verdict.ok)
+                                    disk=self.keep_answers and self.verdict.ok, merges=self.merges)
             elif name == "exposure_ngrams":
-                build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers)
+                build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers,
+                               merges=self.merges)
             else:
                 (con or self.con).sql(self._text(name)).to_table(name)
             self._made.add(name)

@@ -42,7 +42,7 @@ import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
 from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
-from telemetry.store import table_relation
+from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
 COLUMNS = ["incarnation", "role", "hash", "n", "pos"]
@@ -66,7 +66,8 @@ class _Kept:
 _KEPT: dict[str, _Kept] = {}
 _SAVED: dict[str, float] = {}        # store -> when its rows were last saved
 _LOCK = threading.Lock()
-stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0, "reused": 0}     # what the builds did (tests)
+stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0, "reused": 0,     # what the builds did (tests)
+         "carried": 0, "rebuilt": 0}
 
 
 def _dir(key: str) -> Path:
@@ -160,11 +161,13 @@ def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: l
         con.unregister("_want")
 
 
-def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], sql, disk: bool = True) -> None:
+def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], sql, disk: bool = True,
+          merges: "list[tuple[str, tuple[str, ...]]]" = ()) -> None:
     """Create the table ``exposure_ngrams`` in ``con`` (a snapshot whose ``requests`` and
     ``exposure_slots`` are made and whose ``ngrams`` view is over ``files``); ``sql``: the named
     SQL reader (``sql("evidence/pairs")``...); ``disk``: the rows kept in the state directory may
-    be read and written (the reader's own answer-cache switch; KVLEDGER_ANSWER_CACHE too)."""
+    be read and written (the reader's own answer-cache switch; KVLEDGER_ANSWER_CACHE too);
+    ``merges``: the store's (``segment_merges``), as grown.py takes them."""
     key = str(Path(store).resolve())
     disk = disk and kept_on_disk()
     ident = _ident(sql) if disk else ""
@@ -173,8 +176,13 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
         kept = _KEPT.get(key)
         if kept is None and disk:
             kept = _load(key, ident)
-        if kept is None or any(now.get(f) != st for f, st in kept.files.items()):
+        if kept is not None and merges:
+            files_before = kept.files
+            kept.files = carried(kept.files, now, merges)
+            stats["carried"] += kept.files != files_before
+        if kept is not None and any(now.get(f) != st for f, st in kept.files.items()):
             kept = None             # another store, a segment gone, left out or changed: from scratch
+            stats["rebuilt"] += 1
         whole = con.table("ngrams")
         scans = stats["whole_scans"]
         new = [f for f in files if kept is None or f not in kept.files]

@@ -52,7 +52,7 @@ import pyarrow.compute as pc
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
 from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
-from telemetry.store import table_relation
+from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
 KEEP = 4                    # stores whose tables this process keeps (a dashboard reads one)
@@ -62,7 +62,8 @@ COMPACT = 64                # chunks a kept table may have before they are joine
 GROUP = "hash(node, boot, {reader}, page, generation, block_index)"   # an exposure_slots group's key
 READS = {"requests": ("spans", "arrivals"), "exposure_slots": ("exposure_index", "config_snapshots")}
 
-stats = {"built": 0, "grown": 0, "unchanged": 0, "groups_redone": 0, "loaded": 0, "saved": 0}   # (tests, bench)
+stats = {"built": 0, "grown": 0, "unchanged": 0, "groups_redone": 0, "loaded": 0, "saved": 0,   # (tests, bench)
+         "carried": 0}          # kept over segments the writer merged since (their merge stands for them)
 
 
 @dataclass
@@ -261,13 +262,15 @@ def _grow_slots(s: duckdb.DuckDBPyConnection, kept: dict[str, pa.Table], text: s
 
 
 def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str | None, boot: str | None,
-          files: dict[str, list[str]], text: str, more_sql: str = "", disk: bool = True) -> dict[str, pa.Table]:
+          files: dict[str, list[str]], text: str, more_sql: str = "", disk: bool = True,
+          merges: "list[tuple[str, tuple[str, ...]]]" = ()) -> dict[str, pa.Table]:
     """Create the view ``name`` (requests, then queues too: ``more_sql`` is queues.sql; or
     exposure_slots from the index, then exposure_pairs: exposure_pairs_of.sql) in ``con``, a snapshot whose views are over
     ``files`` (``segment_files``' lists) and narrowed to ``boot`` when ``run`` named one; ``text``:
     the table's SQL. Returns the Arrow tables under the views (the caller keeps them alive as long
     as ``con``). ``disk``: the state directory's entry may be read and written (a verified store,
-    the reader's answer-cache switch; KVLEDGER_ANSWER_CACHE too)."""
+    the reader's answer-cache switch; KVLEDGER_ANSWER_CACHE too). ``merges``: the store's
+    (``segment_merges``): a kept table over segments the writer merged since is kept over the merge."""
     key = (str(Path(store).resolve()), run, name)
     disk = disk and kept_on_disk()
     ident = _ident(text, more_sql) if disk else ""
@@ -280,6 +283,10 @@ def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str
             kept = _KEPT.pop(key, None)
         if kept is None and disk:
             kept = _load(key, ident)
+        if kept is not None and merges:
+            files_before = kept.files
+            kept.files = carried(kept.files, now, merges)
+            stats["carried"] += kept.files != files_before
         if kept is not None and any(now.get(f) != st for f, st in kept.files.items()):
             kept.scratch.close()
             kept = None             # a segment gone, left out or changed: from scratch

@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from telemetry.clickhouse.ddl import SEGMENTS, ClickHouseError, ddl, quote
 from telemetry.clickhouse.targets import Target
-from telemetry.store.chain import read_chain, verify
+from telemetry.store.chain import originals, read_chain, replaced, verify
 from telemetry.store.schema import arrow_schemas
 
 def segment_table(table: str, data: pa.Table) -> pa.Table:
@@ -61,31 +61,47 @@ def export(store: str | Path, target: Target, *, anchor=None, cache: dict | None
                               "(`kvledger verify` names the damage)")
     ensure_schema(target)
     done = exported(target, v.store_id)
-    links = [ln for ln in read_chain(store) if ln.seq <= v.seq and ln.table in arrow_schemas()]
+    chain = [ln for ln in read_chain(store) if ln.seq <= v.seq]
+    gone, flat = replaced(chain), originals(chain)
+    links = [ln for ln in chain if ln.table in arrow_schemas() and ln.seq not in gone]
     todo = []
     for ln in links:
-        if ln.seq in done:
-            if done[ln.seq] != ln.sha256:
-                raise ClickHouseError(f"{target.url} holds segment {ln.seq} of store {v.store_id} with sha256 "
-                                      f"{done[ln.seq][:16]}..., this store's is {ln.sha256[:16]}...: not the store "
+        # a compaction's file holds its flushes' rows one after another: those exported already
+        # (by their own seq, before the merge) are skipped, the rest go in under their own seqs
+        parts = flat.get(ln.seq, [ln])
+        for o in parts:
+            if o.seq in done and done[o.seq] != o.sha256:
+                raise ClickHouseError(f"{target.url} holds segment {o.seq} of store {v.store_id} with sha256 "
+                                      f"{done[o.seq][:16]}..., this store's is {o.sha256[:16]}...: not the store "
                                       "that was exported; refusing to mix them")
-            continue
-        todo.append(ln)
+        if any(o.seq not in done for o in parts):
+            todo.append((ln, parts))
     rows = 0
-    for i, ln in enumerate(todo):
+    for i, (ln, parts) in enumerate(todo):
         data = segment_table(ln.table, pq.read_table(store / ln.file))
-        target.insert_arrow(ln.table, data, token=f"{v.store_id}:{ln.seq}:{ln.sha256}")
-        if after_insert:
-            after_insert(ln.seq)
-        rec = pa.table({"store_id": [v.store_id], "seq": pa.array([ln.seq], pa.int64()), "table": [ln.table],
-                        "file": [ln.file], "rows": pa.array([ln.rows], pa.int64()), "sha256": [ln.sha256],
-                        "exported_at": pa.array([time.time_ns()], pa.timestamp("ns", "UTC"))})
-        target.insert_arrow(SEGMENTS, rec, token=f"record:{v.store_id}:{ln.seq}:{ln.sha256}")
-        rows += ln.rows
+        offset = 0
+        for o in parts:
+            if o.seq not in done:
+                rows += _insert_segment(target, v.store_id, o, data.slice(offset, o.rows), after_insert)
+            offset += o.rows
         if progress:
             progress(i + 1, len(todo), rows)
     return ExportResult(store_id=v.store_id, segments=len(todo), rows=rows, skipped=len(links) - len(todo),
                         head=v.head, seq=v.seq)
+
+
+def _insert_segment(target: Target, store_id: str, ln, data: pa.Table,
+                    after_insert: Callable[[int], None] | None) -> int:
+    """One flush's rows and then its record (the record last: a crash between them re-sends the
+    rows under the same deduplication token)."""
+    target.insert_arrow(ln.table, data, token=f"{store_id}:{ln.seq}:{ln.sha256}")
+    if after_insert:
+        after_insert(ln.seq)
+    rec = pa.table({"store_id": [store_id], "seq": pa.array([ln.seq], pa.int64()), "table": [ln.table],
+                    "file": [ln.file], "rows": pa.array([ln.rows], pa.int64()), "sha256": [ln.sha256],
+                    "exported_at": pa.array([time.time_ns()], pa.timestamp("ns", "UTC"))})
+    target.insert_arrow(SEGMENTS, rec, token=f"record:{store_id}:{ln.seq}:{ln.sha256}")
+    return ln.rows
 
 
 def follow(store: str | Path, target: Target, interval: float, stop: threading.Event, *, anchor=None,

@@ -13,5 +13,6 @@ The names below are the store's public face (``from telemetry.store import Segme
 from telemetry.errors import StoreError  # noqa: F401
 from telemetry.store.chain import GENESIS, Link, Verdict, anchor_path, read_chain, verify  # noqa: F401
 from telemetry.store.columns import Coded, Columns, Ragged  # noqa: F401
-from telemetry.store.reader import open_store, resolve_boot, resolve_run, segment_files, table_relation  # noqa: F401
+from telemetry.store.reader import (carried, open_store, resolve_boot, resolve_run, segment_files, segment_merges,  # noqa: F401
+                                    table_relation)
 from telemetry.store.writer import FLUSH_INTERVAL, SegmentWriter, has_live_writer  # noqa: F401

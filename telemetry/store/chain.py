@@ -6,7 +6,7 @@
     ROOT/seal.json                written by a clean close: the head it closed on (signed)
     ANCHOR (outside the store)    one signed JSON line per flush: {store_id, seq, head, seal}
 
-link = SHA-256(prev link | seq | table | file | rows | sha256(file)). The hash chain makes any edit,
+link = SHA-256(prev link | seq | table | file | rows | sha256(file) [| replaces=seq,seq,...]). The hash chain makes any edit,
 removal, reordering or insertion visible; the signature on each chain file's last link (Ed25519,
 by a key that never enters the store) makes recomputing the chain useless to anyone but the
 writer. What a copy of the store alone cannot show is its own truncation - deleting the newest
@@ -15,6 +15,11 @@ to an anchor outside the store (a per-user state directory by default: put it on
 a mounted remote; it is logged to ``kvledger.anchor`` and, with an OTLP endpoint set, sent there
 as a ``kvledger.anchor`` span by ``Telemetry``, so a collector or SIEM keeps a copy). ``verify``
 with the anchor names a truncation: "store ends at seq N, anchor says M".
+
+Merges: the writer merges a table's small segments into one (telemetry/store/writer.py, compaction);
+the merge's link names the links it replaces (``replaces``), holds exactly their rows, their rows one
+after another in that order, and is chained and signed like any link. The replaced segments' files
+may then be deleted: ``verify`` does not ask for them, readers read the merge (``live_links``).
 
 Strangers: the writer signs an intent (name, sha256 of every segment of a flush) before it renames
 a segment into place; after a crash it adopts exactly those. Any other file in the store is
@@ -55,12 +60,54 @@ class Link(NamedTuple):
     sha256: str
     prev: str
     link: str
+    # a compaction (the writer merged small segments of one table into this file): the seqs of the
+    # links it replaces, comma-separated, in the order their rows follow one another in the file
+    replaces: str = ""
 
     def payload(self) -> str:
-        return f"{self.seq}|{self.table}|{self.file}|{self.rows}|{self.sha256}"
+        base = f"{self.seq}|{self.table}|{self.file}|{self.rows}|{self.sha256}"
+        return f"{base}|replaces={self.replaces}" if self.replaces else base
 
     def computed(self) -> str:
         return hashlib.sha256(f"{self.prev}|{self.payload()}".encode()).hexdigest()
+
+    def parts(self) -> list[int]:
+        """The seqs this link replaces (none: a flush's segment)."""
+        return [int(s) for s in self.replaces.split(",")] if self.replaces else []
+
+    def entry(self) -> dict:
+        """As written in a chain file (a flush's link without the ``replaces`` key, as before compaction)."""
+        d = self._asdict()
+        if not self.replaces:
+            del d["replaces"]
+        return d
+
+
+def replaced(links: "list[Link]") -> dict[int, int]:
+    """seq -> the seq of the compaction that replaced it."""
+    return {r: ln.seq for ln in links for r in ln.parts()}
+
+
+def live_links(links: "list[Link]") -> "list[Link]":
+    """The links whose files hold the store's rows now: every link no compaction replaced."""
+    gone = replaced(links)
+    return [ln for ln in links if ln.seq not in gone]
+
+
+def originals(links: "list[Link]") -> dict[int, list[Link]]:
+    """A compaction's seq -> the flushes' links whose rows its file holds, in the file's row order
+    (a compaction of compactions flattened): what a reader that had read those segments has read."""
+    by_seq = {ln.seq: ln for ln in links}
+    out: dict[int, list[Link]] = {}
+    for ln in links:                # seq order: a compaction's parts come before it
+        if ln.replaces:
+            out[ln.seq] = [o for r in ln.parts() for o in (out.get(r) or [by_seq[r]] if r in by_seq else [])]
+    return out
+
+
+def data_rows(links: "list[Link]") -> int:
+    """The rows these links add to the store (a compaction's rows are its parts', counted there)."""
+    return sum(ln.rows for ln in links if not ln.replaces)
 
 
 def _msg(kind: str, store_id: str, *parts) -> bytes:
@@ -120,13 +167,15 @@ def read_chain(root: Path) -> list[Link]:
 def chain_body(keys: WriterKeys, links: list[Link]) -> bytes:
     """A chain file for one flush's links, signed over its last link (which commits to all before it)."""
     sid = keys.identity.store_id
-    return json.dumps({"store_id": sid, "links": [ln._asdict() for ln in links],
+    return json.dumps({"store_id": sid, "links": [ln.entry() for ln in links],
                        "signature": keys.sign(_msg("chain", sid, links[-1].seq, links[-1].link))}).encode()
 
 
-def intent_body(keys: WriterKeys, segments: list[tuple[int, str, str, int, str]]) -> bytes:
+def intent_body(keys: WriterKeys, segments: list[tuple[int, str, str, int, str, str]]) -> bytes:
+    """(seq, table, file, rows, sha256, replaces) of each segment about to be put in place, signed."""
     sid = keys.identity.store_id
-    listed = [{"seq": s, "table": t, "file": f, "rows": r, "sha256": h} for s, t, f, r, h in segments]
+    listed = [{"seq": s, "table": t, "file": f, "rows": r, "sha256": h, **({"replaces": rp} if rp else {})}
+              for s, t, f, r, h, rp in segments]
     return json.dumps({"store_id": sid, "segments": listed,
                        "signature": keys.sign(_msg("intent", sid, json.dumps(listed, sort_keys=True)))}).encode()
 
@@ -215,7 +264,7 @@ class Verdict(NamedTuple):
     sealed: bool = False       # the last writer closed cleanly on this head
     store_id: str = ""
     fingerprint: str = ""
-    unlinked: tuple = ()       # (seq, table, file, rows, sha256) a killed writer put in place, signed intent
+    unlinked: tuple = ()       # (seq, table, file, rows, sha256, replaces) a killed writer put in place, signed intent
 
 
 def verify(root: str | Path, anchor: str | Path | None = None, *, cache: dict | None = None) -> Verdict:
@@ -319,12 +368,23 @@ def _hash_ahead(paths: list[Path], cache: dict) -> None:
 
 def _walk_chain(root: Path, ident, files, cache: dict | None, base: dict):
     """Every link in order: sequence, linkage, entry hash, file hash, and each chain file's signature.
-    (prev, rows, segments, seq, linked files) when all hold, else the Verdict naming the first break."""
+    (prev, rows, segments, seq, linked files) when all hold, else the Verdict naming the first break.
+
+    A compaction's link must replace earlier links of its own table that nothing replaced yet, and
+    hold exactly their rows; the files it replaced may be gone (the writer deletes them after a
+    grace period) and are not checked: nobody reads them (``live_links``) - the compaction's file,
+    hashed and signed like any segment, is what holds their rows now. (A missing file that a later
+    merge claims is excused until the walk reaches that merge: an edited or unsigned merge is named
+    there, where it stands, and the store does not verify.)"""
     if cache is None:
         cache = {}          # this walk's own: every file still hashed once, nothing kept after it
-    _hash_ahead([root / link.file for cf in files for link in cf.links], cache)
+    links = [link for cf in files for link in cf.links]
+    gone = replaced(links)
+    _hash_ahead([root / link.file for link in links if link.seq not in gone], cache)
     prev, rows, n, seq = GENESIS, 0, 0, -1
     linked: set[str] = set()
+    walked: dict[int, Link] = {}
+    merged: set[int] = set()
     for cf in files:
         for link in cf.links:
             where = f"segment {link.seq} ({link.file})"
@@ -336,23 +396,46 @@ def _walk_chain(root: Path, ident, files, cache: dict | None, base: dict):
                 problem = "does not link to the previous segment (reordered or inserted)"
             elif link.computed() != link.link:
                 problem = "link hash does not match its entry (the entry was edited)"
-            elif not path.is_file():
+            elif link.replaces and (why := _bad_compaction(link, walked, merged)):
+                problem = why
+            elif link.seq not in gone and not path.is_file():
                 problem = "segment file is missing"
-            elif _sha(path, cache) != link.sha256:
+            elif link.seq not in gone and _sha(path, cache) != link.sha256:
                 problem = "segment content does not match its hash (the file was modified)"
             if problem:
                 return Verdict(False, n, rows, prev, f"{where}: {problem}", [], seq, **base)
-            prev, rows, n, seq = link.link, rows + link.rows, n + 1, link.seq
+            prev, rows, n, seq = link.link, rows + (0 if link.replaces else link.rows), n + 1, link.seq
             linked.add(link.file)
+            walked[link.seq] = link
+            merged.update(link.parts())
         last = cf.links[-1] if cf.links else None
         if cf.signature is None or last is None or not _checked(
                 cache, ("sig", cf.name, last.link, cf.signature),
                 lambda: ident.check(_msg("chain", ident.store_id, last.seq, last.link), cf.signature)):
-            return Verdict(False, n - len(cf.links), rows - sum(ln.rows for ln in cf.links), cf.links[0].prev
+            return Verdict(False, n - len(cf.links), rows - data_rows(cf.links), cf.links[0].prev
                            if cf.links else prev, f"chain/{cf.name}: not signed by this store's key "
                            f"(fingerprint {ident.fingerprint}): rewritten by someone without it", [],
                            cf.links[0].seq - 1 if cf.links else seq, **base)
     return prev, rows, n, seq, linked
+
+
+def _bad_compaction(link: Link, walked: dict[int, Link], merged: set[int]) -> str | None:
+    """What is wrong with a compaction's link, given the links before it (None: nothing)."""
+    try:
+        parts = link.parts()
+    except ValueError:
+        return f"a compaction whose replaced segments cannot be read ({link.replaces[:40]!r})"
+    for r in parts:
+        if r not in walked:
+            return f"a compaction replaces segment {r}, which is not an earlier link"
+        if walked[r].table != link.table:
+            return f"a compaction of {link.table} replaces segment {r} of {walked[r].table}"
+        if r in merged or parts.count(r) > 1:
+            return f"a compaction replaces segment {r}, which was already replaced"
+    if sum(walked[r].rows for r in parts) != link.rows:
+        return (f"a compaction holds {link.rows} rows, the segments it replaces "
+                f"{sum(walked[r].rows for r in parts)}")
+    return None
 
 
 def _unlinked(root: Path, ident, seq: int, linked: set[str], cache: dict | None, warnings: list[str]):
@@ -368,7 +451,7 @@ def _unlinked(root: Path, ident, seq: int, linked: set[str], cache: dict | None,
             continue
         e = intent.get(rel)
         if e is not None and e["seq"] > seq and p.is_file() and _sha(p, cache) == e["sha256"]:
-            unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"]))
+            unlinked.append((e["seq"], e["table"], rel, e["rows"], e["sha256"], str(e.get("replaces", ""))))
             warnings.append(f"{rel}: written but not linked (the writer stopped between segment and link); "
                             "readers ignore it until the next writer links it")
             continue
@@ -387,7 +470,7 @@ def damaged_segments(root: str | Path, cache: dict | None = None) -> list[str]:
         links = read_chain(root)
     except ValueError:          # an unreadable chain: the reader refuses it with its own words
         return out
-    for link in links:
+    for link in live_links(links):
         path = root / link.file
         if not path.is_file() or _sha(path, cache) != link.sha256:
             out.append(link.file)

@@ -7,12 +7,13 @@ from pathlib import Path
 import duckdb
 
 from telemetry.errors import StoreError
-from telemetry.store.chain import file_columns, read_chain
+from telemetry.store.chain import file_columns, live_links, read_chain
 from telemetry.store.schema import arrow_schemas, empty
 
 
 def segment_files(root: str | Path, skip: "set[str] | frozenset[str]" = frozenset()) -> dict[str, list[str]]:
-    """Each table's chained segment files (paths, in chain order) that exist and are not in ``skip``."""
+    """Each table's chained segment files (paths, in chain order) that exist and are not in ``skip``:
+    the live ones - a segment a compaction replaced is read through the compaction's file."""
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
@@ -21,10 +22,37 @@ def segment_files(root: str | Path, skip: "set[str] | frozenset[str]" = frozense
         chain = read_chain(root)
     except ValueError as e:
         raise StoreError(str(e)) from None
-    for link in chain:
+    for link in live_links(chain):
         if link.table in by_table and link.file not in skip and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
     return by_table
+
+
+def segment_merges(root: str | Path) -> list[tuple[str, tuple[str, ...]]]:
+    """Every merge the writer made (chain order): its file's path and the paths of the segments it
+    replaced - what lets a reader that kept a table over those segments keep it over the merge."""
+    root = Path(root)
+    try:
+        chain = read_chain(root)
+    except (OSError, ValueError):
+        return []
+    by_seq = {ln.seq: ln for ln in chain}
+    return [(str(root / ln.file), tuple(str(root / by_seq[r].file) for r in ln.parts() if r in by_seq))
+            for ln in chain if ln.replaces]
+
+
+def carried(kept: dict[str, tuple], now: dict[str, tuple], merges: list[tuple[str, tuple[str, ...]]]) -> dict[str, tuple]:
+    """``kept`` (segment path -> stat, the segments a kept table covers) said in today's files: a
+    merge of segments it all covers stands for them (it holds exactly their rows, in one file). A
+    merge of some it covers and some it does not leaves those it covers - no longer live - to
+    show the kept table stale. (file -> stat as in ``now``; a merge not live now: a stat no file has.)"""
+    out = dict(kept)
+    for f, parts in merges:
+        if f not in out and parts and all(p in out for p in parts):
+            for p in parts:
+                del out[p]
+            out[f] = now.get(f, ("not live",))
+    return out
 
 
 def table_relation(con: duckdb.DuckDBPyConnection, table: str, files: list[str],

@@ -7,7 +7,8 @@ rename), then appends a signed chain file for the flush (temp file, fsync, renam
 head to the anchor outside the store. Readers open an in-memory DuckDB over exactly the chained
 segments, so a reader never sees a half-written file.
 
-    ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing
+    ROOT/segments/<table>/<seq>.parquet     one table's rows, seq global and increasing (a flush's
+                                            segment, or a merge of a table's older ones: compaction)
     ROOT/chain/<seq>.json, intent.json, seal.json, store.json   see telemetry/store/chain.py
     (ROOT itself)                           one writer at a time: flock on the store directory's own
                                             descriptor (no lock file a careless hand could delete)
@@ -38,7 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from telemetry.errors import StoreError
-from telemetry.store.chain import Link, anchor_entry, anchor_path, append_anchor, chain_body, intent_body, verify
+from telemetry.store.chain import (Link, anchor_entry, anchor_path, append_anchor, chain_body, intent_body, read_chain,
+                                   replaced, verify)
 from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options
 from telemetry.store.keys import (STORE_FILE, KeyError_, WriterKeys, record_identity, recorded_identity,
                                   substituted)
@@ -50,6 +52,16 @@ from telemetry.store.schema import arrow_schemas, conform
 # measures them side by side).
 FLUSH_INTERVAL = 2.0
 COMMIT_WINDOW = 0.25        # seconds of posts that share one group-commit write (at most 4 writes a second)
+# Compaction, as ClickHouse merges a MergeTree's parts: once a table holds COMPACT_FAN + 1 live
+# segments of one level (a flush's segment is level 0), the writer merges the oldest COMPACT_FAN
+# into one of the next level - one merge a table per flush, up to its max_rows rows (and max_bytes
+# of Parquet) - so a store
+# written for a day holds tens of files a table rather than 43,200 (readers pay per file). The
+# merged segments' files are deleted COMPACT_GRACE seconds later (a reader that listed them before
+# the merge still finds them); the merge's link names them and is signed like any other.
+COMPACT_FAN = 16
+COMPACT_GRACE = 300.0
+FINAL = 1 << 30             # a level no merge takes (a merge would pass max_rows, or cannot be made)
 log = logging.getLogger("kvledger.store")
 
 
@@ -144,7 +156,7 @@ class SegmentWriter:
 
     def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
                  max_bytes: int = 32 << 20, queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None,
-                 idle_priority: bool = False):
+                 idle_priority: bool = False, compact_fan: int | None = None, compact_grace: float | None = None):
         """``idle_priority``: run the writer thread under SCHED_IDLE (Linux), so that it takes the CPU
         only when nothing else wants it - for an engine whose torch threads fill every core, where a
         writer at normal priority takes its CPU time out of the decode. Its producers must bound what
@@ -154,7 +166,11 @@ class SegmentWriter:
         priority until it is done - the flush interval stays the durability window after a kill -9
         (tests/test_store.py kills a writer beside busy processes; without the nudge nothing was
         flushed). Needs the right to leave SCHED_IDLE again (CAP_SYS_NICE or RLIMIT_NICE >= 20),
-        checked first: without it the writer stays at normal priority."""
+        checked first: without it the writer stays at normal priority.
+
+        ``compact_fan``: segments of one level merged into one (None: ``COMPACT_FAN``; 0: never
+        merge); ``compact_grace``: seconds before a merged segment's file is deleted (None:
+        ``COMPACT_GRACE``)."""
         from engine.request import new_boot_id
         self.root = Path(root)
         self.idle_priority = idle_priority
@@ -164,6 +180,12 @@ class SegmentWriter:
         # the run this writer records: every row of a table with a ``boot`` column that its producer
         # did not label gets it (node names and logical clocks restart with every boot)
         self.boot = boot or new_boot_id()
+        compact_fan = COMPACT_FAN if compact_fan is None else compact_fan
+        compact_grace = COMPACT_GRACE if compact_grace is None else compact_grace
+        if compact_fan == 1 or compact_fan < 0:
+            raise StoreError(f"compact_fan {compact_fan}: 0 (no compaction) or at least 2 segments a merge")
+        self.compact_fan, self.compact_grace, self.compactions = compact_fan, compact_grace, 0
+        self._doomed: list[tuple[float, list[Path]]] = []      # (when, the merged segments' files) to delete
         if self.root.exists() and not self.root.is_dir():
             raise StoreError(f"store path {self.root} exists and is not a directory")
         (self.root / "chain").mkdir(parents=True, exist_ok=True)
@@ -379,8 +401,16 @@ class SegmentWriter:
         for tmp in (self.root / "segments").glob("*/.tmp-*"):   # a killed writer's half-written files: this
             tmp.unlink(missing_ok=True)                            # writer holds the lock, nobody else writes them
         (self.root / "seal.json").unlink(missing_ok=True)      # open again: no longer closed on that head
-        self._unlinked: list[tuple[int, str, str, int, str]] = sorted(v.unlinked)   # in place, not yet chained
+        self._unlinked: list[tuple[int, str, str, int, str, str]] = sorted(v.unlinked)   # in place, not yet chained
         self.adopted = [u[2] for u in self._unlinked]
+        # each table's live segments (seq -> (file, rows, sha256, level)), what compaction merges
+        self._live: dict[str, dict[int, tuple[str, int, str, int]]] = {}
+        chain = read_chain(self.root)
+        for ln in chain:
+            self._note_link(ln)
+        gone = [self.root / ln.file for ln in chain if ln.seq in replaced(chain)]
+        if gone:                        # merged by an earlier writer and not deleted yet: after the grace
+            self._doomed.append((time.monotonic() + self.compact_grace, gone))
         if self._unlinked:
             self._seq = self._unlinked[-1][0] + 1
             self._link_unlinked()
@@ -394,13 +424,85 @@ class SegmentWriter:
         if not self._unlinked:
             return
         links, prev = [], self._prev
-        for seq, table, rel, rows, sha in self._unlinked:
-            link = Link(seq, table, rel, rows, sha, prev, "")
+        for seq, table, rel, rows, sha, parts in self._unlinked:
+            link = Link(seq, table, rel, rows, sha, prev, "", parts)
             links.append(link := link._replace(link=link.computed()))
             prev = link.link
         _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", chain_body(self.wkeys, links))
         self._prev, self._unlinked = prev, []
+        for ln in links:
+            self._note_link(ln)
         self._anchor(links[-1].seq, prev, seal=False)
+
+    def _note_link(self, ln: Link) -> None:
+        """A link is in the chain: its table's live segments gain it and lose what it merged."""
+        live = self._live.setdefault(ln.table, {})
+        level = 0
+        for r in ln.parts():
+            level = max(level, live.pop(r)[3] + 1) if r in live else FINAL
+        live[ln.seq] = (ln.file, ln.rows, ln.sha256, level)
+
+    def _compact(self) -> None:
+        """Writer thread, after a flush: per table, merge the oldest ``compact_fan`` live segments of
+        the lowest level holding more than that many (one merge a table), then delete the files of
+        merges older than the grace period. A merge that fails (a full disk) leaves the store as it
+        was - its rows stay in the segments it would have merged - and is logged."""
+        if self.compact_fan and not self._unlinked:    # (a merge waiting for its link is not made twice)
+            for table, live in self._live.items():
+                levels: dict[int, list[int]] = {}
+                for seq, (_, _, _, level) in live.items():
+                    if level < FINAL:
+                        levels.setdefault(level, []).append(seq)
+                for level in sorted(levels):
+                    if len(levels[level]) > self.compact_fan:
+                        try:
+                            self._merge(table, sorted(levels[level])[:self.compact_fan])
+                        except OSError as e:
+                            log.warning("store writer: compaction of %s not done: %s", table, e)
+                        break
+        now = time.monotonic()
+        due = [paths for when, paths in self._doomed if when <= now]
+        self._doomed = [d for d in self._doomed if d[0] > now]
+        for path in (p for paths in due for p in paths):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as e:        # a file left behind costs disk, not a row: readers never read it
+                log.warning("store writer: merged segment %s not deleted: %s", path, e)
+
+    def _merge(self, table: str, parts: list[int]) -> None:
+        """Merge these live segments of ``table`` into one, their rows in seq order, linked as a
+        compaction. Each part's bytes are checked against the hash its link signed before they are
+        read: a merge never signs over a segment changed since it was written."""
+        live = self._live[table]
+        size = sum((self.root / live[s][0]).stat().st_size for s in parts)
+        if sum(live[s][1] for s in parts) > self.max_rows or size > self.max_bytes:
+            for s in parts:             # as big as a segment gets (max_rows, or max_bytes of Parquet): as they are
+                live[s] = (*live[s][:3], FINAL)
+            return
+        tables = []
+        for s in parts:
+            rel, _, sha, _ = live[s]
+            body = (self.root / rel).read_bytes()
+            if hashlib.sha256(body).hexdigest() != sha:
+                raise OSError(f"{rel} no longer matches the hash its link signed; not merged (`kvledger verify`)")
+            try:
+                tables.append(conform(table, pq.read_table(pa.BufferReader(body))))
+            except (ValueError, pa.ArrowException):    # an older schema that cannot be made today's
+                for p in parts:
+                    live[p] = (*live[p][:3], FINAL)
+                return
+        data = pa.concat_tables(tables)
+        merged = [self.root / live[s][0] for s in parts]
+        seq = self._seq
+        rel, sha, body = self._parquet_body(table, seq, data)
+        entry = (seq, table, rel, data.num_rows, sha, ",".join(map(str, parts)))
+        _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [entry]))
+        _atomic_write(self.root / rel, body)
+        self._seq = seq + 1
+        self._unlinked.append(entry)
+        self._link_unlinked()
+        self.compactions += 1
+        self._doomed.append((time.monotonic() + self.compact_grace, merged))
 
     def _anchor(self, seq: int, head: str, seal: bool) -> None:
         """The signed head, out of the store. A failing anchor (its disk gone) loses no row: the
@@ -424,6 +526,7 @@ class SegmentWriter:
                 self._buf[t].append(d)
                 self._rows[t] += num_rows(d)
         self._write([t for t in self.schemas if self._rows[t]])
+        self._compact()
 
     def _write(self, tables: list[str]) -> None:
         """Write each table's buffered rows as one segment and link them: all are encoded and
@@ -434,14 +537,14 @@ class SegmentWriter:
             return
         encoded = [self._encode(t, self._seq + i) for i, t in enumerate(tables)]
         try:
-            _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [e[:5] for e in encoded]))
+            _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [(*e[:5], "") for e in encoded]))
             for seq, table, rel, rows, sha, body in encoded:
                 _atomic_write(self.root / rel, body)
                 self._seq = seq + 1              # taken only once the segment is in place: no gap on a failed write
                 self.rows_written[table] += rows
                 self.segments_written += 1
                 self._buf[table], self._rows[table], self._bytes[table] = [], 0, 0
-                self._unlinked.append((seq, table, rel, rows, sha))
+                self._unlinked.append((seq, table, rel, rows, sha, ""))
         finally:
             self._link_unlinked()
 
@@ -453,9 +556,14 @@ class SegmentWriter:
         if raw:
             tables.append(conform(table, columns_to_arrow(raw), fill))
         data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
+        rel, sha, body = self._parquet_body(table, seq, data)
+        return seq, table, rel, data.num_rows, sha, body
+
+    def _parquet_body(self, table: str, seq: int, data: pa.Table) -> tuple[str, str, "pa.Buffer"]:
+        """(file, sha256, bytes) of ``data`` as the table's segment number ``seq``, in memory."""
         rel = f"segments/{table}/{seq:09d}.parquet"
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
         pq.write_table(data, sink, **self._parquet[table])
         body = sink.getvalue()
-        return seq, table, rel, data.num_rows, hashlib.sha256(body).hexdigest(), body
+        return rel, hashlib.sha256(body).hexdigest(), body
