@@ -15,12 +15,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from engine.commands.main import main
 from telemetry.store import SegmentWriter, open_store, read_chain, verify
-from telemetry.store.chain import GENESIS, Link, _msg, chain_body, live_links, originals
+from telemetry.store.chain import Link, chain_body, live_links, originals
 from telemetry.store.keys import WriterKeys
 from telemetry.store.schema import arrow_schemas
 
@@ -253,7 +252,6 @@ def test_export_after_a_merge_of_segments_some_exported_copies_the_rest_once(tmp
     assert got.column(0).to_pylist() == _want(range(2 * FAN + 2))
     assert res["rows"] == 3 * (2 * FAN)
     assert export(root, target)["segments"] == 0
-    assert GENESIS and live_links(read_chain(root))
 
 
 @pytest.mark.xdist_group("glm53")

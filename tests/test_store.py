@@ -592,3 +592,28 @@ def test_a_reader_does_not_rehash_what_it_verified_before_and_still_sees_any_cha
     with pytest.raises(StoreError, match="does not match its hash"):
         Forensics(store)
     assert verify(store).broken and "does not match its hash" in verify(store).broken   # verify keeps no cache
+
+
+def test_a_reader_does_not_recheck_a_chain_file_s_signature_it_checked_before_unless_it_changed(store, monkeypatch):
+    """The signatures a command checked are kept with its segment hashes (outside the store): the
+    next command checks none of them again, and a chain file whose signature or last link differs
+    from the one checked is checked again - and named."""
+    import telemetry.store.chain as chain
+    from forensics.queries.duckdb import Forensics
+    from telemetry.store.keys import Identity
+    checked: list = []
+    real = Identity.check
+    monkeypatch.setattr(Identity, "check", lambda self, msg, sig: checked.append(msg) or real(self, msg, sig))
+    Forensics(store)
+    assert sum(b"kvledger-chain" in m for m in checked) == 4            # cold: every chain file's signature
+    assert chain.HashCache(store)._sigs_path.is_file()
+    checked.clear()
+    Forensics(store)
+    assert not any(b"kvledger-chain" in m for m in checked)            # warm: none again
+    f = sorted((store / "chain").glob("*.json"))[2]
+    body = json.loads(f.read_text())
+    body["signature"] = body["signature"][:-2] + ("00" if body["signature"][-2:] != "00" else "11")
+    f.write_text(json.dumps(body))
+    with pytest.raises(StoreError, match="not signed by this store's key"):
+        Forensics(store)
+    assert sum(b"kvledger-chain" in m for m in checked) == 1

@@ -143,8 +143,12 @@ class Forensics:
         self.left_out = damaged_segments(self.store, cache) if not self.verdict.ok else []
         # exactly the segments this snapshot holds (a live store grows meanwhile): the n-gram evidence
         # reads only the ones an earlier snapshot of this process had not (evidence.py)
-        self.files = segment_files(self.store, set(self.left_out))
-        self.merges = segment_merges(self.store)     # what the writer merged: kept tables carry over (grown.py)
+        try:
+            chain = read_chain(self.store)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
+        self.files = segment_files(self.store, set(self.left_out), chain)
+        self.merges = segment_merges(self.store, chain)     # what the writer merged: kept tables carry over (grown.py)
         self.con = open_store(self.store, run, files=self.files, cache=cache)
         if isinstance(cache, HashCache):
             cache.save()                    # the segments' column signatures open_store read (chain.file_columns)

@@ -2,6 +2,7 @@
 segments (a reader never sees a half-written file), narrowed to one run on request."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import duckdb
@@ -11,33 +12,38 @@ from telemetry.store.chain import file_columns, live_links, read_chain
 from telemetry.store.schema import arrow_schemas, empty
 
 
-def segment_files(root: str | Path, skip: "set[str] | frozenset[str]" = frozenset()) -> dict[str, list[str]]:
+def segment_files(root: str | Path, skip: "set[str] | frozenset[str]" = frozenset(),
+                  chain: "list | None" = None) -> dict[str, list[str]]:
     """Each table's chained segment files (paths, in chain order) that exist and are not in ``skip``:
-    the live ones - a segment a compaction replaced is read through the compaction's file."""
+    the live ones - a segment a compaction replaced is read through the compaction's file.
+    ``chain``: the links, read already (else read here)."""
     root = Path(root)
     if not (root / "chain").is_dir():
         raise StoreError(f"no kvledger store at {root} (expected {root}/chain); run `kvledger replay` with --store first")
     by_table: dict[str, list[str]] = {t: [] for t in arrow_schemas()}
-    try:
-        chain = read_chain(root)
-    except ValueError as e:
-        raise StoreError(str(e)) from None
+    if chain is None:
+        try:
+            chain = read_chain(root)
+        except ValueError as e:
+            raise StoreError(str(e)) from None
     for link in live_links(chain):
         if link.table in by_table and link.file not in skip and (root / link.file).exists():
             by_table[link.table].append(str(root / link.file))
     return by_table
 
 
-def segment_merges(root: str | Path) -> list[tuple[str, tuple[str, ...]]]:
+def segment_merges(root: str | Path, chain: "list | None" = None) -> list[tuple[str, tuple[str, ...]]]:
     """Every merge the writer made (chain order): its file's path and the paths of the segments it
-    replaced - what lets a reader that kept a table over those segments keep it over the merge."""
-    root = Path(root)
-    try:
-        chain = read_chain(root)
-    except (OSError, ValueError):
-        return []
+    replaced - what lets a reader that kept a table over those segments keep it over the merge.
+    ``chain``: the links, read already (else read here). (Paths as ``segment_files`` gives them.)"""
+    base = str(Path(root))
+    if chain is None:
+        try:
+            chain = read_chain(Path(root))
+        except (OSError, ValueError):
+            return []
     by_seq = {ln.seq: ln for ln in chain}
-    return [(str(root / ln.file), tuple(str(root / by_seq[r].file) for r in ln.parts() if r in by_seq))
+    return [(os.path.join(base, ln.file), tuple(os.path.join(base, by_seq[r].file) for r in ln.parts() if r in by_seq))
             for ln in chain if ln.replaces]
 
 

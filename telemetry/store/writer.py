@@ -321,6 +321,7 @@ class SegmentWriter:
                 if table == "__flush__":
                     self._write_all()
                     last = self._flushed()          # everything is written: the next periodic flush is an interval away
+                    self._compact()
                     data.set()
                     continue
                 if table == "__commit__":
@@ -340,6 +341,7 @@ class SegmentWriter:
                 if since >= self.flush_interval or (self._commits and self._q.empty() and since >= self.commit_window):
                     self._write_all()
                     last = self._flushed()
+                    self._compact()     # after the flush's tickets are settled and an overdue flush's raise is over
             except BaseException as e:        # surfaced to the producer on its next call
                 self.error = e
                 if table == "__flush__":
@@ -446,7 +448,8 @@ class SegmentWriter:
         """Writer thread, after a flush: per table, merge the oldest ``compact_fan`` live segments of
         the lowest level holding more than that many (one merge a table), then delete the files of
         merges older than the grace period. A merge that fails (a full disk) leaves the store as it
-        was - its rows stay in the segments it would have merged - and is logged."""
+        was - its rows stay in the segments it would have merged - and is logged. Runs after the
+        flush is settled: an idle-priority writer raised for an overdue flush is back to idle."""
         if self.compact_fan and not self._unlinked:    # (a merge waiting for its link is not made twice)
             for table, live in self._live.items():
                 levels: dict[int, list[int]] = {}
@@ -457,7 +460,7 @@ class SegmentWriter:
                     if len(levels[level]) > self.compact_fan:
                         try:
                             self._merge(table, sorted(levels[level])[:self.compact_fan])
-                        except OSError as e:
+                        except Exception as e:     # noqa: BLE001 - a merge is only speed: never a producer's error
                             log.warning("store writer: compaction of %s not done: %s", table, e)
                         break
         now = time.monotonic()
@@ -526,7 +529,6 @@ class SegmentWriter:
                 self._buf[t].append(d)
                 self._rows[t] += num_rows(d)
         self._write([t for t in self.schemas if self._rows[t]])
-        self._compact()
 
     def _write(self, tables: list[str]) -> None:
         """Write each table's buffered rows as one segment and link them: all are encoded and
