@@ -378,15 +378,20 @@ TAMPERINGS = {
 }
 
 
-@pytest.mark.parametrize("how", list(TAMPERINGS))
-def test_every_tampering_is_named_and_no_reader_answers(store, how, capsys, tmp_path):
+def named_by_verify(store: Path, expect: str, capsys) -> None:
+    """``verify`` and ``kvledger verify`` name the damage (``expect``: a regex) and fail."""
     import re
-    tamper, expect = TAMPERINGS[how]
-    tamper(store)
     v = verify(store)
     assert not v.ok and re.search(expect, v.broken), v.broken
     assert main(["verify", "--store", str(store)]) == 1
     assert re.search(expect, capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("how", list(TAMPERINGS))
+def test_every_tampering_is_named_and_no_reader_answers(store, how, capsys, tmp_path):
+    tamper, expect = TAMPERINGS[how]
+    tamper(store)
+    named_by_verify(store, expect, capsys)
     assert main(["forensics", "transfers", "--store", str(store)]) == 2
     assert "does not verify" in capsys.readouterr().err
     assert main(["report", "--store", str(store), "--out", str(tmp_path / "r")]) == 2

@@ -72,8 +72,12 @@ class Link(NamedTuple):
         return hashlib.sha256(f"{self.prev}|{self.payload()}".encode()).hexdigest()
 
     def parts(self) -> list[int]:
-        """The seqs this link replaces (none: a flush's segment)."""
-        return [int(s) for s in self.replaces.split(",")] if self.replaces else []
+        """The seqs this link replaces (none: a flush's segment, or an entry no writer wrote - its
+        link hash, or else the rows it claims, names it)."""
+        try:
+            return [int(s) for s in str(self.replaces).split(",")] if self.replaces else []
+        except ValueError:
+            return []
 
     def entry(self) -> dict:
         """As written in a chain file (a flush's link without the ``replaces`` key, as before compaction)."""
@@ -422,10 +426,9 @@ def _walk_chain(root: Path, ident, files, cache: dict | None, base: dict):
 
 def _bad_compaction(link: Link, walked: dict[int, Link], merged: set[int]) -> str | None:
     """What is wrong with a compaction's link, given the links before it (None: nothing)."""
-    try:
-        parts = link.parts()
-    except ValueError:
-        return f"a compaction whose replaced segments cannot be read ({link.replaces[:40]!r})"
+    parts = link.parts()
+    if not parts:
+        return f"a compaction whose replaced segments cannot be read ({str(link.replaces)[:40]!r})"
     for r in parts:
         if r not in walked:
             return f"a compaction replaces segment {r}, which is not an earlier link"

@@ -55,8 +55,8 @@ COMMIT_WINDOW = 0.25        # seconds of posts that share one group-commit write
 # Compaction, as ClickHouse merges a MergeTree's parts: once a table holds COMPACT_FAN + 1 live
 # segments of one level (a flush's segment is level 0), the writer merges the oldest COMPACT_FAN
 # into one of the next level - one merge a table per flush, up to its max_rows rows (and max_bytes
-# of Parquet) - so a store
-# written for a day holds tens of files a table rather than 43,200 (readers pay per file). The
+# of Parquet) - so a store written for a day holds tens of files a table rather than 43,200
+# (readers pay per file). The
 # merged segments' files are deleted COMPACT_GRACE seconds later (a reader that listed them before
 # the merge still finds them); the merge's link names them and is signed like any other.
 COMPACT_FAN = 16
@@ -407,15 +407,15 @@ class SegmentWriter:
         self.adopted = [u[2] for u in self._unlinked]
         # each table's live segments (seq -> (file, rows, sha256, level)), what compaction merges
         self._live: dict[str, dict[int, tuple[str, int, str, int]]] = {}
-        chain = read_chain(self.root)
-        for ln in chain:
+        for ln in read_chain(self.root):
             self._note_link(ln)
-        gone = [self.root / ln.file for ln in chain if ln.seq in replaced(chain)]
-        if gone:                        # merged by an earlier writer and not deleted yet: after the grace
-            self._doomed.append((time.monotonic() + self.compact_grace, gone))
         if self._unlinked:
             self._seq = self._unlinked[-1][0] + 1
             self._link_unlinked()
+        chain = read_chain(self.root)
+        gone = [self.root / ln.file for ln in chain if ln.seq in replaced(chain)]
+        if gone:                        # merged by an earlier writer and not deleted yet: after the grace
+            self._doomed.append((time.monotonic() + self.compact_grace, gone))
 
     def _link_unlinked(self) -> None:
         """Chain the segments written and not yet linked (seq order), one link each, as one chain
@@ -451,7 +451,7 @@ class SegmentWriter:
         was - its rows stay in the segments it would have merged - and is logged. Runs after the
         flush is settled: an idle-priority writer raised for an overdue flush is back to idle."""
         if self.compact_fan and not self._unlinked:    # (a merge waiting for its link is not made twice)
-            for table, live in self._live.items():
+            for table, live in list(self._live.items()):
                 levels: dict[int, list[int]] = {}
                 for seq, (_, _, _, level) in live.items():
                     if level < FINAL:
