@@ -306,3 +306,21 @@ def test_a_reader_s_kept_tables_carry_over_the_writer_s_merges(glm53_vulnerable,
     assert sum(d["carried"] for d, _, _ in seen) >= 3 and sum(e["carried"] for _, e, _ in seen) >= 2, seen
     ours, theirs = Forensics(root, answer_cache=False).exposures(), Forensics(src, answer_cache=False).exposures()
     assert ours.height > 0 and ours.sort(ours.columns).equals(theirs.sort(theirs.columns))
+
+
+def test_a_reader_s_verification_cache_forgets_the_merged_files(tmp_path):
+    """The hashes a command keeps (chain.HashCache) are of files that exist: a merged segment's
+    file, deleted by the writer, leaves the cache at the next command - it does not grow with history."""
+    from forensics.queries.duckdb import Forensics
+    from telemetry.store.chain import HashCache
+    root = tmp_path / "store"
+    w = _write(root, range(FAN), close=False)
+    Forensics(root).close()
+    before = {k[0] for k in HashCache(root) if len(k) == 5}
+    assert len(before) >= FAN
+    w.submit("releases", _releases(FAN))
+    w.close()                                   # the merge; its parts deleted (grace 0)
+    Forensics(root).close()
+    after = {k[0] for k in HashCache(root) if len(k) == 5}
+    assert after and all(Path(p).exists() for p in after) and not before <= after
+    assert {str(root / ln.file) for ln in live_links(read_chain(root)) if ln.table == "releases"} <= after

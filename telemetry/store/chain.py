@@ -581,6 +581,9 @@ class HashCache(dict):
         files = [[*k, v] for k, v in self.items() if len(k) == 5 and isinstance(v, str) and isinstance(k[0], str)]
         cols = [[*k[1:], v] for k, v in self.items() if len(k) == 6 and k[0] == "cols"]
         sigs = [list(k[1:]) for k, v in self.items() if len(k) == 4 and k[0] == "sig" and v is True]
+        if len(files) != self._loaded:      # the store changed: the files gone since (a writer's merged
+            files = [e for e in files if os.path.exists(e[0])]      # segments) are forgotten, not kept forever
+            cols = [e for e in cols if os.path.exists(e[0])]
         for path, entries, loaded in ((self.path, files, self._loaded), (self._cols_path, cols, self._cols_loaded),
                                       (self._sigs_path, sigs, self._sigs_loaded)):
             if len(entries) == loaded:
