@@ -324,3 +324,11 @@ def test_a_reader_s_verification_cache_forgets_the_merged_files(tmp_path):
     after = {k[0] for k in HashCache(root) if len(k) == 5}
     assert after and all(Path(p).exists() for p in after) and not before <= after
     assert {str(root / ln.file) for ln in live_links(read_chain(root)) if ln.table == "releases"} <= after
+
+
+@pytest.mark.parametrize("fan", [1, -1, -16])
+def test_a_merge_of_fewer_than_two_segments_is_refused_before_the_store_is_made(tmp_path, fan):
+    from telemetry.store import StoreError
+    with pytest.raises(StoreError, match=f"compact_fan {fan}: 0 \\(no compaction\\) or at least 2"):
+        SegmentWriter(tmp_path / "store", compact_fan=fan)
+    assert not (tmp_path / "store").exists()
