@@ -566,11 +566,13 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
         return got, {k: evidence.stats[k] - before[k] for k in before}
     first, _ = build()
     again, read = build()
-    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 1}
+    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 1,
+                                     "carried": 0, "rebuilt": 0}
     with monkeypatch.context() as m:            # other SQL made the kept answer: the rows only
         m.setattr(evidence, "_ident", lambda sql: "other steps")
         again, read = build()
-    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 0}
+    assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 0,
+                                     "carried": 0, "rebuilt": 0}
     d = evidence._dir(str(store.resolve()))
     (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")
     again, read = build()
@@ -580,7 +582,7 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
     meta["files"][seg][2] -= 1                 # the segment's change time is not the one kept
     (d / "meta.json").write_text(json.dumps(meta))
     again, read = build()
-    assert again == first and read["whole_scans"] == 2
+    assert again == first and read["whole_scans"] == 2 and read["rebuilt"] == 1
 
 
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
