@@ -665,6 +665,10 @@ def _layout_rows(r: dict) -> list[str]:
             "| --- | --- | --- | --- |", *rows]
 
 
+def _chain_files(store: dict) -> str:
+    return f", {store['chain_files']:,} chain files" if "chain_files" in store else ""
+
+
 def segments_table(r: dict) -> str:
     """bench/segments.py: the same rows in many small flushes, merged or not by the writer, against a few big ones."""
     c, st, m = r["config"], r["stores"], r["median_s"]
@@ -673,9 +677,11 @@ def segments_table(r: dict) -> str:
     rows = [f"The same rows ({many['read_rows'] / 1e6:.1f} M page_reads rows: {c['copies']} copies of the forensics "
             f"bench's replays) flushed {many['flushes']} times (at the writer's {c['writer_flush_interval_s']:.0f} s "
             f"flush interval, about {mins:.0f} minutes of one engine's writing) by a writer that merges nothing "
-            f"({many['files']:,} segment files)"
+            f"({many['files']:,} segment files" + _chain_files(many) + ")"
             + (f" and by one that merges as it writes (the default since the thirty-fifth session: "
-               f"{merged['merges']} merges of {merged['compact_fan']} segments, {merged['files']} files left)"
+               f"{merged['merges']} merges of {merged['compact_fan']} segments, {merged['files']} files left"
+               + (f"; its chain files packed {merged['chain_fan']} at a time since the thirty-sixth session: "
+                  f"{merged['chain_packs']} packs" if merged.get("chain_fan") else "") + _chain_files(merged) + ")"
                if merged else "")
             + f", and {few['flushes']} times ({few['files']} files); from the shell, medians of "
             f"{c['repeats']} rounds, the stores in turn (`bench/segments.py`, {_isa(r.get('cpu'))}):", ""]

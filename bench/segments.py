@@ -4,9 +4,10 @@
 The stores hold the same copies of the forensics bench's replays (bench/_bigstore.py: one copy in
 100 from the incident's replay), flushed every ``--per-small`` copies (default 1: one flush per
 copy, about 3.7 K page_reads rows a segment - a flush of a busy engine) by a writer that merges
-nothing (``many``, as before the thirty-fifth session) and by one that merges as it writes (``merged``:
-the writer's default compaction, telemetry/store/writer.py ``COMPACT_FAN``, its merged files deleted
-at once), and every ``--per-big`` copies (default 1000, ``few``). The writing of the two small-flush
+nothing and packs no chain files (``many``, as before the thirty-fifth session) and by one that merges
+as it writes and packs its chain files (``merged``: the writer's defaults, telemetry/store/writer.py
+``COMPACT_FAN`` and ``CHAIN_FAN``, its merged files deleted at once), and every ``--per-big`` copies
+(default 1000, ``few``). The writing of the two small-flush
 stores is timed (what the merges cost the writer). Each is measured from the shell as a user runs
 it, the stores in turn each round, medians of ``--repeats``:
 
@@ -35,22 +36,23 @@ from bench._common import add_results_option, results_name, write  # noqa: E402
 WRITE_PER_FLUSH_S = 2.0        # the writer's default flush interval (telemetry.store.FLUSH_INTERVAL)
 
 
-def build(root: Path, copies: int, per: int, fan: int = 0) -> dict:
+def build(root: Path, copies: int, per: int, fan: int = 0, chain_fan: int = 0) -> dict:
     """A store of ``copies`` copies flushed every ``per`` by a writer merging ``fan`` segments at a
-    time (0: none) - made once, reused where its manifest says so."""
+    time and packing ``chain_fan`` chain files at a time (0: none) - made once, reused where its
+    manifest says so."""
     import pyarrow as pa
 
     import bench._bigstore as B
     from telemetry.store import SegmentWriter
     manifest = root / "manifest.json"
-    want = {"copies": copies, "per": per, "layout": B.LAYOUT, "compact_fan": fan}
-    if manifest.exists() and {k: json.loads(manifest.read_text()).get(k, 0 if k == "compact_fan" else None)
+    want = {"copies": copies, "per": per, "layout": B.LAYOUT, "compact_fan": fan, "chain_fan": chain_fan}
+    if manifest.exists() and {k: json.loads(manifest.read_text()).get(k, 0 if k.endswith("_fan") else None)
                               for k in want} == want:
         return json.loads(manifest.read_text())
     shutil.rmtree(root, ignore_errors=True)
     _, vuln = B._base(root.parent, "vulnerable", 0, False)
     _, healthy = B._base(root.parent, "hardened", 0, False)
-    w = SegmentWriter(root, max_rows=5_000_000, compact_fan=fan, compact_grace=0)
+    w = SegmentWriter(root, max_rows=5_000_000, compact_fan=fan, compact_grace=0, chain_fan=chain_fan)
     reads, t0 = 0, time.perf_counter()
     for k0 in range(0, copies, per):
         ks = range(k0, min(copies, k0 + per))
@@ -61,7 +63,8 @@ def build(root: Path, copies: int, per: int, fan: int = 0) -> dict:
         w.flush()
     w.close()
     m = {**want, "read_rows": reads, "flushes": -(-copies // per), "write_s": time.perf_counter() - t0,
-         "merges": w.compactions, "files": sum(1 for _ in (root / "segments").rglob("*.parquet"))}
+         "merges": w.compactions, "files": sum(1 for _ in (root / "segments").rglob("*.parquet")),
+         "chain_packs": w.chain_packs, "chain_files": sum(1 for _ in (root / "chain").glob("*.json"))}
     manifest.write_text(json.dumps(m))
     return m
 
@@ -93,15 +96,18 @@ def main() -> None:
                     ("--repeats", args.repeats)):
         if v < 1:
             ap.error(f"{flag} must be >= 1, got {v}")
-    from telemetry.store.writer import COMPACT_FAN
-    stores = {"many": (args.root / f"many-{args.copies}-{args.per_small}", args.per_small, 0),
-              "merged": (args.root / f"merged-{args.copies}-{args.per_small}-{COMPACT_FAN}", args.per_small, COMPACT_FAN),
-              "few": (args.root / f"few-{args.copies}-{args.per_big}", args.per_big, 0)}
+    from telemetry.store.writer import CHAIN_FAN, COMPACT_FAN
+    stores = {"many": (args.root / f"many-{args.copies}-{args.per_small}", args.per_small, 0, 0),
+              "merged": (args.root / f"merged-{args.copies}-{args.per_small}-{COMPACT_FAN}", args.per_small,
+                         COMPACT_FAN, CHAIN_FAN),
+              "few": (args.root / f"few-{args.copies}-{args.per_big}", args.per_big, 0, 0)}
     made = {}
-    for label, (path, per, fan) in stores.items():
+    for label, (path, per, fan, chain_fan) in stores.items():
         t = time.perf_counter()
-        made[label] = build(path, args.copies, per, fan)
+        made[label] = build(path, args.copies, per, fan, chain_fan)
+        made[label].setdefault("chain_files", sum(1 for _ in (path / "chain").glob("*.json")))
         print(f"{label}: {made[label]['flushes']} flushes, {made[label]['files']} segment files, "
+              f"{made[label]['chain_files']} chain files, "
               f"{made[label]['read_rows']:,} page_reads rows ({time.perf_counter() - t:.0f} s)", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-segments-"))
     warm = {}

@@ -122,45 +122,87 @@ class ChainFile(NamedTuple):
     name: str
     links: list[Link]
     signature: str | None
+    level: int = 0          # a pack of CHAIN_FAN ** level flushes' files (the writer's packing; a hint, unsigned)
 
 
 _PARSED: dict[tuple[str, bytes], ChainFile] = {}     # (name, BLAKE2b of its bytes) -> the chain file parsed
 PARSED_KEEP = 200_000
+READ_TRIES = 8              # listings of chain/ a reader tries while a writer packs files it had listed
 
 
 def read_chain_files(root: Path) -> list[ChainFile]:
     """Every chain file in name (= first seq) order; raises ValueError naming an unreadable one.
     Each file's bytes are read every time; its parse is kept in this process under their digest
     (a reader opens the chain three times a command, a dashboard on every refresh: at 2000 flushes
-    the JSON alone took 0.45 s each time) - bytes that differ in any way are parsed again."""
-    out = []
+    the JSON alone took 0.45 s each time) - bytes that differ in any way are parsed again.
+
+    A writer packs older chain files into one (writer.py ``CHAIN_FAN``): the pack is put in place
+    of the first of them (rename), then the others are deleted. A file whose links all repeat,
+    link for link, links of an earlier file is one a pack covers (a writer stopped before deleting
+    it, or a listing taken in between): it is left out; one that repeats seqs with other links is
+    named. A file listed and gone when opened (deleted by a pack): the listing is taken again."""
+    return _chain_files(root)[0]
+
+
+def covered_chain_files(root: Path) -> list[str]:
+    """The chain files a pack covers (see ``read_chain_files``): what a writer deletes on opening."""
+    return _chain_files(root)[1]
+
+
+def _chain_files(root: Path) -> tuple[list[ChainFile], list[str]]:
     chain = root / "chain"
-    for name in sorted(os.listdir(chain)) if chain.is_dir() else []:
-        if name.startswith(".tmp-"):
-            continue
+    for _ in range(READ_TRIES):
         try:
-            stem, dot, suffix = name.rpartition(".")
-            if not (dot and suffix == "json" and stem.isdigit()):
-                raise ValueError("not a chain file")
-            with open(os.path.join(chain, name), "rb") as f:
-                data = f.read()
-            key = (name, hashlib.blake2b(data, digest_size=16).digest())
-            cf = _PARSED.get(key)
-            if cf is None:
-                cf = _parse_chain_file(name, data)
-                if len(_PARSED) >= PARSED_KEEP:
-                    _PARSED.clear()
-                _PARSED[key] = cf
-            out.append(cf)
-        except (ValueError, TypeError, UnicodeDecodeError) as e:
-            raise ValueError(f"chain/{name} is unreadable ({str(e)[:80]}): not written by this store's writer") from None
-    return out
+            return _dedup([_read_chain_file(chain, name)
+                           for name in (sorted(os.listdir(chain)) if chain.is_dir() else [])
+                           if not name.startswith(".tmp-")])
+        except FileNotFoundError:
+            continue
+    raise ValueError(f"chain/ changed under every one of {READ_TRIES} readings (files listed were gone when opened)")
 
 
-def _parse_chain_file(name: str, data: bytes) -> ChainFile:
+def _read_chain_file(chain: Path, name: str) -> ChainFile:
+    try:
+        stem, dot, suffix = name.rpartition(".")
+        if not (dot and suffix == "json" and stem.isdigit()):
+            raise ValueError("not a chain file")
+        with open(os.path.join(chain, name), "rb") as f:
+            data = f.read()
+        key = (name, hashlib.blake2b(data, digest_size=16).digest())
+        cf = _PARSED.get(key)
+        if cf is None:
+            cf = parse_chain_file(name, data)
+            if len(_PARSED) >= PARSED_KEEP:
+                _PARSED.clear()
+            _PARSED[key] = cf
+        return cf
+    except (ValueError, TypeError, UnicodeDecodeError) as e:
+        raise ValueError(f"chain/{name} is unreadable ({str(e)[:80]}): not written by this store's writer") from None
+
+
+def _dedup(files: list[ChainFile]) -> tuple[list[ChainFile], list[str]]:
+    """(the files, without those a pack covers; the names of those)."""
+    out, covered = [], []
+    seen: dict[int, Link] = {}
+    for cf in files:
+        if cf.links and all(ln.seq in seen for ln in cf.links):
+            if all(seen[ln.seq] == ln for ln in cf.links):         # entry for entry
+                covered.append(cf.name)
+                continue
+            raise ValueError(f"chain/{cf.name} repeats seqs {cf.links[0].seq}..{cf.links[-1].seq} of an earlier chain "
+                             "file with other links: not written by this store's writer")
+        out.append(cf)         # (seqs out of order otherwise: the walk names the gap)
+        for ln in cf.links:
+            seen.setdefault(ln.seq, ln)
+    return out, covered
+
+
+def parse_chain_file(name: str, data: bytes) -> ChainFile:
     body = json.loads(data.decode())
     if isinstance(body, dict) and "links" in body:
-        return ChainFile(name, [Link(**e) for e in body["links"]], body.get("signature"))
+        level = body.get("level", 0)
+        return ChainFile(name, [Link(**e) for e in body["links"]], body.get("signature"),
+                         level if isinstance(level, int) and 0 <= level < 64 else 0)
     return ChainFile(name, [Link(**e) for e in (body if isinstance(body, list) else [body])], None)    # format 1
 
 
@@ -168,11 +210,13 @@ def read_chain(root: Path) -> list[Link]:
     return [ln for f in read_chain_files(root) for ln in f.links]
 
 
-def chain_body(keys: WriterKeys, links: list[Link]) -> bytes:
-    """A chain file for one flush's links, signed over its last link (which commits to all before it)."""
+def chain_body(keys: WriterKeys, links: list[Link], level: int = 0) -> bytes:
+    """A chain file for one flush's links (or, ``level`` > 0, a pack of earlier files' links), signed
+    over its last link (which commits to all before it)."""
     sid = keys.identity.store_id
     return json.dumps({"store_id": sid, "links": [ln.entry() for ln in links],
-                       "signature": keys.sign(_msg("chain", sid, links[-1].seq, links[-1].link))}).encode()
+                       "signature": keys.sign(_msg("chain", sid, links[-1].seq, links[-1].link)),
+                       **({"level": level} if level else {})}).encode()
 
 
 def intent_body(keys: WriterKeys, segments: list[tuple[int, str, str, int, str, str]]) -> bytes:

@@ -39,8 +39,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from telemetry.errors import StoreError
-from telemetry.store.chain import (Link, anchor_entry, anchor_path, append_anchor, chain_body, intent_body, read_chain,
-                                   replaced, verify)
+from telemetry.store.chain import (GENESIS, Link, parse_chain_file, anchor_entry, anchor_path, append_anchor, chain_body,
+                                   covered_chain_files, intent_body, read_chain, read_chain_files, replaced, verify)
 from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options
 from telemetry.store.keys import (STORE_FILE, KeyError_, WriterKeys, record_identity, recorded_identity,
                                   substituted)
@@ -62,6 +62,14 @@ COMMIT_WINDOW = 0.25        # seconds of posts that share one group-commit write
 COMPACT_FAN = 16
 COMPACT_GRACE = 300.0
 FINAL = 1 << 30             # a level no merge takes (a merge would pass max_rows, or cannot be made)
+# The chain is packed the same way: once CHAIN_FAN consecutive chain files are of one level (a
+# flush's own file is level 0), the writer writes their links as one file of the next level, signed
+# like any chain file, in place of the first (rename), and deletes the others - a store written for a
+# day holds tens of chain files rather than 43,200 (every reader lists, reads and checks each). A
+# pack of level CHAIN_TOP (CHAIN_FAN ** 3 = 4096 flushes, about 25,000 links, a few MB) is not
+# packed again: a pack's links are read back and rewritten, and a file of every link ever would be.
+CHAIN_FAN = 16
+CHAIN_TOP = 3
 log = logging.getLogger("kvledger.store")
 
 
@@ -156,7 +164,8 @@ class SegmentWriter:
 
     def __init__(self, root: str | Path, flush_interval: float = FLUSH_INTERVAL, max_rows: int = 1_000_000,
                  max_bytes: int = 32 << 20, queue_size: int = 256, boot: str | None = None, anchor: str | Path | None = None,
-                 idle_priority: bool = False, compact_fan: int | None = None, compact_grace: float | None = None):
+                 idle_priority: bool = False, compact_fan: int | None = None, compact_grace: float | None = None,
+                 chain_fan: int | None = None):
         """``idle_priority``: run the writer thread under SCHED_IDLE (Linux), so that it takes the CPU
         only when nothing else wants it - for an engine whose torch threads fill every core, where a
         writer at normal priority takes its CPU time out of the decode. Its producers must bound what
@@ -170,7 +179,8 @@ class SegmentWriter:
 
         ``compact_fan``: segments of one level merged into one (None: ``COMPACT_FAN``; 0: never
         merge); ``compact_grace``: seconds before a merged segment's file is deleted (None:
-        ``COMPACT_GRACE``)."""
+        ``COMPACT_GRACE``); ``chain_fan``: chain files of one level packed into one (None:
+        ``CHAIN_FAN``; 0: never pack)."""
         from engine.request import new_boot_id
         self.root = Path(root)
         self.idle_priority = idle_priority
@@ -182,8 +192,11 @@ class SegmentWriter:
         self.boot = boot or new_boot_id()
         compact_fan = COMPACT_FAN if compact_fan is None else compact_fan
         compact_grace = COMPACT_GRACE if compact_grace is None else compact_grace
-        if compact_fan == 1 or compact_fan < 0:
-            raise StoreError(f"compact_fan {compact_fan}: 0 (no compaction) or at least 2 segments a merge")
+        chain_fan = CHAIN_FAN if chain_fan is None else chain_fan
+        for name, fan, what in (("compact_fan", compact_fan, "compaction"), ("chain_fan", chain_fan, "packing")):
+            if fan == 1 or fan < 0:
+                raise StoreError(f"{name} {fan}: 0 (no {what}) or at least 2 files into one")
+        self.chain_fan, self.chain_packs = chain_fan, 0
         self.compact_fan, self.compact_grace, self.compactions = compact_fan, compact_grace, 0
         self._doomed: list[tuple[float, list[Path]]] = []      # (when, the merged segments' files) to delete
         if self.root.exists() and not self.root.is_dir():
@@ -407,8 +420,15 @@ class SegmentWriter:
         self.adopted = [u[2] for u in self._unlinked]
         # each table's live segments (seq -> (file, rows, sha256, level)), what compaction merges
         self._live: dict[str, dict[int, tuple[str, int, str, int]]] = {}
-        for ln in read_chain(self.root):
-            self._note_link(ln)
+        # the chain files (name, level, last link) - what packing reads back - and those a pack
+        # covers that its writer had not deleted yet
+        self._chain_files: list[tuple[str, int, str]] = []
+        for cf in read_chain_files(self.root):
+            self._chain_files.append((cf.name, cf.level, cf.links[-1].link if cf.links else GENESIS))
+            for ln in cf.links:
+                self._note_link(ln)
+        for name in covered_chain_files(self.root):
+            (self.root / "chain" / name).unlink(missing_ok=True)
         if self._unlinked:
             self._seq = self._unlinked[-1][0] + 1
             self._link_unlinked()
@@ -430,8 +450,10 @@ class SegmentWriter:
             link = Link(seq, table, rel, rows, sha, prev, "", parts)
             links.append(link := link._replace(link=link.computed()))
             prev = link.link
-        _atomic_write(self.root / "chain" / f"{self._unlinked[0][0]:09d}.json", chain_body(self.wkeys, links))
+        name = f"{self._unlinked[0][0]:09d}.json"
+        _atomic_write(self.root / "chain" / name, chain_body(self.wkeys, links))
         self._prev, self._unlinked = prev, []
+        self._chain_files.append((name, 0, prev))
         for ln in links:
             self._note_link(ln)
         self._anchor(links[-1].seq, prev, seal=False)
@@ -463,6 +485,11 @@ class SegmentWriter:
                         except Exception as e:     # noqa: BLE001 - a merge is only speed: never a producer's error
                             log.warning("store writer: compaction of %s not done: %s", table, e)
                         break
+        if self.chain_fan and not self._unlinked:
+            try:
+                self._pack_chain()
+            except Exception as e:      # noqa: BLE001 - packing is only speed: never a producer's error
+                log.warning("store writer: chain files not packed: %s", e)
         now = time.monotonic()
         due = [paths for when, paths in self._doomed if when <= now]
         self._doomed = [d for d in self._doomed if d[0] > now]
@@ -471,6 +498,48 @@ class SegmentWriter:
                 path.unlink(missing_ok=True)
             except OSError as e:        # a file left behind costs disk, not a row: readers never read it
                 log.warning("store writer: merged segment %s not deleted: %s", path, e)
+
+    def _pack_chain(self) -> None:
+        """Pack the oldest run of ``chain_fan`` consecutive chain files of the lowest level below
+        CHAIN_TOP that has one (one pack a flush) into one file of the next level, named as the
+        first: written beside, renamed over the first, then the others deleted (a reader in between
+        leaves them out: their links repeat the pack's). The links are read back and must chain from
+        the file before the run to the last link this writer knows for the run - a pack never signs
+        over a chain file changed since it was written."""
+        files, fan = self._chain_files, self.chain_fan
+        runs: dict[int, int] = {}          # level -> index of the oldest run of fan files of that level
+        i = 0
+        while i < len(files):
+            j = i
+            while j < len(files) and files[j][1] == files[i][1]:
+                j += 1
+            if j - i >= fan and files[i][1] < CHAIN_TOP:
+                runs.setdefault(files[i][1], i)
+            i = j
+        if not runs:
+            return
+        level = min(runs)
+        start = runs[level]
+        run = files[start:start + fan]
+        links, prev = [], files[start - 1][2] if start else GENESIS
+        for name, _, last in run:
+            cf = parse_chain_file(name, (self.root / "chain" / name).read_bytes())
+            for ln in cf.links:
+                if ln.prev != prev or ln.computed() != ln.link:
+                    raise OSError(f"chain/{name} no longer holds the links this writer wrote; not packed "
+                                  "(`kvledger verify`)")
+                prev = ln.link
+                links.append(ln)
+            if prev != last:
+                raise OSError(f"chain/{name} no longer ends on the link this writer wrote; not packed")
+        _atomic_write(self.root / "chain" / run[0][0], chain_body(self.wkeys, links, level + 1))
+        files[start:start + fan] = [(run[0][0], level + 1, prev)]
+        self.chain_packs += 1
+        for name, _, _ in run[1:]:
+            try:
+                (self.root / "chain" / name).unlink(missing_ok=True)
+            except OSError as e:        # left behind: readers leave it out, the next writer deletes it
+                log.warning("store writer: packed chain file %s not deleted: %s", name, e)
 
     def _merge(self, table: str, parts: list[int]) -> None:
         """Merge these live segments of ``table`` into one, their rows in seq order, linked as a
