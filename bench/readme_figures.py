@@ -158,7 +158,9 @@ def telemetry_table(r: dict) -> str:
             f"(cost {100 * x['cost']:+.1f} %; 95 % interval over rounds {100 * x['cost_ci95'][0]:+.1f} to "
             f"{100 * x['cost_ci95'][1]:+.1f} %; CPU {100 * x['cpu_cost']:+.1f} %"
             + (f"; telemetry threads {x['background_cpu_ms_per_decode_s']:.0f} ms of CPU per second of decoding"
-               if "background_cpu_ms_per_decode_s" in x else "") + ") | "
+               if "background_cpu_ms_per_decode_s" in x else "")
+            + (f"; the writer merging segments and packing chain files at its defaults: {x['merges']} merges, "
+               f"{x['chain_packs']} packs of {x['segments']} segments' files" if "merges" in x else "") + ") | "
             f"{'<= 3 %' if x['flush_interval_s'] == default else ''} |" for x in by_interval] or [
         f"| decode tokens/s, no recorder vs spans + metrics + page ledger | {t['off']:.0f} vs {t['spans_ledger']:.0f} "
         f"(cost {100 * r['spans_ledger_cost']:+.1f} %) | <= 3 % |"]

@@ -95,6 +95,8 @@ def main() -> None:
                    "cost_ci95": _bootstrap_cost(wall["off"], wall[_ledger(fi)]),
                    "cost_per_round": [1 - o / s for o, s in zip(wall["off"], wall[_ledger(fi)])],
                    "cpu_cost": cpu_s[_ledger(fi)] / cpu_s["off"] - 1, "segments": closed[_ledger(fi)]["segments"],
+                   # the writer's compaction and chain packing, on at their defaults (since the 35th/36th sessions)
+                   "merges": tels[_ledger(fi)].writer.compactions, "chain_packs": tels[_ledger(fi)].writer.chain_packs,
                    "background_cpu_ms_per_decode_s": 1e3 * sum(bg[_ledger(fi)]) / sum(wall[_ledger(fi)])}
               for fi in intervals}
     tps["spans_ledger"], cpu_s["spans_ledger"] = tps[_ledger(default_interval)], cpu_s[_ledger(default_interval)]

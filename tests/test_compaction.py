@@ -215,6 +215,45 @@ def test_a_merge_never_signs_over_a_segment_changed_after_it_was_written(tmp_pat
     assert not v.ok and re.search(r"segment 0 .*content does not match", v.broken)
 
 
+def _die(w: SegmentWriter) -> None:
+    """The writer dies here: its thread stopped, its lock dropped, nothing more written."""
+    w._closed = True
+    w._q.put(None)
+    w._thread.join()
+    fcntl.flock(w._lock_fd, fcntl.LOCK_UN)
+    os.close(w._lock_fd)
+
+
+def test_a_writer_killed_while_segments_wait_for_a_failed_chain_write_leaves_them_all_adoptable(tmp_path, monkeypatch):
+    """A chain write fails (a full disk): the flush's segments wait for their link. The writer thread
+    goes on writing what its drains hand it - the next flush's signed intent names the waiting
+    segments too, so a writer killed then leaves every one of them for the next writer to link,
+    none a stranger (it had named only the newest flush's)."""
+    import telemetry.store.writer as W
+    from telemetry.store import StoreError
+    root = tmp_path / "store"
+    w = SegmentWriter(root, flush_interval=3600, compact_fan=0)
+    n = iter(range(100))
+    w.add_drain(lambda: [("releases", _releases(next(n)))])
+    real = W._atomic_write
+
+    def no_chain_file(path, data):
+        if path.parent.name == "chain":
+            raise OSError(28, "No space left on device")
+        real(path, data)
+    monkeypatch.setattr(W, "_atomic_write", no_chain_file)
+    for _ in range(2):                          # two flushes' segments in place, neither linked
+        with pytest.raises(StoreError, match="No space left"):
+            w.flush()
+    _die(w)
+    monkeypatch.setattr(W, "_atomic_write", real)
+    v = verify(root)
+    assert v.ok and len(v.unlinked) == 2, (v.broken, v.unlinked)
+    SegmentWriter(root).close()                 # links both
+    v = verify(root)
+    assert v.ok and not v.unlinked and v.rows == 6 and _incarnations(root) == _want(range(2))
+
+
 def test_a_writer_stopped_between_a_merge_s_file_and_its_link_leaves_what_the_next_one_links(tmp_path, monkeypatch):
     """The merge's file is in place (its signed intent names it), its link is not: a reader ignores
     it and reads the flushes' files; the next writer links it as the merge it is."""
@@ -230,12 +269,7 @@ def test_a_writer_stopped_between_a_merge_s_file_and_its_link_leaves_what_the_ne
     monkeypatch.setattr(W, "_atomic_write", no_chain_file)
     w.submit("releases", _releases(FAN))
     w.flush()                                   # the flush is linked; the merge's link is not (logged)
-    # the writer dies here: its thread stopped, its lock dropped, nothing more written
-    w._closed = True
-    w._q.put(None)
-    w._thread.join()
-    fcntl.flock(w._lock_fd, fcntl.LOCK_UN)
-    os.close(w._lock_fd)
+    _die(w)
     monkeypatch.setattr(W, "_atomic_write", real)
     v = verify(root)
     assert v.ok, v.broken

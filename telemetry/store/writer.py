@@ -608,7 +608,10 @@ class SegmentWriter:
             return
         encoded = [self._encode(t, self._seq + i) for i, t in enumerate(tables)]
         try:
-            _atomic_write(self.root / "intent.json", intent_body(self.wkeys, [(*e[:5], "") for e in encoded]))
+            # the intent names the segments still waiting for their link too (a chain write that failed):
+            # a writer killed now leaves every one of them adoptable, none a stranger
+            _atomic_write(self.root / "intent.json",
+                          intent_body(self.wkeys, [*self._unlinked, *((*e[:5], "") for e in encoded)]))
             for seq, table, rel, rows, sha, body in encoded:
                 _atomic_write(self.root / rel, body)
                 self._seq = seq + 1              # taken only once the segment is in place: no gap on a failed write
