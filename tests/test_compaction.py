@@ -33,8 +33,11 @@ def _releases(i: int, n: int = 3) -> pa.Table:
                      "ts": pa.array(np.full(n, time.time_ns()), pa.timestamp("ns"))})
 
 
-def _write(root: Path, flushes: range, fan: int = FAN, grace: float = 0.0, close: bool = True) -> SegmentWriter:
-    w = SegmentWriter(root, compact_fan=fan, compact_grace=grace)
+def _write(root: Path, flushes: range, fan: int = FAN, grace: float = 0.0, close: bool = True,
+           **options) -> SegmentWriter:
+    """A writer merging ``fan`` segments at a time (``options``: the writer's others) given a flush
+    of 3 releases rows for each of ``flushes``."""
+    w = SegmentWriter(root, compact_fan=fan, compact_grace=grace, **options)
     for i in flushes:
         w.submit("releases", _releases(i))
         w.flush()
@@ -180,14 +183,19 @@ TAMPERINGS = {
 
 @pytest.mark.parametrize("how", list(TAMPERINGS))
 def test_tampering_with_a_merge_is_named_and_no_writer_signs_over_it(compacted, how, capsys):
-    from tests.test_store import named_by_verify
     tamper, expect = TAMPERINGS[how]
     tamper(compacted)
-    named_by_verify(compacted, expect, capsys)
-    assert main(["forensics", "exposures", "--store", str(compacted)]) == 2      # no reader answers
+    named_and_refused(compacted, expect, capsys)
+
+
+def named_and_refused(store: Path, expect: str, capsys) -> None:
+    """``verify`` names the damage (``expect``: a regex), no reader answers and no writer signs over it."""
+    from tests.test_store import named_by_verify
+    named_by_verify(store, expect, capsys)
+    assert main(["forensics", "exposures", "--store", str(store)]) == 2
     assert "does not verify" in capsys.readouterr().err
     with pytest.raises(Exception, match="does not verify"):
-        SegmentWriter(compacted)
+        SegmentWriter(store)
 
 
 def test_a_merged_segment_s_file_put_back_is_not_read_twice(tmp_path):
