@@ -186,6 +186,51 @@ def test_segments_dictionary_encode_all_but_the_keyed_hashes(glm53_vulnerable):
         assert cols["page"].is_stats_set and not any(c.is_stats_set for p, c in cols.items() if ".list." in p)
 
 
+def test_ngrams_segments_have_row_groups_a_lookup_skips_by_their_hash_bloom_filters(tmp_path, monkeypatch):
+    """The n-gram evidence looks ngrams rows up by hash: each ngrams segment (a flush's and a
+    merge's) is written in row groups of LOOKUP_ROW_GROUP rows with a Bloom filter on ``hash``, that
+    DuckDB probes: a hash is excluded from every row group that does not hold it, never from one
+    that does, and the lookup's rows are the rows. A small flush's filter is sized for its rows."""
+    import duckdb
+    import pyarrow as pa
+    import telemetry.store.columns as columns
+    from telemetry.store import SegmentWriter
+    monkeypatch.setattr(columns, "LOOKUP_ROW_GROUP", 1000)
+    rng = np.random.default_rng(7)
+    n = 3500
+    hashes = rng.integers(-2 ** 63, 2 ** 63 - 1, n, dtype=np.int64)
+    ngrams = pa.table({"incarnation": np.arange(n, dtype=np.int64) // 10, "role": ["prompt"] * n,
+                       "n": np.full(n, NGRAM, np.int16), "hash": hashes, "pos": np.arange(n, dtype=np.int32) % 10})
+    w = SegmentWriter(tmp_path / "store", flush_interval=3600, compact_fan=2)
+    for part in (ngrams.slice(0, 2000), ngrams.slice(2000), ngrams.slice(0, 40)):
+        w.submit("ngrams", part)
+        w.flush()
+    w.close()
+    assert w.compactions >= 1                          # the two big flushes merged: a merge's segment too
+    segs = {len(pa.parquet.read_metadata(f).to_dict()["row_groups"]): f
+            for f in sorted((tmp_path / "store" / "segments" / "ngrams").glob("*.parquet"))}
+    con = duckdb.connect()
+    for groups, seg in segs.items():
+        meta = con.sql(f"SELECT row_group_id, row_group_num_rows, bloom_filter_length FROM parquet_metadata('{seg}') "
+                       "WHERE path_in_schema = 'hash' ORDER BY 1").fetchall()
+        assert all(rows <= 1000 and length > 0 for _, rows, length in meta), seg
+        rows = pa.parquet.read_table(seg)
+        for h in rows["hash"].to_pylist()[::97]:
+            probe = dict(con.sql(f"SELECT row_group_id, bloom_filter_excludes FROM parquet_bloom_probe('{seg}', 'hash', {h})").fetchall())
+            holds = {i for i, (_, rg_rows, _) in enumerate(meta)
+                     if h in rows.slice(sum(m[1] for m in meta[:i]), rg_rows)["hash"].to_pylist()}
+            assert {i for i, excluded in probe.items() if not excluded} == holds, (seg, h)
+        absent = con.sql(f"SELECT count(*) FROM parquet_bloom_probe('{seg}', 'hash', 12345) WHERE NOT bloom_filter_excludes").fetchall()
+        assert absent == [(0,)]
+        want = set(rows["hash"].to_pylist()[::50])
+        got = con.sql(f"SELECT hash FROM '{seg}' WHERE hash IN ({', '.join(map(str, want))})").fetchall()
+        assert sorted(h for (h,) in got) == sorted(h for h in rows["hash"].to_pylist() if h in want)
+    assert max(segs) >= 3 and min(segs) == 1
+    small = con.sql(f"SELECT bloom_filter_length FROM parquet_metadata('{segs[1]}') WHERE path_in_schema = 'hash'").fetchall()
+    big = con.sql(f"SELECT max(bloom_filter_length) FROM parquet_metadata('{segs[max(segs)]}') WHERE path_in_schema = 'hash'").fetchall()
+    assert small[0][0] < big[0][0]
+
+
 def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):
     res, store = glm53_vulnerable
     m = open_store(store).sql("""SELECT node, bucket_counts, boundaries, count FROM metrics

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from telemetry.errors import StoreError
 from telemetry.store.chain import (GENESIS, Link, parse_chain_file, anchor_entry, anchor_path, append_anchor, chain_body,
                                    covered_chain_files, intent_body, read_chain, read_chain_files, replaced, verify)
-from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options
+from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options, sized_for
 from telemetry.store.keys import (STORE_FILE, KeyError_, WriterKeys, record_identity, recorded_identity,
                                   substituted)
 from telemetry.store.schema import arrow_schemas, conform
@@ -223,7 +223,7 @@ class SegmentWriter:
         self._bytes: dict[str, int] = {}
         self._drains: list[Callable[[], list[tuple[str, Columns]]]] = []
         self.schemas = arrow_schemas()
-        self._parquet = {t: parquet_options(s) for t, s in self.schemas.items()}
+        self._parquet = {t: parquet_options(s, t) for t, s in self.schemas.items()}
         self._q: queue.Queue = queue.Queue(maxsize=queue_size)
         self._buf: dict[str, list[pa.Table]] = {t: [] for t in self.schemas}
         self._rows: dict[str, int] = dict.fromkeys(self.schemas, 0)
@@ -638,6 +638,6 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
-        pq.write_table(data, sink, **self._parquet[table])
+        pq.write_table(data, sink, **sized_for(self._parquet[table], data.num_rows))
         body = sink.getvalue()
         return rel, hashlib.sha256(body).hexdigest(), body
