@@ -7,9 +7,12 @@ WITH blocked AS (
 pairs AS (
     SELECT DISTINCT response, donor FROM exposure_slots ANTI JOIN blocked USING (response) WHERE donor <> -1
 ),
-read_pos AS (
-    SELECT DISTINCT response, donor, donor_position FROM exposure_slots ANTI JOIN blocked USING (response)
-    WHERE donor <> -1 AND donor_position IS NOT NULL
+read_runs AS (      -- each pair's read donor positions as runs of consecutive positions [lo, hi]
+    SELECT response, donor, min(donor_position) AS lo, max(donor_position) AS hi
+    FROM (SELECT *, donor_position - row_number() OVER (PARTITION BY response, donor ORDER BY donor_position) AS run
+          FROM (SELECT DISTINCT response, donor, donor_position FROM exposure_slots ANTI JOIN blocked USING (response)
+                WHERE donor <> -1 AND donor_position IS NOT NULL))
+    GROUP BY response, donor, run
 ),
 ng AS (
     SELECT incarnation, role, hash, n, pos FROM _ng
@@ -22,11 +25,10 @@ matched AS MATERIALIZED (
     SELECT DISTINCT r.response, r.donor, r.hash, p.pos, p.n
     FROM ro r JOIN ng p ON p.incarnation = r.donor AND p.hash = r.hash AND p.role = 'prompt'
 ),
-in_read AS (
+in_read AS (        -- an n-gram [pos, pos + n) the response read a position of: one that meets a run
     SELECT DISTINCT m.response, m.donor, m.hash
-    FROM (SELECT response, donor, hash, unnest(range(pos, pos + n)) AS donor_position FROM matched
-          WHERE pos IS NOT NULL) m
-    SEMI JOIN read_pos USING (response, donor, donor_position)
+    FROM matched m JOIN read_runs r ON r.response = m.response AND r.donor = m.donor
+    WHERE m.pos IS NOT NULL AND r.lo < m.pos + m.n AND r.hi >= m.pos
 )
 SELECT * FROM (
     SELECT response, donor, hash FROM in_read
