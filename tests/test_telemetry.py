@@ -189,8 +189,9 @@ def test_segments_dictionary_encode_all_but_the_keyed_hashes(glm53_vulnerable):
 def test_ngrams_segments_have_row_groups_a_lookup_skips_by_their_hash_bloom_filters(tmp_path, monkeypatch):
     """The n-gram evidence looks ngrams rows up by hash: each ngrams segment (a flush's and a
     merge's) is written in row groups of LOOKUP_ROW_GROUP rows with a Bloom filter on ``hash``, that
-    DuckDB probes: a hash is excluded from every row group that does not hold it, never from one
-    that does, and the lookup's rows are the rows. A small flush's filter is sized for its rows."""
+    DuckDB probes: a hash is never excluded from a row group that holds it and is excluded from the
+    others but for the filter's rare false positives (0.1 %), and the lookup's rows are the rows. A
+    small flush's filter is sized for its rows."""
     import duckdb
     import pyarrow as pa
     import telemetry.store.columns as columns
@@ -210,7 +211,8 @@ def test_ngrams_segments_have_row_groups_a_lookup_skips_by_their_hash_bloom_filt
     segs = {len(pa.parquet.read_metadata(f).to_dict()["row_groups"]): f
             for f in sorted((tmp_path / "store" / "segments" / "ngrams").glob("*.parquet"))}
     con = duckdb.connect()
-    for groups, seg in segs.items():
+    probes = false_positives = 0
+    for seg in segs.values():
         meta = con.sql(f"SELECT row_group_id, row_group_num_rows, bloom_filter_length FROM parquet_metadata('{seg}') "
                        "WHERE path_in_schema = 'hash' ORDER BY 1").fetchall()
         assert all(rows <= 1000 and length > 0 for _, rows, length in meta), seg
@@ -219,13 +221,15 @@ def test_ngrams_segments_have_row_groups_a_lookup_skips_by_their_hash_bloom_filt
             probe = dict(con.sql(f"SELECT row_group_id, bloom_filter_excludes FROM parquet_bloom_probe('{seg}', 'hash', {h})").fetchall())
             holds = {i for i, (_, rg_rows, _) in enumerate(meta)
                      if h in rows.slice(sum(m[1] for m in meta[:i]), rg_rows)["hash"].to_pylist()}
-            assert {i for i, excluded in probe.items() if not excluded} == holds, (seg, h)
+            passed = {i for i, excluded in probe.items() if not excluded}
+            assert holds and holds <= passed, (seg, h)
+            probes, false_positives = probes + len(probe), false_positives + len(passed - holds)
         absent = con.sql(f"SELECT count(*) FROM parquet_bloom_probe('{seg}', 'hash', 12345) WHERE NOT bloom_filter_excludes").fetchall()
-        assert absent == [(0,)]
+        probes, false_positives = probes + len(meta), false_positives + absent[0][0]
         want = set(rows["hash"].to_pylist()[::50])
         got = con.sql(f"SELECT hash FROM '{seg}' WHERE hash IN ({', '.join(map(str, want))})").fetchall()
         assert sorted(h for (h,) in got) == sorted(h for h in rows["hash"].to_pylist() if h in want)
-    assert max(segs) >= 3 and min(segs) == 1
+    assert max(segs) >= 3 and min(segs) == 1 and probes > 100 and false_positives <= 1
     small = con.sql(f"SELECT bloom_filter_length FROM parquet_metadata('{segs[1]}') WHERE path_in_schema = 'hash'").fetchall()
     big = con.sql(f"SELECT max(bloom_filter_length) FROM parquet_metadata('{segs[max(segs)]}') WHERE path_in_schema = 'hash'").fetchall()
     assert small[0][0] < big[0][0]
