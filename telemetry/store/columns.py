@@ -79,7 +79,7 @@ NO_DICTIONARY = {"tag_h", "hash", *HEX_HASHES}   # content hashes: they do not r
 # candidate hash, forensics/queries/evidence.py): a Bloom filter per row group, that DuckDB probes
 # before it reads one, and row groups of LOOKUP_ROW_GROUP rows rather than Parquet's 1 Mi (its min and
 # max then narrow a lookup by incarnation too). Measured on a 12.8 M-row ngrams segment of the
-# forensics bench's store (one-off, bench/README): the 181 candidate hashes' rows 0.057 -> 0.015 s, 3,575
+# forensics bench's store (one-off; README, the thirty-seventh session): the 181 candidate hashes' rows 0.057 -> 0.015 s, 3,575
 # incarnations' 0.026 -> 0.010 s, a whole scan the same, the file 2.5 % bigger; a filter sized for a
 # false positive rate of 5 % skipped nothing for 181 values (each row group passes if any of them does)
 LOOKUPS = {"ngrams": ("hash",)}
