@@ -25,7 +25,7 @@ from telemetry.store.chain import live_links  # noqa: E402
 
 
 def duckdb_index(store: Path) -> tuple[int, int]:
-    """The same rows from the exposure index the ledger writer kept (exposure_slots_index.sql)."""
+    """The same rows from the exposure index the ledger writer kept (exposure_runs_index.sql, as slot rows)."""
     con = open_store(store)
     con.sql(sql("exposure_slots_index")).to_table("exposure_slots")
     rows = con.sql("SELECT count(*), count(DISTINCT (response, donor, node, page)) FROM exposure_slots").fetchall()

@@ -300,7 +300,7 @@ def forensics_table(r: dict) -> str:
         *([f"| ClickHouse, embedded (chdb; the shipped ClickHouse SQL) | {fmt('chdb')} | "
            f"{r.get('chdb_equals_copies_x_base')} |"] if "chdb" in sec else []),
         *([f"| the same rows from the exposure index the ledger writer kept (DuckDB, "
-           f"`exposure_slots_index.sql`; what readers use) | {fmt('index')} | {r.get('index_equals_copies_x_base')} |"]
+           f"`exposure_runs_index.sql` read as slot rows; what readers use) | {fmt('index')} | {r.get('index_equals_copies_x_base')} |"]
           if "index" in sec else []),
         *([f"| `kvledger forensics verify-index`'s work: the join and the index materialised and compared slot row for "
            f"slot row (DuckDB) | {fmt('verify_index')} | {r.get('verify_index_equals_copies_x_base')} |"]

@@ -468,7 +468,18 @@ def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
     if extra_requests:             # (a table of its own: the snapshot's requests may be a view, grown.py)
         fx.con.execute("CREATE TEMP TABLE requests AS SELECT * FROM main.requests")
         fx.con.execute(f"INSERT INTO temp.requests BY NAME {extra_requests}")
-    return fx.con.sql(sql("exposure_ngrams")).pl(), fx
+    rule = fx.con.sql(sql("exposure_ngrams")).pl()
+    # what readers run - the rule in steps (forensics/queries/evidence.py) - gives the rule's rows here too
+    from forensics.queries import evidence
+    kept = dict(evidence._KEPT)
+    evidence._KEPT.clear()                  # nothing kept over the stored rows: these are edited
+    try:
+        evidence.build(fx.con, store, fx.files["ngrams"], sql, disk=False)
+    finally:
+        evidence._KEPT.clear()
+        evidence._KEPT.update(kept)
+    assert fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall() == sorted(rule.rows())
+    return rule, fx
 
 
 def _surfaced_pair(store):
@@ -662,6 +673,25 @@ def test_the_exposure_index_equals_the_as_of_join(fixture, request, capsys):
     # the index is small beside the ledger it answers for (what makes the readers fast)
     n = lambda t: fx.con.sql(f"SELECT count(*) FROM {t}").fetchall()[0][0]  # noqa: E731
     assert n("exposure_index") < n("page_reads")
+    # readers keep the index's runs (exposure_runs_index.sql); the join's slot rows folded into runs
+    # (exposure_runs_of_slots.sql, what exposure_pairs_of.sql reads on the join's path) are the same
+    # runs, and the pairs of each are the same pairs
+    from forensics.queries.duckdb import sql
+    from forensics.queries.grown import WHOLE
+    con = fx.con
+    con.sql(sql("exposure_slots")).to_table("exposure_slots")
+    runs = {}
+    for side, text in (("index", sql("exposure_runs_index")), ("join", sql("exposure_runs_of_slots"))):
+        con.execute(f"CREATE OR REPLACE TABLE exposure_runs AS {text}")
+        runs[side] = con.sql("SELECT * EXCLUDE (slot_mask, attention_mass), list_filter(range(64), "
+                             "lambda s: (slot_mask >> s) & 1 = 1) AS slots, round(attention_mass, 9) AS mass "
+                             "FROM exposure_runs").pl().sort(pl.all())
+        con.execute(sql("exposure_pairs_of"))
+        runs[side + " pairs"] = con.sql(f"SELECT * EXCLUDE (attention_mass), round(attention_mass, 9) AS mass "
+                                        f"FROM exposure_pairs_of({WHOLE}, false)").pl().sort("response", "donor")
+    assert runs["index"].height == n("exposure_runs") and runs["index"].equals(runs["join"])
+    assert runs["index pairs"].equals(runs["join pairs"])
+    assert runs["index"].height < n("exposure_slots") or n("exposure_slots") == 0
 
 
 def _rewrite(src, dst, edit) -> None:
@@ -1209,7 +1239,7 @@ def test_grown_tables_outlive_the_process_and_a_bad_entry_is_ignored(glm53_vulne
     again, did = build()
     assert again == first and did == {"built": 0, "loaded": 2, "saved": 0}
     entry = grown._dir((str(store.resolve()), None, "exposure_slots"))
-    next(entry.glob("slots-*.arrow")).write_bytes(b"ARROW1 cut short")
+    next(entry.glob("runs-*.arrow")).write_bytes(b"ARROW1 cut short")
     again, did = build()
     assert again == first and did == {"built": 1, "loaded": 1, "saved": 1}
     monkeypatch.setattr(grown, "_ident", lambda text, pairs: "other SQL")

@@ -33,7 +33,7 @@ SQL_DIR = Path(__file__).parent.parent / "sql"     # forensics/sql: the named qu
 # them are created then
 MATERIALISED = ["requests", "exposure_slots", "exposure_ngrams"]
 MACROS = ["exposure_pairs_of", "exposure_pairs_in", "exposures_in", "scores_in"]   # in this order
-EVIDENCE_STEPS = ["pairs", "digest", "candidates", "requests_digest", "final"]   # forensics/sql/evidence: exposure_ngrams.sql in steps
+EVIDENCE_STEPS = ["pairs", "read_runs", "digest", "candidates", "requests_digest", "final"]   # forensics/sql/evidence: exposure_ngrams.sql in steps
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
 
 EPOCH = dt.datetime(1970, 1, 1)
@@ -43,6 +43,8 @@ DEFAULTS = {"bucket_s": 60, "min_tokens": 32, "slack": 0.5, "boundary": 0.02, "m
 
 @cache
 def sql(name: str) -> str:
+    if name == "exposure_slots_index":      # the index's runs (what readers keep), each as its slot rows
+        return f"WITH exposure_runs AS (\n{sql('exposure_runs_index')}\n)\n{sql('exposure_slots_of_runs')}"
     path = SQL_DIR / f"{name}.sql"
     if not path.exists():
         raise KeyError(f"no query named {name!r} in {SQL_DIR}")
@@ -118,6 +120,12 @@ def check_index(con: "duckdb.DuckDBPyConnection") -> IndexCheck:
     return out
 
 
+def _runs_of_slots(con: "duckdb.DuckDBPyConnection", kind: str) -> None:
+    """``exposure_runs`` (what exposure_pairs_of.sql and the n-gram evidence read) over slot rows made
+    without runs - the as-of join's (a ``TABLE``: read several times) or a kept answers entry's."""
+    con.execute(f"CREATE OR REPLACE {kind} exposure_runs AS {sql('exposure_runs_of_slots')}")
+
+
 class Forensics:
     engine = "duckdb"
     source = "the local store"
@@ -185,17 +193,30 @@ class Forensics:
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None, cached: bool = True) -> None:
         if name not in self._made:
-            if cached and self.answers is not None and self.answers.load(con or self.con, [name]):
+            c = con or self.con
+            if cached and self.answers is not None and self.answers.load(c, [name]):
                 self.from_cache.add(name)
-            elif grow_enabled() and (name == "requests" or (name == "exposure_slots" and self.indexed)):
+                if name == "exposure_slots":
+                    _runs_of_slots(c, "VIEW")
+            elif grow_enabled() and name == "requests":
                 self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
-                                    self._text(name), sql("queues" if name == "requests" else "exposure_pairs_of"),
-                                    disk=self.keep_answers and self.verdict.ok, merges=self.merges)
+                                    self._text(name), sql("queues"), disk=self.keep_answers and self.verdict.ok,
+                                    merges=self.merges)
+            elif grow_enabled() and name == "exposure_slots" and self.indexed:
+                self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
+                                    sql("exposure_runs_index"), sql("exposure_pairs_of"),
+                                    disk=self.keep_answers and self.verdict.ok, merges=self.merges,
+                                    view_sql=sql("exposure_slots_of_runs"))
+            elif name == "exposure_slots" and self.indexed:     # the runs a table, their slots a view over it
+                (con or self.con).sql(sql("exposure_runs_index")).to_table("exposure_runs")
+                (con or self.con).execute(f"CREATE VIEW exposure_slots AS {sql('exposure_slots_of_runs')}")
             elif name == "exposure_ngrams":
                 build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers,
                                merges=self.merges)
             else:
-                (con or self.con).sql(self._text(name)).to_table(name)
+                c.sql(self._text(name)).to_table(name)
+                if name == "exposure_slots":        # the as-of join's slot rows
+                    _runs_of_slots(c, "TABLE")
             self._made.add(name)
 
     def _say(self, text: str) -> None:
@@ -209,7 +230,7 @@ class Forensics:
         them - seconds at 100 M+ rows, that a command's process waits for at its exit (364 M read rows:
         3.5 s) to save a later, different query on the same snapshot about 0.2 s - so none is written;
         the next process starts from those entries instead (the whole-store answers are kept either way)."""
-        return "requests" in self._grown and "exposure_slots" in self._grown
+        return "requests" in self._grown and "exposure_runs" in self._grown
 
     def evidence_pending(self) -> bool:
         """Whether this snapshot's n-gram evidence is still to be built from every ngrams segment: not
@@ -241,6 +262,8 @@ class Forensics:
             if self.answers is not None and self.answers.load(self.con, todo):
                 self.from_cache.update(todo)
                 self._made.update(todo)
+                if "exposure_slots" in todo:
+                    _runs_of_slots(self.con, "VIEW")
             else:
                 self._say("building requests and the exposure slots")
                 with ThreadPoolExecutor(2) as pool:

@@ -74,7 +74,7 @@ def _dir(key: str) -> Path:
     return state_dir() / "evidence" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-STEPS = ("pairs", "digest", "candidates", "requests_digest", "final")
+STEPS = ("pairs", "read_runs", "digest", "candidates", "requests_digest", "final")
 
 
 def _ident(sql) -> str:
@@ -207,17 +207,21 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
             return (pa.concat_tables(parts, promote_options="default") if len(parts) > 1 else parts[0]), added
 
         incs = _ids(con, sql("evidence/pairs"), "incarnation")
-        digest = tuple(con.sql(sql("evidence/digest")).fetchall()[0])
-        ng, ng_added = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
-        same = kept is not None and kept.answer is not None and kept.digest == digest and not ng_added
-        if same:                    # the candidates read the same pairs, positions and rows
-            candidates = kept.candidates
-        else:
-            con.register("_ng", ng)
-            try:
-                candidates = con.sql(sql("evidence/candidates")).to_arrow_table()
-            finally:
-                con.unregister("_ng")
+        con.register("_read_runs", con.sql(sql("evidence/read_runs")).to_arrow_table())
+        try:
+            digest = tuple(con.sql(sql("evidence/digest")).fetchall()[0])
+            ng, ng_added = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
+            same = kept is not None and kept.answer is not None and kept.digest == digest and not ng_added
+            if same:                    # the candidates read the same pairs, positions and rows
+                candidates = kept.candidates
+            else:
+                con.register("_ng", ng)
+                try:
+                    candidates = con.sql(sql("evidence/candidates")).to_arrow_table()
+                finally:
+                    con.unregister("_ng")
+        finally:
+            con.unregister("_read_runs")
         hashes = {h for h in candidates.column("hash").to_pylist() if h is not None}
         hits, hits_added = grow(kept.hits if kept else None, "hash", old_hashes, hashes, ["incarnation", "role", "hash"])
         con.register("_candidates", candidates)

@@ -3,7 +3,7 @@
 -- tenants, whether the read check stopped the response, the nodes of its pages and its first and
 -- last read - read from the exposure index's runs without expanding them to slot rows and without
 -- the evidence (which only says whether a pair is 'surfaced' or 'read'). Runs and windows as
--- exposure_slots_index.sql and exposure_pairs_of.sql: a run's reads span min(ts_first) to
+-- exposure_runs_index.sql and exposure_pairs_of.sql: a run's reads span min(ts_first) to
 -- max(ts_last) over its index rows, and a pair is in the window when any of its runs is; a donor
 -- counts where one of its writes was found in a failing slot (slot_mask: the reader's own left out).
 -- Held to exposures.sql's pairs, tenants and times by tests/test_dashboard.py.

@@ -1,4 +1,5 @@
--- exposure_slots read from the exposure index the ledger writer keeps: see ../exposure_slots_index.sql
+-- exposure_slots read from the exposure index the ledger writer keeps: see ../exposure_runs_index.sql and
+-- ../exposure_slots_of_runs.sql
 -- (the same rows as the as-of join of exposure_x.sql + exposure_slots.sql, without scanning the ledger).
 WITH runs AS (
     SELECT node, boot, reader, page, generation, block_index, found_generation, bad_mask, epoch,

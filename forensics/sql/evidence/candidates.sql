@@ -5,14 +5,7 @@ WITH blocked AS (
     SELECT incarnation AS response FROM requests WHERE error_type = 'ReadCheckViolation'
 ),
 pairs AS (
-    SELECT DISTINCT response, donor FROM exposure_slots ANTI JOIN blocked USING (response) WHERE donor <> -1
-),
-read_runs AS (      -- each pair's read donor positions as runs of consecutive positions [lo, hi]
-    SELECT response, donor, min(donor_position) AS lo, max(donor_position) AS hi
-    FROM (SELECT *, donor_position - row_number() OVER (PARTITION BY response, donor ORDER BY donor_position) AS run
-          FROM (SELECT DISTINCT response, donor, donor_position FROM exposure_slots ANTI JOIN blocked USING (response)
-                WHERE donor <> -1 AND donor_position IS NOT NULL))
-    GROUP BY response, donor, run
+    SELECT DISTINCT response, donor FROM exposure_runs ANTI JOIN blocked USING (response) WHERE donor <> -1
 ),
 ng AS (
     SELECT incarnation, role, hash, n, pos FROM _ng
@@ -26,8 +19,9 @@ matched AS MATERIALIZED (
     FROM ro r JOIN ng p ON p.incarnation = r.donor AND p.hash = r.hash AND p.role = 'prompt'
 ),
 in_read AS (        -- an n-gram [pos, pos + n) the response read a position of: one that meets a run
+                    -- of the pair's read positions (_read_runs: step 1a)
     SELECT DISTINCT m.response, m.donor, m.hash
-    FROM matched m JOIN read_runs r ON r.response = m.response AND r.donor = m.donor
+    FROM matched m JOIN _read_runs r ON r.response = m.response AND r.donor = m.donor
     WHERE m.pos IS NOT NULL AND r.lo < m.pos + m.n AND r.hi >= m.pos
 )
 SELECT * FROM (

@@ -13,18 +13,19 @@ common AS MATERIALIZED (     -- two tenants or more: min <> max (no distinct cou
     SELECT hash FROM hits WHERE role = 'prompt' GROUP BY hash HAVING min(tenant_h) <> max(tenant_h)
 ),
 early AS (
-    SELECT hash, tenant_h,
-           min_by({'i': incarnation, 't': arrived_at}, arrived_at, 2) AS first2
-    FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits
-          ANTI JOIN common USING (hash))     -- a common hash's candidates go anyway: not its arrivals
-    GROUP BY hash, tenant_h
+    SELECT hash, tenant_h, unnest(first2, recursive := true)     -- as rows (i, t): a plain join's conditions
+    FROM (SELECT hash, tenant_h,
+                 min_by({'i': incarnation, 't': arrived_at}, arrived_at, 2) AS first2
+          FROM (SELECT DISTINCT hash, tenant_h, incarnation, arrived_at FROM hits
+                ANTI JOIN common USING (hash))     -- a common hash's candidates go anyway: not its arrivals
+          GROUP BY hash, tenant_h)
 ),
 tenant_own AS (
     SELECT DISTINCT c.response, c.donor, c.hash
     FROM candidates c
     JOIN requests rr ON rr.incarnation = c.response
     JOIN early e ON e.hash = c.hash AND e.tenant_h = rr.tenant_h
-    WHERE len(list_filter(e.first2, lambda x: x.t < rr.arrived_at AND x.i <> c.response AND x.i <> c.donor)) > 0
+    WHERE e.t < rr.arrived_at AND e.i <> c.response AND e.i <> c.donor
 )
 SELECT response, donor, count(*) AS shared_ngrams
 FROM candidates
