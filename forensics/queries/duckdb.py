@@ -199,19 +199,19 @@ class Forensics:
                 if name == "exposure_slots":
                     _runs_of_slots(c, "VIEW")
             elif grow_enabled() and name == "requests":
-                self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
+                self._grown |= grow(c, name, self.store, self.run, self.boot, self.files,
                                     self._text(name), sql("queues"), disk=self.keep_answers and self.verdict.ok,
                                     merges=self.merges)
             elif grow_enabled() and name == "exposure_slots" and self.indexed:
-                self._grown |= grow(con or self.con, name, self.store, self.run, self.boot, self.files,
+                self._grown |= grow(c, name, self.store, self.run, self.boot, self.files,
                                     sql("exposure_runs_index"), sql("exposure_pairs_of"),
                                     disk=self.keep_answers and self.verdict.ok, merges=self.merges,
                                     view_sql=sql("exposure_slots_of_runs"))
             elif name == "exposure_slots" and self.indexed:     # the runs a table, their slots a view over it
-                (con or self.con).sql(sql("exposure_runs_index")).to_table("exposure_runs")
-                (con or self.con).execute(f"CREATE VIEW exposure_slots AS {sql('exposure_slots_of_runs')}")
+                c.sql(sql("exposure_runs_index")).to_table("exposure_runs")
+                c.execute(f"CREATE VIEW exposure_slots AS {sql('exposure_slots_of_runs')}")
             elif name == "exposure_ngrams":
-                build_evidence(con or self.con, self.store, self.files["ngrams"], sql, disk=self.keep_answers,
+                build_evidence(c, self.store, self.files["ngrams"], sql, disk=self.keep_answers,
                                merges=self.merges)
             else:
                 c.sql(self._text(name)).to_table(name)

@@ -269,10 +269,11 @@ def build(con: duckdb.DuckDBPyConnection, name: str, store: str | Path, run: str
     """Create the view ``name`` (requests, then queues too: ``more_sql`` is queues.sql; or
     exposure_runs from the index, exposure_slots over them - ``view_sql`` - then exposure_pairs:
     exposure_pairs_of.sql) in ``con``, a snapshot whose views are over ``files`` (``segment_files``'
-    lists) and narrowed to ``boot`` when ``run`` named one; ``text``: the kept table's SQL. Returns the Arrow tables under the views (the caller keeps them alive as long
-    as ``con``). ``disk``: the state directory's entry may be read and written (a verified store,
-    the reader's answer-cache switch; KVLEDGER_ANSWER_CACHE too). ``merges``: the store's
-    (``segment_merges``): a kept table over segments the writer merged since is kept over the merge."""
+    lists) and narrowed to ``boot`` when ``run`` named one; ``text``: the kept table's SQL. Returns
+    the Arrow tables under the views (the caller keeps them alive as long as ``con``). ``disk``: the
+    state directory's entry may be read and written (a verified store, the reader's answer-cache
+    switch; KVLEDGER_ANSWER_CACHE too). ``merges``: the store's (``segment_merges``): a kept table
+    over segments the writer merged since is kept over the merge."""
     key = (str(Path(store).resolve()), run, name)
     disk = disk and kept_on_disk()
     ident = _ident(text, more_sql + view_sql) if disk else ""
