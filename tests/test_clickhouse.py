@@ -71,6 +71,7 @@ def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
         assert d.query("served")["served"][0] == rows["ttft"]
         same(d.exposure_slots(), c.exposure_slots(), "exposure_slots", ordered=False)
         same(d.requests(), c.requests(), "requests", ordered=False)
+        same(d.page_ledgers(), c.page_ledgers(), "page_ledgers")        # a command's coverage warning
         assert d.indexed and c.indexed          # both answered from the exposure index; the join agrees on both
         j = ClickHouseForensics(store, run, use_index=False)
         try:

@@ -113,6 +113,7 @@ def test_without_the_ledger_writer_forensics_says_it_cannot_answer(tmp_path, cap
     assert forensic_set(store) == set()
     runs = Forensics(store).query("runs")
     assert runs["page_ledger"].to_list() == [False] and runs["exposed_responses"].to_list() == [None]
+    assert_frame_equal(Forensics(store).page_ledgers(), runs.select("boot", "page_ledger"))   # what commands read
     boot = runs["boot"][0]
     for query in ("exposures", "scores", "tenants", "tenant_scores"):
         assert main(["forensics", query, "--store", str(store), "--format", "json"]) == 3, query
@@ -475,10 +476,27 @@ def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
     evidence._KEPT.clear()                  # nothing kept over the stored rows: these are edited
     try:
         evidence.build(fx.con, store, fx.files["ngrams"], sql, disk=False)
+        assert fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall() == sorted(rule.rows())
+        # and with requests narrowed to the pairs' rows (a reader's exposure questions: Forensics.
+        # materialise(narrow=True)), the rest of them added as the evidence names them (``cover``)
+        evidence._KEPT.clear()
+        fx.con.register("_every_request", fx.con.sql("SELECT * FROM requests").to_arrow_table())
+        fx.con.execute("CREATE OR REPLACE TEMP TABLE requests AS SELECT * FROM _every_request SEMI JOIN "
+                       "(SELECT response AS i FROM exposure_runs UNION SELECT donor FROM exposure_runs) ON incarnation = i")
+        covered: set[int] = set()
+
+        def cover(incarnations: set[int]) -> None:
+            covered.update(incarnations)
+            fx.con.execute("INSERT INTO temp.requests SELECT * FROM _every_request WHERE list_contains($i, incarnation) "
+                           "AND incarnation NOT IN (SELECT incarnation FROM temp.requests)", {"i": sorted(incarnations)})
+        fx.con.execute("DROP TABLE exposure_ngrams")
+        evidence.build(fx.con, store, fx.files["ngrams"], sql, disk=False, cover=cover)
+        assert fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall() == sorted(rule.rows())
+        fx.con.execute("CREATE OR REPLACE TEMP TABLE requests AS SELECT * FROM _every_request")
     finally:
         evidence._KEPT.clear()
         evidence._KEPT.update(kept)
-    assert fx.con.sql("SELECT * FROM exposure_ngrams ORDER BY ALL").fetchall() == sorted(rule.rows())
+    fx.covered = covered
     return rule, fx
 
 
@@ -501,9 +519,10 @@ def test_text_the_recipients_own_tenant_had_earlier_is_not_surfaced(glm53_vulner
     for offset, cancelled in (("- INTERVAL 1 SECOND", True), ("+ INTERVAL 1 SECOND", False)):
         extra = (f"SELECT 99::BIGINT AS incarnation, '{me[0]}' AS tenant_h, "
                  f"TIMESTAMP '{me[1]}' {offset} AS arrived_at")
-        ng, _ = _ngram_rule(store, shadow, extra)
+        ng, gx = _ngram_rule(store, shadow, extra)
         still = ng.filter((ng["response"] == r) & (ng["donor"] == d)).height
         assert still == (0 if cancelled else 1), offset
+        assert 99 in gx.covered         # a request outside every pair: its row added for the evidence
 
 
 def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulnerable):
@@ -847,6 +866,29 @@ def _same(a: dict, b: dict) -> None:
         assert_frame_equal(a[q], b[q], check_exact=False, rel_tol=1e-12)
 
 
+@pytest.mark.parametrize("fixture", ["glm53_vulnerable", "glm53_hardened", "glm53_unified"])
+def test_the_exposure_questions_answer_alike_from_the_pairs_requests_alone(fixture, request):
+    """exposures, tenants and scores read requests only through the exposure macros: a reader makes
+    only the rows of the pairs' responses and donors and of the incarnations the n-gram evidence
+    counts (``narrowed``) - and answers as with every request made; a query that reads requests
+    itself then makes the whole table, and its answer is the whole table's."""
+    _, store = request.getfixturevalue(fixture)
+    narrow, whole = Forensics(store, answer_cache=False), Forensics(store, answer_cache=False)
+    whole._ensure("requests")
+    names = ("exposures", "tenants", "scores", "tenant_scores")
+    a, b = narrow.queries(list(names), workers=1), whole.queries(list(names), workers=1)
+    assert narrow.narrowed is not None and whole.narrowed is None
+    total = whole.request_count()
+    assert narrow.con.table("requests").count("*").fetchall()[0][0] <= len(narrow.narrowed) < total
+    assert narrow.request_count() == total           # counted, not made
+    for q in names:
+        assert_frame_equal(a[q], b[q])
+    for q in ("runs", "ttft", "exposures"):          # requests itself: the whole table made
+        assert_frame_equal(narrow.query(q), whole.query(q))
+    assert narrow.narrowed is None and narrow.con.table("requests").count("*").fetchall()[0][0] == total
+    assert_frame_equal(narrow.page_ledgers(), narrow.query("runs").select("boot", "page_ledger"))
+
+
 def test_answers_are_read_back_and_equal_the_built_ones(glm53_vulnerable, tmp_path, monkeypatch):
     """A second command on the same verified, idle store reads the shared tables back from the
     state directory instead of building them, and every answer is the one building them gives."""
@@ -912,7 +954,9 @@ def test_grown_tables_are_not_copied_into_an_answers_entry(glm53_vulnerable, tmp
     from forensics.queries.answers import answers_dir
     store = _own_copy(glm53_vulnerable[1], tmp_path)
     first, built = _answered(store)
-    assert first.all_kept() and _entries(store) == []
+    assert first.narrowed and not first.all_kept() and _entries(store) == []   # requests: the pairs' rows only
+    first.requests()                                      # every request: requests grown and kept too
+    assert first.narrowed is None and first.all_kept() and _entries(store) == []
     assert len(sorted(answers_dir(store).glob("*.arrow"))) == 3          # exposures, tenants, scores
     grown._KEPT.clear()                           # a new process
     evidence._KEPT.clear()
@@ -1273,6 +1317,23 @@ def _on_a_terminal(argv: list[str], env: dict) -> tuple[bytes, bytes, int]:
     return shown, out, rc
 
 
+def test_a_command_from_the_shell_answers_without_importing_pandas(glm53_vulnerable, capsys):
+    """pyarrow imports pandas on its first array from Python values (a quarter to half a second of a
+    first command from the shell): a query command run as its process's own command line hides it
+    from pyarrow first - the same answer, pandas never imported, and still importable after."""
+    import subprocess
+    import sys
+    _, store = glm53_vulnerable
+    argv = ["forensics", "exposures", "--store", str(store), "--format", "json"]
+    code = ("import sys; from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]; rc = main(); "
+            "assert 'pandas.core' not in sys.modules, 'pandas imported'; import pandas.core; sys.exit(rc)")
+    child = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, timeout=120,
+                           env={**os.environ, "KVLEDGER_ANSWER_CACHE": "0"})
+    assert child.returncode == 0, child.stderr.decode()
+    assert main(argv) == 0
+    assert json.loads(child.stdout) == json.loads(capsys.readouterr().out) != []
+
+
 def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53_vulnerable, tmp_path):
     """On a terminal, stderr carries a status line while the store is verified and the shared tables
     are built - the n-gram evidence named, and whether every ngrams segment is read - and the
@@ -1285,7 +1346,7 @@ def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53
     shown, out, rc = _on_a_terminal(argv, env)
     assert rc == 0, shown
     text = shown.decode(errors="replace")
-    for phase in ("kvledger: verifying the store", "kvledger: building requests and the exposure slots",
+    for phase in ("kvledger: verifying the store", "kvledger: building the exposure slots and the requests they name",
                   "kvledger: building the n-gram evidence: every ngrams segment is read"):
         assert phase in text, text
     piped = subprocess.run([sys.executable, "-m", "engine.commands", *argv], capture_output=True, env=env, timeout=120)

@@ -120,7 +120,12 @@ def build_parser() -> argparse.ArgumentParser:
     return _parser(None)[0]
 
 
+OWN_PROCESS = False      # main() runs this process's own command line (the shell's kvledger), not a caller's list
+
+
 def main(argv: list[str] | None = None) -> int:
+    global OWN_PROCESS
+    OWN_PROCESS = argv is None
     argv = sys.argv[1:] if argv is None else list(argv)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     parser, _ = _parser(chosen if chosen in COMMANDS else "")

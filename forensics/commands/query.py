@@ -78,7 +78,35 @@ def make_config(a) -> QueryConfig:
                        a.allow_unverified, a.anchor, engine_choice(a))
 
 
+def arrow_without_pandas() -> None:
+    """pyarrow imports pandas the first time it builds an array from Python values (its pandas shim,
+    in ``pa.array``, ``pa.table``...) - 0.25-0.45 s of a first command from the shell on this
+    machine, for conversions a query command never makes. Told first that there is none, this
+    process's pyarrow converts nothing to or from pandas; pandas itself stays importable. Nothing
+    to do where pandas (or pyarrow's look for it) came first."""
+    import importlib.abc
+
+    class Hidden(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] == "pandas":
+                raise ImportError("pandas hidden from pyarrow's first look (forensics.commands.query)")
+            return None
+
+    if "pandas" in sys.modules:
+        return
+    hidden = Hidden()
+    sys.meta_path.insert(0, hidden)
+    try:
+        import pyarrow as pa
+        pa.array([0])
+    finally:
+        sys.meta_path.remove(hidden)
+
+
 def run(c: QueryConfig) -> int:
+    from engine.commands import main
+    if c.engine.engine == "duckdb" and main.OWN_PROCESS:     # (a caller's process may want pyarrow's pandas)
+        arrow_without_pandas()
     from forensics.output import emit, pick_columns
     from forensics.queries import open_forensics
     from forensics.queries.coverage import PAGE_LEVEL, coverage
@@ -94,7 +122,7 @@ def run(c: QueryConfig) -> int:
         else:
             fx.phase = say
             df, answered, fold_note = folded(fx, c.query, c.source, c.start, c.end, bucket_s=c.bucket)
-            cover = coverage(df if answered == "runs" else fx.query("runs")) if answered in PAGE_LEVEL else None
+            cover = coverage(df if answered == "runs" else fx.page_ledgers()) if answered in PAGE_LEVEL else None
     if c.query == VERIFY_INDEX:
         return verify_index(fx, c, chk)
     note = fx.unverified_note

@@ -59,6 +59,9 @@ class ForensicsBackend(Protocol):
     def request_count(self) -> int:
         """How many requests ``requests()`` holds (without moving them out of the engine)."""
 
+    def page_ledgers(self) -> "pl.DataFrame":
+        """Per run (boot), oldest first: whether it recorded a page ledger (``runs``' page_ledger)."""
+
     def rows(self, table: str) -> int:
         """Rows of a store table in this snapshot."""
 

@@ -270,6 +270,9 @@ class ClickHouseForensics:
         return int(self.target.query_arrow(f"SELECT count() FROM {self.uid}_requests", None, SETTINGS)
                    .column(0)[0].as_py())
 
+    def page_ledgers(self) -> pl.DataFrame:
+        return self.query("runs").select("boot", "page_ledger")
+
     def rows(self, table: str) -> int:
         if table not in arrow_schemas():
             raise KeyError(f"no table {table!r} in the store schema")

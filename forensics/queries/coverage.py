@@ -32,7 +32,7 @@ def unanswerable(boot: str) -> str:
 
 
 def coverage(runs) -> Coverage:
-    """From the ``runs`` query's rows (``page_ledger`` per boot)."""
+    """From the ``runs`` query's rows or a backend's ``page_ledgers()`` (``page_ledger`` per boot)."""
     import polars as pl
     if not runs.height or "page_ledger" not in runs.columns:
         return Coverage(runs.height, [])

@@ -35,6 +35,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 from pathlib import Path
 
 import duckdb
@@ -162,12 +163,15 @@ def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: l
 
 
 def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], sql, disk: bool = True,
-          merges: "list[tuple[str, tuple[str, ...]]]" = ()) -> None:
+          merges: "list[tuple[str, tuple[str, ...]]]" = (), cover: "Callable[[set[int]], None] | None" = None) -> None:
     """Create the table ``exposure_ngrams`` in ``con`` (a snapshot whose ``requests`` and
     ``exposure_slots`` are made and whose ``ngrams`` view is over ``files``); ``sql``: the named
     SQL reader (``sql("evidence/pairs")``...); ``disk``: the rows kept in the state directory may
     be read and written (the reader's own answer-cache switch; KVLEDGER_ANSWER_CACHE too);
-    ``merges``: the store's (``segment_merges``), as grown.py takes them."""
+    ``merges``: the store's (``segment_merges``), as grown.py takes them; ``cover``: where
+    ``requests`` holds only some requests' rows (the pairs' responses and donors: the reader's
+    narrow table), called with the incarnations of the candidate hashes' rows before the steps that
+    join them to requests (their tenants and arrivals)."""
     key = str(Path(store).resolve())
     disk = disk and kept_on_disk()
     ident = _ident(sql) if disk else ""
@@ -224,6 +228,8 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
             con.unregister("_read_runs")
         hashes = {h for h in candidates.column("hash").to_pylist() if h is not None}
         hits, hits_added = grow(kept.hits if kept else None, "hash", old_hashes, hashes, ["incarnation", "role", "hash"])
+        if cover is not None:
+            cover({i for i in hits.column("incarnation").unique().to_pylist() if i is not None})
         con.register("_candidates", candidates)
         con.register("_hits", hits)
         try:

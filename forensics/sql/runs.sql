@@ -3,18 +3,15 @@
 -- many of those had not finished when the store was read (still running, or cut off: unfinished),
 -- how many responses read foreign KV (blocked reads aside), and its first and last recorded times.
 -- page_ledger: the run recorded page reads and writes. Without them which pages a response read
--- cannot be established: exposed_responses is then NULL (unknown), never 0. Stores written before
--- the flag existed: a run with any page write recorded one.
+-- cannot be established: exposed_responses is then NULL (unknown), never 0 (page_ledgers.sql:
+-- stores written before the flag existed count a run with any page write as one that recorded it).
 -- `--run BOOT` on any query (or a unique prefix of it) answers for that run alone.
 WITH cfg AS (
     SELECT boot, list(DISTINCT node || ' (' || role || ')' ORDER BY node || ' (' || role || ')') AS nodes,
            string_agg(DISTINCT policy, ',' ORDER BY policy) AS policy,
            string_agg(DISTINCT isolation_level, ',' ORDER BY isolation_level) AS isolation_level,
-           any_value(model ORDER BY ts) AS model, min(ts) AS started_at, bool_and(page_ledger) AS declared
+           any_value(model ORDER BY ts) AS model, min(ts) AS started_at
     FROM config_snapshots GROUP BY boot
-),
-wrote AS (
-    SELECT DISTINCT boot FROM page_writes WHERE boot IN (SELECT boot FROM cfg WHERE declared IS NULL)
 ),
 req AS (
     SELECT boot, count(*) AS requests, count(*) FILTER (WHERE NOT finished) AS unfinished,
@@ -29,9 +26,7 @@ exposed AS (
 )
 SELECT cfg.boot, cfg.policy, cfg.nodes, cfg.isolation_level, cfg.model,
        coalesce(req.requests, 0) AS requests, coalesce(req.unfinished, 0) AS unfinished,
-       CASE WHEN coalesce(cfg.declared, wrote.boot IS NOT NULL) THEN coalesce(exposed.responses_reading_foreign_kv, 0)
-       END AS exposed_responses,
-       cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen,
-       coalesce(cfg.declared, wrote.boot IS NOT NULL) AS page_ledger
-FROM cfg LEFT JOIN req USING (boot) LEFT JOIN exposed USING (boot) LEFT JOIN wrote USING (boot)
+       CASE WHEN l.page_ledger THEN coalesce(exposed.responses_reading_foreign_kv, 0) END AS exposed_responses,
+       cfg.started_at, greatest(cfg.started_at, req.last_request) AS last_seen, l.page_ledger
+FROM cfg LEFT JOIN req USING (boot) LEFT JOIN exposed USING (boot) LEFT JOIN page_ledgers l USING (boot)
 ORDER BY cfg.started_at, cfg.boot
