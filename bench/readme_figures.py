@@ -333,13 +333,14 @@ def forensics_table(r: dict) -> str:
              f"{_cmd(r['commands'], q)} | <= 1 s / <= 2 s |"
              for q in ("exposures", "tenants", "scores")]
           + ["", f"Where the time goes: open the store and verify it (verification cache warm) "
-             f"{r['commands']['open_and_verify_s']:.1f} s; build the snapshot's shared tables (requests from the "
-             f"spans, exposure_slots from the index, the n-gram evidence) {r['commands']['materialise_s']:.1f} s the "
-             f"first time, read them back later {r['commands'].get('read_back_s', 0):.2f} s (from what `grown.py` and "
+             f"{r['commands']['open_and_verify_s']:.1f} s; build the snapshot's shared tables (every request from "
+             f"the spans, exposure_slots from the index, the n-gram evidence: `materialise()`, what any query may "
+             f"need) {r['commands']['materialise_s']:.1f} s the first time (the three commands above make only the "
+             f"requests rows they read, their pairs' and the evidence's (`Forensics.narrowed`)), read them back later {r['commands'].get('read_back_s', 0):.2f} s (from what `grown.py` and "
              f"`evidence.py` keep in the state directory - or, where the tables are built rather than grown, from "
              f"the snapshot's entry keyed by the verified chain head: `forensics/queries/answers.py`); a later command's "
              f"whole-store answer is itself kept there and read back (no query runs); after the store changed, "
-             f"requests and exposure_slots start from the tables an earlier command kept "
+             f"exposure_slots (and requests, where a command made every one) start from the tables an earlier command kept "
              f"(`forensics/queries/grown.py`) and the n-gram evidence from its rows and last answer "
              f"(`forensics/queries/evidence.py`), reading only the segments added since (measured with no segment "
              f"added, so that read is not in it); the rest is, from the shell, Python's start and imports."]

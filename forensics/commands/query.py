@@ -104,8 +104,8 @@ def arrow_without_pandas() -> None:
 
 
 def run(c: QueryConfig) -> int:
-    from engine.commands import main
-    if c.engine.engine == "duckdb" and main.OWN_PROCESS:     # (a caller's process may want pyarrow's pandas)
+    import engine.commands.main as entry
+    if c.engine.engine == "duckdb" and entry.OWN_PROCESS:    # (a caller's process may want pyarrow's pandas)
         arrow_without_pandas()
     from forensics.output import emit, pick_columns
     from forensics.queries import open_forensics
