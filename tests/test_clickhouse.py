@@ -4,6 +4,7 @@ schema.sql; the export idempotent and resumable; a two-shard split whose union i
 read in place from a Collector-shaped ``otel_traces`` table."""
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import threading
@@ -72,6 +73,10 @@ def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
         same(d.exposure_slots(), c.exposure_slots(), "exposure_slots", ordered=False)
         same(d.requests(), c.requests(), "requests", ordered=False)
         same(d.page_ledgers(), c.page_ledgers(), "page_ledgers")        # a command's coverage warning
+        # whether a ledger command's note runs the fleet twin: a foreign request span in the window
+        assert d.foreign_requests() is c.foreign_requests() is (rows["fleet_ttft"] > 0)
+        far = dt.datetime(2200, 1, 1)
+        assert d.foreign_requests(far, far) is c.foreign_requests(far, far) is False
         assert d.indexed and c.indexed          # both answered from the exposure index; the join agrees on both
         j = ClickHouseForensics(store, run, use_index=False)
         try:
@@ -273,6 +278,7 @@ def test_span_queries_read_a_collector_otel_traces_table_in_place(fleet):
             a, b = named_query(d, name), named_query(c, name)     # fleet_tenants: from two queries
             same(a.drop("tenant_h"), b.drop("tenant_h"), name)     # the Collector keeps no tenant here: NULL both
         assert set(b["request_id"]) == incident
+        assert d.foreign_requests() is c.foreign_requests() is True      # the Collector's table, bound as spans
     finally:
         c.close()
 

@@ -4,6 +4,7 @@ both of vLLM's encodings - with a sequence gap filled from the replay socket, on
 and a salt collision - and `kvledger collect` itself, started, fed and stopped."""
 from __future__ import annotations
 
+import datetime as dt
 import gzip
 import json
 import os
@@ -409,6 +410,66 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
         del os.environ["KVLEDGER_STORE"]
     assert not at.exception, [e.message for e in at.exception]
     assert any("Theil-Sen" in c.value for c in at.caption)       # the foreign TTFT chart and its per-tenant table
+
+
+def test_the_ledger_s_tenants_name_a_foreign_fleet_s_spans_only_where_the_store_holds_some(tmp_path, capsys,
+                                                                                         monkeypatch):
+    """`tenants`, `ttft` and `impact` (--source auto) on a store with kvledger's requests answer from the
+    page ledger; their fleet twin runs, for the note, only where the window holds a foreign request
+    span (fleet_present.sql) - on a store of kvledger's requests alone it never runs, and once vLLM's
+    spans (the real SDK exporter) land beside them the note counts the twin's rows."""
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+    import forensics.queries.fleet as fleet
+    from engine.replay.faults import run_fault
+    from telemetry.recorder import recording
+    store = tmp_path / "store"
+    run_fault("late_write", "vulnerable", recorder=recording(str(store), flush_interval=0.2))
+    twins: list[str] = []
+    real = fleet.query
+    monkeypatch.setattr(fleet, "query", lambda fx, name, *a, **k: (twins.append(name), real(fx, name, *a, **k))[1])
+
+    def answer(name: str) -> tuple[list, str]:
+        assert main(["forensics", name, "--store", str(store), "--format", "json"]) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err
+
+    own = {}
+    for name in ("tenants", "ttft", "impact"):
+        own[name], err = answer(name)
+        assert "note:" not in err, err
+    assert twins == ["tenants", "ttft", "impact"]          # never fleet_tenants, fleet_ttft, fleet_impact
+    assert Forensics(store).foreign_requests() is False and own["ttft"]
+    w = SegmentWriter(store)
+    rx = Receiver(w)
+    provider = TracerProvider(resource=Resource.create({"service.name": "vllm", "service.instance.id": "gpu-7"}))
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=rx.url + "/v1/traces")))
+    tracer = provider.get_tracer("vllm.llm_engine")
+    for i in range(3):
+        with tracer.start_as_current_span("llm_request") as sp:
+            sp.set_attributes({"gen_ai.usage.prompt_tokens": 100 * (i + 1), "gen_ai.usage.completion_tokens": 8,
+                               "gen_ai.latency.time_to_first_token": 0.01 * (i + 1), "gen_ai.request.id": f"cmpl-{i}",
+                               "tenant.id": f"tenant-{i % 2}"})
+    assert provider.force_flush(10_000)
+    provider.shutdown()
+    rx.stop()
+    w.close()
+    fx = Forensics(store)
+    assert fx.foreign_requests() is True
+    early = dt.datetime(2000, 1, 1)
+    assert fx.foreign_requests(early, early + dt.timedelta(days=1)) is False    # the window counts
+    fx.close()
+    twins.clear()
+    for name, twin in (("tenants", "fleet_tenants"), ("ttft", "fleet_ttft")):
+        got, err = answer(name)
+        assert got == own[name], name                   # still the ledger's answer
+        assert f"this store also holds a foreign fleet's request spans: `--source spans` shows them ({twin}, " in err
+        rows = len(fleet.query(Forensics(store), twin))
+        assert f"({twin}, {rows} row(s))" in err and rows > 0, err
+    assert twins[:2] == ["tenants", "fleet_tenants"]
 
 
 def test_a_sender_faster_than_the_store_gets_503_not_unbounded_memory(tmp_path):

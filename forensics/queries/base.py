@@ -59,6 +59,10 @@ class ForensicsBackend(Protocol):
     def request_count(self) -> int:
         """How many requests ``requests()`` holds (without moving them out of the engine)."""
 
+    def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
+        """Whether the window holds any foreign request span (``fleet_present.sql``: the rows the fleet
+        twins of ttft, impact and tenants answer from), without running either twin."""
+
     def page_ledgers(self) -> "pl.DataFrame":
         """Per run (boot), oldest first: whether it recorded a page ledger (``runs``' page_ledger)."""
 

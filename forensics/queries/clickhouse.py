@@ -270,6 +270,10 @@ class ClickHouseForensics:
         return int(self.target.query_arrow(f"SELECT count() FROM {self.uid}_requests", None, SETTINGS)
                    .column(0)[0].as_py())
 
+    def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
+        text = self._bind(ch_sql("fleet_present"))
+        return bool(self.target.query_arrow(text, self._params(text, start, end, {}), SETTINGS).column(0)[0].as_py())
+
     def page_ledgers(self) -> pl.DataFrame:
         return self.query("runs").select("boot", "page_ledger")
 

@@ -403,6 +403,9 @@ class Forensics:
         self._ensure("requests")
         return self.con.table("requests").count("*").fetchall()[0][0]
 
+    def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
+        return bool(self._run(self.con, sql("fleet_present"), start, end, {})["present"][0])
+
     def page_ledgers(self) -> pl.DataFrame:
         """Per run (boot), oldest first: whether it recorded a page ledger (``runs``' page_ledger
         column alone: page_ledgers.sql - no requests or slot rows made for it)."""

@@ -60,6 +60,8 @@ def folded(fx, name: str, source: str = "auto", start: dt.datetime | None = None
         return query(fx, twin, start, end, **params), twin, None
     own = query(fx, name, start, end, **params)
     if fx.request_count():
+        if not fx.foreign_requests(start, end):     # (the twin's rows are foreign request spans: none)
+            return own, name, None
         foreign = query(fx, twin, start, end, **params)
         note = (f"this store also holds a foreign fleet's request spans: `--source spans` shows them ({twin}, "
                 f"{foreign.height} row(s))") if foreign.height else None
