@@ -220,3 +220,38 @@ def test_serve_sizes_each_pool_by_the_bytes_its_dtype_stores(tiny_llama):
         eng = build_backend(model, tok, "unified", "hardened", spec, keys, None, max_num_seqs=4)
         assert eng.pool.dtype == getattr(__import__("torch"), dtype)
         assert eng.pool.capacity_tokens == spec.unified_tokens // spec.page_size * spec.page_size
+
+
+def test_json_rows_write_what_python_s_json_wrote_and_null_for_a_float_that_is_not_a_number():
+    """forensics' JSON (json_rows): written by polars where every column is plain, it parses to the
+    values the dicts-and-json path gives - ids as decimal strings, times as utc_iso writes them
+    (microseconds only where not zero, a zoned time in UTC, nanoseconds cut) - except that NaN and
+    infinities are null (JSON has neither); any other column type takes the dicts path."""
+    import datetime as dt
+    import json
+    import math
+
+    import polars as pl
+
+    from forensics.output import _json_default, json_ready, json_rows
+    t = [dt.datetime(2026, 1, 1), dt.datetime(2026, 1, 1, 0, 0, 0, 5), None, dt.datetime(1999, 12, 31, 23, 59, 59, 999999)]
+    df = pl.DataFrame({"response": pl.Series([2 ** 62 + 1, -3, None, 7], dtype=pl.Int64),
+                       "donor": [[2 ** 60], [], None, [1, 2]], "t": t,
+                       "zoned": pl.Series(t).dt.replace_time_zone("Europe/Paris"),
+                       "mass": [1.5, math.nan, math.inf, -0.0], "flag": [True, None, False, True],
+                       "kinds": [["stale"], None, [], ["a", "é\"\n"]], "tenant": ["e9", None, "\u2028", ""]}
+                      ).with_columns(ns=pl.col("t").cast(pl.Datetime("ns")) + pl.duration(nanoseconds=999))
+
+    def slow(d: pl.DataFrame):
+        return json.loads(json.dumps(json_ready(d).to_dicts(), default=_json_default).replace("NaN", "null")
+                          .replace("Infinity", "null"))
+    got = json.loads(json_rows(df))
+    assert got == slow(df)
+    assert got[0]["response"] == str(2 ** 62 + 1) and got[0]["donor"] == [str(2 ** 60)]
+    assert [r["t"] for r in got] == ["2026-01-01T00:00:00Z", "2026-01-01T00:00:00.000005Z", None,
+                                     "1999-12-31T23:59:59.999999Z"]
+    assert got[0]["zoned"] == "2025-12-31T23:00:00Z" and got[1]["ns"] == "2026-01-01T00:00:00.000005Z"
+    assert [r["mass"] for r in got] == [1.5, None, None, -0.0]
+    other = df.with_columns(d=pl.col("t") - pl.col("t").min(), s=pl.struct("flag", "tenant"))   # not plain: dicts
+    assert json.loads(json_rows(other)) == json.loads(json.dumps(json_ready(other).to_dicts(), default=_json_default)
+                                                      .replace("NaN", "null").replace("Infinity", "null"))

@@ -1325,13 +1325,64 @@ def test_a_command_from_the_shell_answers_without_importing_pandas(glm53_vulnera
     import sys
     _, store = glm53_vulnerable
     argv = ["forensics", "exposures", "--store", str(store), "--format", "json"]
-    code = ("import sys; from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]; rc = main(); "
-            "assert 'pandas.core' not in sys.modules, 'pandas imported'; import pandas.core; sys.exit(rc)")
+    # (the command ends its process itself once the answer is out - main.exit_at_once - running the
+    # atexit functions first: the check runs there)
+    code = ("import atexit, sys; from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]\n"
+            "def check():\n"
+            "    print('pandas imported' if 'pandas.core' in sys.modules else 'no pandas', file=sys.stderr)\n"
+            "    import pandas.core\n"
+            "    print('importable', file=sys.stderr)\n"
+            "atexit.register(check); rc = main(); print('main returned', file=sys.stderr); sys.exit(rc)")
     child = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, timeout=120,
                            env={**os.environ, "KVLEDGER_ANSWER_CACHE": "0"})
     assert child.returncode == 0, child.stderr.decode()
+    assert child.stderr.decode().split() == ["no", "pandas", "importable"], child.stderr.decode()
     assert main(argv) == 0
     assert json.loads(child.stdout) == json.loads(capsys.readouterr().out) != []
+
+
+@pytest.mark.parametrize("grow", ["1", "0"])
+def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_vulnerable, tmp_path, grow):
+    """A query command run from the shell ends its process as soon as its answer is out
+    (main.exit_at_once: no interpreter teardown), after what it keeps for the next reader is written -
+    the grown tables and the n-gram evidence's rows (in the command's thread), or the answers entry,
+    which a thread of its own writes while the query runs (KVLEDGER_GROW=0: joined first). The next
+    process reads them back and answers the same; a closed pipe on stdout is no traceback."""
+    import subprocess
+    import sys
+
+    import forensics.queries.evidence as evidence
+    import forensics.queries.grown as grown
+    from forensics.output import json_rows
+    _, store = glm53_vulnerable
+    env = {**os.environ, "KVLEDGER_STATE_DIR": str(tmp_path / "state"), "KVLEDGER_GROW": grow}
+    argv = [sys.executable, "-m", "engine.commands", "forensics", "exposures", "--store", str(store), "--format", "json"]
+    # the entry's thread made slow (0.5 s): the process must wait for it, not end under it
+    slow = ("import sys, time; import forensics.queries.answers as a; save = a.Answers.save\n"
+            "a.Answers.save = lambda self, con: (time.sleep(0.5), save(self, con))\n"
+            "from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]; sys.exit(main())")
+    first = subprocess.run([sys.executable, "-c", slow, *argv[3:]], capture_output=True, env=env, timeout=120)
+    assert first.returncode == 0 and first.stderr == b"", first.stderr.decode()
+    os.environ["KVLEDGER_STATE_DIR"], os.environ["KVLEDGER_GROW"] = env["KVLEDGER_STATE_DIR"], grow
+    try:
+        evidence._KEPT.clear()
+        grown._KEPT.clear()
+        built, scans = grown.stats["built"], evidence.stats["whole_scans"]
+        fx = Forensics(store)
+        if grow == "1":
+            assert evidence.kept(store) and fx.answers is not None and not fx.answers.path.exists()
+        else:
+            assert fx.answers is not None and fx.answers.path.is_file()        # the thread's entry, whole
+        assert json.loads(first.stdout) == json.loads(json_rows(fx.exposures())) != []
+        assert fx.from_cache == ({"requests", "exposure_slots", "exposure_ngrams"} if grow == "0" else set())
+        assert (grown.stats["built"], evidence.stats["whole_scans"]) == (built, scans)    # read back, not rebuilt
+        fx.close()
+    finally:
+        del os.environ["KVLEDGER_STATE_DIR"], os.environ["KVLEDGER_GROW"]
+        evidence._KEPT.clear()
+        grown._KEPT.clear()
+    closed = subprocess.run(f"{' '.join(argv)} | head -c 10", shell=True, capture_output=True, env=env, timeout=120)
+    assert closed.stdout.startswith(b"[{") and b"Traceback" not in closed.stderr, closed.stderr.decode()
 
 
 def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53_vulnerable, tmp_path):

@@ -123,6 +123,28 @@ def build_parser() -> argparse.ArgumentParser:
 OWN_PROCESS = False      # main() runs this process's own command line (the shell's kvledger), not a caller's list
 
 
+def exit_at_once(rc: int) -> None:
+    """End this process now, its answer written: stdout and stderr flushed, every non-daemon thread
+    joined and the atexit functions run as at a normal exit - then ``os._exit``, without the
+    interpreter's teardown (every module and object freed one by one: ~0.1 s after a forensics
+    command at 121 M read rows, whose process holds the snapshot's Arrow tables). Only for a command
+    that declares ``EXIT_AT_ONCE`` (its files are written and closed when ``run`` returns) run as
+    the process's own command line."""
+    import atexit
+    import os
+    import threading
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):       # a closed pipe (| head): nothing more to say there
+            pass
+    for t in threading.enumerate():
+        if t is not threading.current_thread() and not t.daemon:
+            t.join()
+    atexit._run_exitfuncs()
+    os._exit(rc)
+
+
 def main(argv: list[str] | None = None) -> int:
     global OWN_PROCESS
     OWN_PROCESS = argv is None
@@ -133,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mod = command(args.command)
     try:
-        return mod.run(mod.make_config(args))
+        rc = mod.run(mod.make_config(args))
+        if OWN_PROCESS and getattr(mod, "EXIT_AT_ONCE", False):
+            exit_at_once(rc)
+        return rc
     except KvledgerError as e:
         return die(str(e))
     except OSError as e:          # read-only or full disk, a path that is a file: name it, no traceback

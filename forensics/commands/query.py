@@ -103,6 +103,9 @@ def arrow_without_pandas() -> None:
         sys.meta_path.remove(hidden)
 
 
+EXIT_AT_ONCE = True      # run from the shell, the process ends as soon as the answer is out (main.exit_at_once)
+
+
 def run(c: QueryConfig) -> int:
     import engine.commands.main as entry
     if c.engine.engine == "duckdb" and entry.OWN_PROCESS:    # (a caller's process may want pyarrow's pandas)

