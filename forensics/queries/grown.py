@@ -50,12 +50,24 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
 from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
 from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
+
+
+class _Compute:
+    """pyarrow.compute, imported on first use: 40-65 ms of a command's start (its kernels' Python
+    wrappers and docstrings are generated at import), which a first command with nothing kept never
+    needs - only growing a kept table does."""
+
+    def __getattr__(self, name: str):
+        import pyarrow.compute
+        return getattr(pyarrow.compute, name)
+
+
+pc = _Compute()
 
 KEEP = 4                    # stores whose tables this process keeps (a dashboard reads one)
 SAVE_EVERY = 30.0           # seconds between two saves of one kept table to the state directory
