@@ -1342,7 +1342,8 @@ def test_a_command_from_the_shell_answers_without_importing_pandas(glm53_vulnera
 
 
 @pytest.mark.parametrize("grow", ["1", "0"])
-def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_vulnerable, tmp_path, grow):
+def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_vulnerable, tmp_path, grow,
+                                                                          monkeypatch):
     """A query command run from the shell ends its process as soon as its answer is out
     (main.exit_at_once: no interpreter teardown), after what it keeps for the next reader is written -
     the grown tables and the n-gram evidence's rows (in the command's thread), or the answers entry,
@@ -1363,7 +1364,8 @@ def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_
             "from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]; sys.exit(main())")
     first = subprocess.run([sys.executable, "-c", slow, *argv[3:]], capture_output=True, env=env, timeout=120)
     assert first.returncode == 0 and first.stderr == b"", first.stderr.decode()
-    os.environ["KVLEDGER_STATE_DIR"], os.environ["KVLEDGER_GROW"] = env["KVLEDGER_STATE_DIR"], grow
+    monkeypatch.setenv("KVLEDGER_STATE_DIR", env["KVLEDGER_STATE_DIR"])
+    monkeypatch.setenv("KVLEDGER_GROW", grow)
     try:
         evidence._KEPT.clear()
         grown._KEPT.clear()
@@ -1378,7 +1380,6 @@ def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_
         assert (grown.stats["built"], evidence.stats["whole_scans"]) == (built, scans)    # read back, not rebuilt
         fx.close()
     finally:
-        del os.environ["KVLEDGER_STATE_DIR"], os.environ["KVLEDGER_GROW"]
         evidence._KEPT.clear()
         grown._KEPT.clear()
     closed = subprocess.run(f"{' '.join(argv)} | head -c 10", shell=True, capture_output=True, env=env, timeout=120)
