@@ -356,7 +356,7 @@ class Panels:
                           last is not None and now - last <= ONGOING)
 
     def tenants(self) -> list[str]:
-        return sorted(self.fx.requests()["tenant_h"].drop_nulls().unique().to_list())
+        return self.fx.tenant_names()
 
     def node_names(self) -> list[str]:
         return sorted(self._q("preflight")["node"].to_list())

@@ -489,6 +489,8 @@ def test_the_report_and_the_dashboard_say_the_same_on_chdb(glm53_vulnerable, tmp
     assert c.totals() == d.totals() and c.totals()["affected_responses"] > 0
     same(d.exposures(), c.exposures(), "dashboard exposures")
     assert c.tenants() == d.tenants() and c.time_range() == d.time_range()
+    # the tenant picker's names, asked of each engine, are those of every request it holds
+    assert d.tenants() == sorted(d.fx.requests()["tenant_h"].drop_nulls().unique().to_list()) and len(d.tenants()) > 1
 
 
 def test_a_stale_chdb_mirror_is_rebuilt_from_the_store_in_hand(fleet):

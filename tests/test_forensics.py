@@ -80,6 +80,30 @@ def test_usage_honesty_and_the_impact_predicate_find_the_victims(glm53_vulnerabl
     assert (impact["prompt_tokens_billed"] > impact["pool_tokens"]).all()
 
 
+@pytest.mark.xdist_group("runs")
+@pytest.mark.parametrize("fixture", ["glm53_vulnerable", "mixed"])
+def test_ttft_and_runs_answer_without_building_the_n_gram_evidence_and_alike_after_it(fixture, request):
+    """ttft's floor leaves out the window's exposed responses - exposure_pairs_in's, the same responses
+    as exposures_in's without its n-gram evidence - and runs reads the slot rows' pairs: on a snapshot
+    where nothing else was asked, neither builds the evidence (~1 s at 121 M read rows with nothing
+    kept), and each answers as on a snapshot that built it first."""
+    store = request.getfixturevalue(fixture)[0] if fixture == "mixed" else request.getfixturevalue(fixture)[1]
+    fresh, after = Forensics(store, answer_cache=False), Forensics(store, answer_cache=False)
+    exposed = set(after.query("exposures")["response"])
+    assert "exposure_ngrams" in after._made and exposed
+    for q in ("ttft", "runs"):
+        assert_frame_equal(fresh.query(q), after.query(q))
+        assert "exposure_ngrams" not in fresh._made, q
+    ttft = fresh.query("ttft")
+    # the floor's healthy requests are those neither exposed nor billed over their prefill
+    healthy = ttft.filter(~pl.col("usage_dishonest") & ~pl.col("incarnation").is_in(list(exposed))
+                          & (pl.col("prompt_tokens_prefilled") >= 32))
+    assert ttft["healthy_requests"][0] == healthy.height < ttft.height
+    assert set(ttft["incarnation"]) & exposed      # (exposed responses are rows, not in the floor)
+    assert_frame_equal(fresh.query("exposures"), after.query("exposures"))     # then built, as usual
+    assert "exposure_ngrams" in fresh._made
+
+
 def test_preflight_and_guard_liveness_come_from_the_store(glm53_vulnerable, glm53_hardened):
     pre = Forensics(glm53_vulnerable[1]).query("preflight")
     small = pre.filter(pre["node"] == "prefill0")

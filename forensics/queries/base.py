@@ -59,6 +59,10 @@ class ForensicsBackend(Protocol):
     def request_count(self) -> int:
         """How many requests ``requests()`` holds (without moving them out of the engine)."""
 
+    def tenant_names(self) -> list[str]:
+        """The tenant pseudonyms ``requests()`` names, each once, sorted (without moving the requests
+        out of the engine: a dashboard's tenant picker on every refresh)."""
+
     def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
         """Whether the window holds any foreign request span (``fleet_present.sql``: the rows the fleet
         twins of ttft, impact and tenants answer from), without running either twin."""

@@ -270,6 +270,11 @@ class ClickHouseForensics:
         return int(self.target.query_arrow(f"SELECT count() FROM {self.uid}_requests", None, SETTINGS)
                    .column(0)[0].as_py())
 
+    def tenant_names(self) -> list[str]:
+        self._ensure("requests")
+        return self.target.query_arrow(f"SELECT DISTINCT tenant_h FROM {self.uid}_requests WHERE tenant_h IS NOT NULL "
+                                       "ORDER BY tenant_h", None, SETTINGS).column(0).to_pylist()
+
     def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
         text = self._bind(ch_sql("fleet_present"))
         return bool(self.target.query_arrow(text, self._params(text, start, end, {}), SETTINGS).column(0)[0].as_py())

@@ -38,6 +38,7 @@ EVIDENCE_STEPS = ["pairs", "read_runs", "digest", "candidates", "requests_digest
 from forensics.queries.catalog import LEDGER_QUERIES as QUERIES  # noqa: E402,F401  (the ledger's own names)
 
 READS_REQUESTS = re.compile(r"\brequests\b")     # a query text that reads the requests table itself (comments aside)
+EVIDENCE_READERS = re.compile(r"\b(exposure_ngrams|exposures_in|scores_in)\b")    # ... or the n-gram evidence
 COMMENT = re.compile(r"--[^\n]*")
 EPOCH = dt.datetime(1970, 1, 1)
 FAR = dt.datetime(2262, 1, 1)       # TIMESTAMP_NS ends in April 2262
@@ -171,6 +172,9 @@ class Forensics:
         self.con.execute(f"CREATE VIEW page_ledgers AS {sql('page_ledgers')}")     # (runs.sql reads it)
         self.live = has_live_writer(self.store)     # a response with no end is "in flight", else "cut off"
         self._made: set[str] = set()
+        # materialise's two stages, each made once: requests, the slot rows and the pair macros; the
+        # n-gram evidence and the macros over it
+        self._base_made = self._macros_made = False
         # the incarnations whose rows the table requests holds while it holds only the rows the
         # exposure questions read (materialise(narrow=True)); None: the whole table or none yet
         self.narrowed: set[int] | None = None
@@ -294,7 +298,7 @@ class Forensics:
             self.con.unregister("_narrow")
         self.narrowed |= new
 
-    def materialise(self, narrow: bool = False) -> None:
+    def materialise(self, narrow: bool = False, evidence: bool = True) -> None:
         """Run the as-of join once for this snapshot of the store; every query then reads its result.
         requests and the as-of join do not depend on each other: they run side by side.
 
@@ -305,41 +309,52 @@ class Forensics:
         and ~90 MB), and a later query that reads requests itself makes the whole table
         (``_ensure``). Only where the slot rows and the evidence are kept by grown.py and evidence.py
         (the default): no answers entry is written from a narrow table, and without them
-        (KVLEDGER_GROW=0) that entry is what a next command reads back."""
-        if "exposure_ngrams" not in self._made:
+        (KVLEDGER_GROW=0) that entry is what a next command reads back.
+
+        ``evidence``: False stops before the n-gram evidence (requests, the slot rows and the pair
+        macros only): what a query that reads none of it needs (EVIDENCE_READERS) - ``ttft`` at 121 M
+        read rows then skips the ~1 s the evidence takes to build with nothing kept."""
+        if not self._base_made:
             todo = [t for t in MATERIALISED if t not in self._made]
             if self.answers is not None and self.answers.load(self.con, todo):
                 self.from_cache.update(todo)
                 self._made.update(todo)
                 if "exposure_slots" in todo:
                     _runs_of_slots(self.con, "VIEW")
+            elif narrow and "requests" in todo and grow_enabled():
+                self._say("building the exposure slots and the requests they name")
+                self._ensure("exposure_slots", cached=False)
+                self.narrowed = set()
+                self.con.execute(f"CREATE TABLE requests AS SELECT * FROM ({self._text('requests')}) LIMIT 0")
+                self._requests_of({i for (i,) in self.con.sql(
+                    "SELECT response FROM exposure_runs UNION SELECT donor FROM exposure_runs WHERE donor <> -1"
+                ).fetchall()})
             else:
-                if narrow and "requests" in todo and grow_enabled():
-                    self._say("building the exposure slots and the requests they name")
-                    self._ensure("exposure_slots", cached=False)
-                    self.narrowed = set()
-                    self.con.execute(f"CREATE TABLE requests AS SELECT * FROM ({self._text('requests')}) LIMIT 0")
-                    self._requests_of({i for (i,) in self.con.sql(
-                        "SELECT response FROM exposure_runs UNION SELECT donor FROM exposure_runs WHERE donor <> -1"
-                    ).fetchall()})
-                else:
-                    self._say("building requests and the exposure slots")
-                    with ThreadPoolExecutor(2) as pool:
-                        for f in [pool.submit(self._ensure, t, self.con.cursor(), False) for t in MATERIALISED[:2]]:
-                            f.result()
-                if evidence_kept(self.store, disk=self.keep_answers):
-                    self._say("building the n-gram evidence from the rows an earlier reader kept")
-                else:
-                    self._say("building the n-gram evidence: every ngrams segment is read (nothing kept yet)")
-                self._ensure(MATERIALISED[2], cached=False)
-                if (self.answers is not None and self.narrowed is None and len(self.from_cache) < len(MATERIALISED)
-                        and not self.all_kept()):
-                    self.answers.save_later(self.con)       # written while the query runs
-            for m in MACROS:
+                self._say("building requests and the exposure slots")
+                with ThreadPoolExecutor(2) as pool:
+                    for f in [pool.submit(self._ensure, t, self.con.cursor(), False) for t in MATERIALISED[:2]]:
+                        f.result()
+            for m in MACROS[:2]:
                 self.con.execute(sql(m))
                 if m == "exposure_pairs_of" and "exposure_pairs" not in self._grown:
                     # the whole store's pairs, computed where they are read (a grown snapshot keeps them)
                     self.con.execute(f"CREATE VIEW exposure_pairs AS SELECT * FROM exposure_pairs_of({WHOLE}, false)")
+            self._base_made = True
+        if not evidence:
+            return
+        if "exposure_ngrams" not in self._made:
+            if evidence_kept(self.store, disk=self.keep_answers):
+                self._say("building the n-gram evidence from the rows an earlier reader kept")
+            else:
+                self._say("building the n-gram evidence: every ngrams segment is read (nothing kept yet)")
+            self._ensure(MATERIALISED[2], cached=False)
+            if (self.answers is not None and self.narrowed is None and len(self.from_cache) < len(MATERIALISED)
+                    and not self.all_kept()):
+                self.answers.save_later(self.con)       # written while the query runs
+        if not self._macros_made:
+            for m in MACROS[2:]:
+                self.con.execute(sql(m))
+            self._macros_made = True
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
@@ -366,7 +381,8 @@ class Forensics:
         todo = {n: t for n, t in texts.items() if n not in out}
         reads_requests = any(READS_REQUESTS.search(COMMENT.sub("", t)) for t in todo.values())
         if any(m in t for t in todo.values() for m in MATERIALISED[1:] + MACROS):
-            self.materialise(narrow=not reads_requests)
+            self.materialise(narrow=not reads_requests,
+                             evidence=any(EVIDENCE_READERS.search(COMMENT.sub("", t)) for t in todo.values()))
         if reads_requests:
             self._ensure("requests")
         if len(todo) == 1:
@@ -405,6 +421,11 @@ class Forensics:
 
     def foreign_requests(self, start: dt.datetime | None = None, end: dt.datetime | None = None) -> bool:
         return bool(self._run(self.con, sql("fleet_present"), start, end, {})["present"][0])
+
+    def tenant_names(self) -> list[str]:
+        self._ensure("requests")
+        return [t for (t,) in self.con.sql("SELECT DISTINCT tenant_h FROM requests WHERE tenant_h IS NOT NULL "
+                                           "ORDER BY tenant_h").fetchall()]
 
     def page_ledgers(self) -> pl.DataFrame:
         """Per run (boot), oldest first: whether it recorded a page ledger (``runs``' page_ledger

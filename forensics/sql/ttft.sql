@@ -17,7 +17,8 @@ r AS (
 healthy AS (
     SELECT * FROM r
     WHERE prompt_tokens_billed <= prompt_tokens_prefilled + coalesce(prompt_tokens_cached, 0)
-      AND incarnation NOT IN (SELECT response FROM exposures_in($from, $to))
+      AND incarnation NOT IN (SELECT response FROM exposure_pairs_in($from, $to))   -- (exposures_in's responses:
+                                                                                -- no n-gram evidence needed)
       AND prompt_tokens_prefilled >= $min_tokens
 ),
 rate AS (
