@@ -2,7 +2,11 @@
 read runs coalesced as the engine stores them; bench/_bigstore.py):
 the whole script run (open the store, every panel's queries, charts, tables) through Streamlit's
 AppTest, first (after the app's libraries are imported, as `kvledger dashboard` does while its
-server starts) and warm, beside the bare queries. Writes bench/results/dashboard.json."""
+server starts) and warm, beside the bare queries. The AppTest instances share one discovery of the
+installed packages' components, as a server's page loads do (tests/streamlit_app.py: before the
+forty-first session each render carried 0.25-0.5 s of it). Writes bench/results/dashboard.json.
+(--live hard-links the store's segments into its copy: a link changes a file's ctime, so a
+verification cache of the base store is stale afterwards and the next reader hashes it again.)"""
 from __future__ import annotations
 
 import argparse
@@ -40,6 +44,8 @@ def main() -> None:
     os.environ["KVLEDGER_STORE"] = str(root)
     from streamlit.testing.v1 import AppTest
 
+    from tests.streamlit_app import app_test
+
     from dashboard.data import Panels
     from dashboard.serve import preload
     preload()               # as `kvledger dashboard` does while its server starts (dashboard/serve.py)
@@ -49,7 +55,7 @@ def main() -> None:
     def render(n: int) -> tuple[list[float], list[float], "AppTest"]:
         renders, scripts = [], []
         for _ in range(n):
-            at = AppTest.from_file(APP, default_timeout=600)
+            at = app_test(APP, 600)
             t = time.perf_counter()
             at.run()
             renders.append(time.perf_counter() - t)

@@ -31,7 +31,7 @@ def main() -> None:
     store = tmp / "store"
     res = glm53("vulnerable", recorder=recording(store))
     os.environ["KVLEDGER_STORE"] = str(store)
-    from streamlit.testing.v1 import AppTest
+    from tests.streamlit_app import app_test
 
     from dashboard.data import VERIFIED, Panels
     from dashboard.serve import preload
@@ -46,7 +46,7 @@ def main() -> None:
         return time.perf_counter() - t
 
     def page() -> tuple[float, float]:
-        at = AppTest.from_file(APP, default_timeout=120)
+        at = app_test(APP, 120)
         t = time.perf_counter()
         at.run()
         took = time.perf_counter() - t

@@ -401,10 +401,10 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     assert "--source applies to ttft, impact, tenants only" in capsys.readouterr().err
     import os
 
-    from streamlit.testing.v1 import AppTest
+    from tests.streamlit_app import app_test
     os.environ["KVLEDGER_STORE"] = str(store)
     try:
-        at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+        at = app_test(str(ROOT / "dashboard" / "app.py"), 120)
         at.run()
     finally:
         del os.environ["KVLEDGER_STORE"]

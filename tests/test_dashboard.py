@@ -16,6 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.data import Filters, Panels
+from tests.streamlit_app import app_test
 from forensics.queries.duckdb import Forensics
 
 pytestmark = pytest.mark.xdist_group("glm53")
@@ -27,7 +28,7 @@ PANELS = ["Exposure score over time", "Donor -> recipient tenants", "Affected re
 
 def _app(store, monkeypatch) -> AppTest:
     monkeypatch.setenv("KVLEDGER_STORE", str(store))
-    at = AppTest.from_file(APP, default_timeout=120)
+    at = app_test(APP, 120)
     at.run()
     assert not at.exception, [e.message for e in at.exception]
     return at
@@ -87,7 +88,7 @@ def test_a_hardened_store_shows_nothing_exposed_and_every_guard_alive(glm53_hard
 
 def test_missing_store_is_a_clear_message(tmp_path, monkeypatch):
     monkeypatch.setenv("KVLEDGER_STORE", str(tmp_path / "nothing"))
-    at = AppTest.from_file(APP, default_timeout=60)
+    at = app_test(APP, 60)
     at.run()
     assert "No kvledger store at" in at.error[0].value and "picks it up by itself" in at.error[0].value
 
@@ -214,7 +215,7 @@ def test_an_unprotected_run_is_red_before_any_exposure_and_a_hardened_one_green(
                                                                                   monkeypatch):
     _, store = glm53_vulnerable
     first = Forensics(store).query("exposures")["first_read"].min()
-    at = AppTest.from_file(APP, default_timeout=120)
+    at = app_test(APP, 120)
     monkeypatch.setenv("KVLEDGER_STORE", str(store))
     at.query_params["to"] = (first - dt.timedelta(seconds=1)).isoformat()     # a window before the first leak
     at.run()
@@ -239,7 +240,7 @@ def test_an_unprotected_run_is_red_before_any_exposure_and_a_hardened_one_green(
 def test_the_view_lives_in_the_url(glm53_vulnerable, monkeypatch):
     _, store = glm53_vulnerable
     monkeypatch.setenv("KVLEDGER_STORE", str(store))
-    at = AppTest.from_file(APP, default_timeout=120)
+    at = app_test(APP, 120)
     at.query_params["view"] = "integrity"
     at.query_params["from"] = "now-100d"
     at.run()

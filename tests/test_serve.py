@@ -218,7 +218,7 @@ def test_a_tenants_rate_limits_refuse_it_alone_with_retry_after(unified):
 def test_the_dashboard_on_the_serving_store_shows_requests_served_after_it_opened(unified, monkeypatch):
     """The dashboard's data layer (the same Panels the page renders) on the store the server is
     writing: requests served after the first look appear within the flush interval plus a refresh."""
-    from streamlit.testing.v1 import AppTest
+    from tests.streamlit_app import app_test
 
     from dashboard.data import Panels
     before = Panels(unified.store).ttft().height
@@ -229,7 +229,7 @@ def test_the_dashboard_on_the_serving_store_shows_requests_served_after_it_opene
         time.sleep(0.5)
     assert Panels(unified.store).ttft().height >= before + len(done)
     monkeypatch.setenv("KVLEDGER_STORE", str(unified.store))
-    at = AppTest.from_file(str(ROOT / "dashboard" / "app.py"), default_timeout=120)
+    at = app_test(str(ROOT / "dashboard" / "app.py"), 120)
     at.run()
     assert not at.exception and not any("UNVERIFIED" in e.value for e in at.error)
 
