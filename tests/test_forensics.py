@@ -564,6 +564,67 @@ def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulner
     assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
+def _runs_of_positions(rows) -> list[tuple[int, int, int, int]]:
+    """Maximal runs [lo, hi] of consecutive positions per (response, donor), by hand."""
+    by: dict[tuple[int, int], set[int]] = {}
+    for response, donor, position in rows:
+        by.setdefault((response, donor), set()).add(position)
+    out = []
+    for (response, donor), positions in by.items():
+        ordered = sorted(positions)
+        lo = prev = ordered[0]
+        for p in ordered[1:] + [None]:
+            if p is None or p > prev + 1:
+                out.append((response, donor, lo, prev))
+                lo = p
+            prev = p
+    return sorted(out)
+
+
+@pytest.mark.xdist_group("runs")
+@pytest.mark.parametrize("fixture", ["glm53_vulnerable", "mixed"])
+def test_the_read_runs_are_the_runs_of_the_donor_positions_exposure_slots_has(fixture, request):
+    """The evidence's step 1a (evidence.read_runs over read_runs.sql's masks) folds each pair's read
+    masks into the maximal runs of the donor positions the response read: those of exposure_slots'
+    rows (one per slot) whose response the read check did not stop."""
+    from forensics.queries import evidence
+    from forensics.queries.duckdb import sql
+    store = request.getfixturevalue(fixture)[0] if fixture == "mixed" else request.getfixturevalue(fixture)[1]
+    fx = Forensics(store, answer_cache=False)
+    fx.materialise(evidence=False)
+    got = evidence.read_runs(fx.con.sql(sql("evidence/read_runs")).to_arrow_table())
+    slots = fx.con.sql("SELECT response, donor, donor_position FROM exposure_slots ANTI JOIN "
+                       "(SELECT incarnation AS response FROM requests WHERE error_type = 'ReadCheckViolation') "
+                       "USING (response) WHERE donor <> -1 AND donor_position IS NOT NULL").fetchall()
+    fx.close()
+    assert slots and sorted(zip(*[got.column(c).to_pylist() for c in ("response", "donor", "lo", "hi")])) \
+        == _runs_of_positions(slots)
+
+
+def test_the_read_runs_fold_any_masks_as_their_bits_say():
+    """Masks of one or many intervals, bit 63 set, empty, bits at or above the page's width (not
+    slots: ignored), intervals of one pair that overlap, touch or not across rows, several pairs:
+    the runs of the positions the masks' bits name, by hand."""
+    import numpy as np
+    import pyarrow as pa
+    from forensics.queries.evidence import read_runs
+    rng = np.random.default_rng(7)
+    special = np.array([-1, 0, 1, -2 ** 63, 2 ** 62, 0x0F0F, 0x70, 0xFFFF0000FFFF, 0b1011], np.int64)
+    for trial in range(300):
+        n = int(rng.integers(0, 40))
+        mask = np.where(rng.random(n) < 0.5, rng.integers(-2 ** 63, 2 ** 63 - 1, n, dtype=np.int64),
+                        special[rng.integers(0, len(special), n)])
+        width = rng.choice([8, 16, 32, 64], n)
+        masks = pa.table({"response": rng.integers(0, 3, n), "donor": rng.integers(0, 3, n),
+                          "position_offset": rng.integers(0, 150, n).astype(np.int32),
+                          "slot_mask": pa.array(mask, pa.int64()), "width": width.astype(np.int32)})
+        want = _runs_of_positions([(r, d, off + s) for r, d, off, m, w in zip(*[masks.column(c).to_pylist() for c in masks.column_names])
+                                   for s in range(w) if (m >> s) & 1])
+        got = read_runs(masks)
+        assert got.schema.names == ["response", "donor", "lo", "hi"]
+        assert sorted(zip(*[got.column(c).to_pylist() for c in got.column_names])) == want, trial
+
+
 @pytest.mark.parametrize("absent", [0, 200, 6000])
 def test_the_evidence_finds_the_pairs_rows_alike_with_the_join_s_values_pushed_into_the_scan_or_not(
         glm53_vulnerable, absent):
