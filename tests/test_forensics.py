@@ -689,6 +689,7 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
     assert again == first and read == {"whole_scans": 0, "new_segment_reads": 0, "loaded": 1, "reused": 0,
                                      "carried": 0, "rebuilt": 0}
     d = evidence._dir(str(store.resolve()))
+    evidence.entry_written(d)                   # (written on a thread of its own)
     (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")
     again, read = build()
     assert again == first and read["loaded"] == 0 and read["whole_scans"] == 2
@@ -698,6 +699,56 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
     (d / "meta.json").write_text(json.dumps(meta))
     again, read = build()
     assert again == first and read["whole_scans"] == 2 and read["rebuilt"] == 1
+
+
+def test_kept_entries_are_written_off_the_answer_s_path_whole_and_in_the_order_made(tmp_path, monkeypatch):
+    """grown.py's and evidence.py's entries are written on a thread of their own (write_entry_later):
+    while a write is held back nothing of it is visible, a second write of the same entry waits for
+    the first, the entry's loader (entry_written) waits for both, and the entry is then the last
+    one made, whole, with no file of the first left beside it."""
+    import threading
+    import pyarrow as pa
+    from forensics.queries import answers
+    gate, real = threading.Event(), answers.write_entry
+    monkeypatch.setattr(answers, "write_entry", lambda d, tables, meta: gate.wait(10) and real(d, tables, meta))
+    d = tmp_path / "entry"
+    answers.write_entry_later(d, {"t": pa.table({"x": [1]})}, {"n": 1})
+    answers.write_entry_later(d, {"t": pa.table({"x": [2, 3]})}, {"n": 2})
+    assert not d.exists()
+    gate.set()
+    answers.entry_written(d)
+    meta = json.loads((d / "meta.json").read_text())
+    assert meta["n"] == 2 and sorted(p.name for p in d.iterdir()) == ["meta.json", f"t-{meta['gen']}.arrow"]
+    with pa.ipc.open_file(d / f"t-{meta['gen']}.arrow") as f:
+        assert f.read_all().column("x").to_pylist() == [2, 3]
+
+
+def test_a_command_s_process_ends_with_its_kept_entries_written(glm53_vulnerable, tmp_path, monkeypatch):
+    """A first command writes its kept tables on threads of their own and answers before they are
+    on disk; its process ends only after them (exit_at_once joins them): the next process loads
+    requests, the slot rows and the evidence's rows and answer from them - nothing built, no whole
+    ngrams scan - and answers alike."""
+    import subprocess
+    import sys
+    from forensics.queries import evidence, grown
+    store = _own_copy(glm53_vulnerable[1], tmp_path)
+    monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
+    slow = ("import runpy, sys, time; from forensics.queries import answers as a; w = a.write_entry; "
+            "a.write_entry = lambda *x: (time.sleep(1.0), w(*x))[1]; "     # each write well after the answer
+            "sys.argv = ['kvledger', *sys.argv[1:]]; runpy.run_module('engine.commands', run_name='__main__')")
+    out = subprocess.run([sys.executable, "-c", slow, "forensics", "exposures", "--store", str(store),
+                          "--format", "json"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    grown._KEPT.clear()
+    evidence._KEPT.clear()
+    g, e = dict(grown.stats), dict(evidence.stats)
+    fx = Forensics(store)
+    fx.answers = None                           # the tables, not the command's kept answer
+    got = fx.query("exposures")
+    assert grown.stats["loaded"] - g["loaded"] == 1 and grown.stats["built"] == g["built"]
+    assert evidence.stats["loaded"] - e["loaded"] == 1 and evidence.stats["whole_scans"] == e["whole_scans"]
+    assert json.loads(out.stdout) and len(json.loads(out.stdout)) == got.height
+    fx.close()
 
 
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):

@@ -229,6 +229,41 @@ def write_entry(d: Path, tables: dict[str, pa.Table], meta: dict) -> bool:
     return True
 
 
+_WRITING: dict[Path, threading.Thread] = {}     # kept entries being written by this process (write_entry_later)
+_WRITING_LOCK = threading.Lock()
+
+
+def write_entry_later(d: Path, tables: dict[str, pa.Table], meta: dict) -> None:
+    """``write_entry`` on a thread of its own, off the answer's path (grown.py's and evidence.py's
+    kept tables: 0.1-0.15 s each of a first build at 121 M read rows, which a dashboard's render or
+    a command's answer had waited for), after any write of the same entry this process has under
+    way. Not a daemon thread: a process exits only after it (``exit_at_once`` joins it after the
+    answer is written); ``entry_written`` waits for it (the entry's loaders call it)."""
+    with _WRITING_LOCK:
+        before = _WRITING.get(d)
+
+        def run() -> None:
+            try:
+                if before is not None:
+                    before.join()
+                write_entry(d, tables, meta)
+            finally:
+                with _WRITING_LOCK:
+                    if _WRITING.get(d) is t:
+                        del _WRITING[d]
+        t = threading.Thread(target=run, name="kvledger-entry-save")
+        _WRITING[d] = t
+        t.start()
+
+
+def entry_written(d: Path) -> None:
+    """Return once no write of this entry by this process is under way."""
+    with _WRITING_LOCK:
+        t = _WRITING.get(d)
+    if t is not None:
+        t.join()
+
+
 def file_key(path: str) -> tuple[int, int, int]:
     """How a kept entry knows a segment file again: inode, size, change time (a store replaced at
     the same path, a segment rewritten or touched is another file)."""

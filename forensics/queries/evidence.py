@@ -43,7 +43,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
+from forensics.queries.answers import enabled as kept_on_disk, entry_written, file_key as _stat, write_entry_later
 from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
@@ -90,6 +90,7 @@ def _load(key: str, ident: str) -> _Kept | None:
     answer it built last (its candidates, digests and exposure_ngrams) where the same SQL and DuckDB
     made it - a new process whose snapshot reads the same pairs and rows then runs no step 2 or 3."""
     d = _dir(key)
+    entry_written(d)
     try:
         meta = json.loads((d / "meta.json").read_text())
         if meta.get("store") != key:
@@ -114,14 +115,14 @@ def _load(key: str, ident: str) -> _Kept | None:
 
 
 def _save(key: str, kept: _Kept, ident: str) -> None:
-    """Write the rows, the last answer and the meta that names them (answers.write_entry). No error
-    if it cannot."""
+    """Write the rows, the last answer and the meta that names them (answers.write_entry), on a
+    thread of its own (write_entry_later). No error if it cannot."""
     tables = {"ng": kept.ng, "hits": kept.hits}
     meta = {"store": key, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes)}
     if kept.answer is not None:
         tables |= {"candidates": kept.candidates, "answer": kept.answer}
         meta |= {"answer_ident": ident, "digest": list(kept.digest), "requests": list(kept.requests)}
-    write_entry(_dir(key), tables, meta | {f"{name}_rows": t.num_rows for name, t in tables.items()})
+    write_entry_later(_dir(key), tables, meta | {f"{name}_rows": t.num_rows for name, t in tables.items()})
 
 
 def kept(store: str | Path, disk: bool = True) -> bool:

@@ -52,7 +52,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk, file_key as _stat, write_entry
+from forensics.queries.answers import enabled as kept_on_disk, entry_written, file_key as _stat, write_entry_later
 from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
@@ -148,6 +148,7 @@ def _ident(text: str, more_sql: str) -> str:
 def _load(key: tuple, ident: str) -> _Kept | None:
     """The tables a process left for this store and run, or None (none, other SQL, unreadable, partial)."""
     d = _dir(key)
+    entry_written(d)
     try:
         meta = json.loads((d / "meta.json").read_text())
         if meta.get("key") != list(key) or meta.get("ident") != ident:
@@ -166,11 +167,12 @@ def _load(key: tuple, ident: str) -> _Kept | None:
 
 
 def _save(key: tuple, ident: str, kept: _Kept) -> None:
-    """Write the tables and the meta that names them (answers.write_entry). No error if it cannot."""
-    if write_entry(_dir(key), kept.parts, {"key": list(key), "ident": ident, "files": kept.files,
-                                           "rows": {name: t.num_rows for name, t in kept.parts.items()}}):
-        stats["saved"] += 1
-        kept.on_disk, kept.saved_at = len(kept.files), time.monotonic()
+    """Write the tables and the meta that names them (answers.write_entry), on a thread of its own
+    (write_entry_later: counted as saved when it starts). No error if it cannot."""
+    write_entry_later(_dir(key), dict(kept.parts), {"key": list(key), "ident": ident, "files": dict(kept.files),
+                                                    "rows": {name: t.num_rows for name, t in kept.parts.items()}})
+    stats["saved"] += 1
+    kept.on_disk, kept.saved_at = len(kept.files), time.monotonic()
 
 
 def _any(column: str) -> str:
