@@ -11,13 +11,17 @@ out AS MATERIALIZED (
     SELECT DISTINCT incarnation AS response, hash FROM _ng WHERE role = 'output'
 ),
 prompt AS MATERIALIZED (    -- only a hash some output holds can match or be a response's own: at 121 M
-                            -- read rows 2.1 M prompt rows -> 0.1 M, the step 0.2 -> 0.1 s
+                            -- read rows 2.1 M prompt rows -> 0.1 M, the step 0.2 -> 0.1 s (ro is made
+                            -- first, on its own: joined in one query with prompt, DuckDB may join out to
+                            -- prompt on the hash alone - 5 s where exposure_runs is a table)
     SELECT incarnation, hash, pos, n FROM _ng WHERE role = 'prompt' AND hash IN (SELECT hash FROM out)
 ),
+ro AS MATERIALIZED (        -- (out's rows are distinct: so are these)
+    SELECT m.response, m.donor, o.hash FROM pairs m JOIN out o USING (response)
+),
 matched AS MATERIALIZED (
-    SELECT DISTINCT m.response, m.donor, o.hash, p.pos, p.n
-    FROM pairs m JOIN out o USING (response)
-    JOIN prompt p ON p.incarnation = m.donor AND p.hash = o.hash
+    SELECT DISTINCT r.response, r.donor, r.hash, p.pos, p.n
+    FROM ro r JOIN prompt p ON p.incarnation = r.donor AND p.hash = r.hash
 ),
 in_read AS (        -- an n-gram [pos, pos + n) the response read a position of: one that meets a run
                     -- of the pair's read positions (_read_runs: step 1a)
