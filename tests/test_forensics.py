@@ -603,7 +603,7 @@ def test_the_read_runs_are_the_runs_of_the_donor_positions_exposure_slots_has(fi
 
 def test_the_read_runs_fold_any_masks_as_their_bits_say():
     """Masks of one or many intervals, bit 63 set, empty, bits at or above the page's width (not
-    slots: ignored), intervals of one pair that overlap, touch or not across rows, several pairs:
+    slots: ignored; a width below 1 has none), intervals of one pair that overlap, touch or not across rows, several pairs:
     the runs of the positions the masks' bits name, by hand."""
     import numpy as np
     import pyarrow as pa
@@ -614,7 +614,7 @@ def test_the_read_runs_fold_any_masks_as_their_bits_say():
         n = int(rng.integers(0, 40))
         mask = np.where(rng.random(n) < 0.5, rng.integers(-2 ** 63, 2 ** 63 - 1, n, dtype=np.int64),
                         special[rng.integers(0, len(special), n)])
-        width = rng.choice([8, 16, 32, 64], n)
+        width = rng.choice([-3, 0, 8, 16, 32, 64], n)      # (a page size below 1: no slots)
         masks = pa.table({"response": rng.integers(0, 3, n), "donor": rng.integers(0, 3, n),
                           "position_offset": rng.integers(0, 150, n).astype(np.int32),
                           "slot_mask": pa.array(mask, pa.int64()), "width": width.astype(np.int32)})

@@ -20,7 +20,7 @@ import duckdb
 import polars as pl
 
 from forensics.queries.grown import WHOLE, build as grow, enabled as grow_enabled
-from forensics.queries.evidence import PUSHED, build as build_evidence, kept as evidence_kept
+from forensics.queries.evidence import FOLD, PUSHED, build as build_evidence, kept as evidence_kept
 from forensics.queries.answers import Answers, enabled as answers_enabled
 from forensics.queries.base import with_response_state
 from telemetry.store import (GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, segment_merges,
@@ -198,8 +198,8 @@ class Forensics:
         return links[-1].link if links else GENESIS
 
     def _text(self, name: str) -> str:
-        if name == "exposure_ngrams":       # built in steps (evidence.py): the steps' SQL is its text
-            return "\n".join(sql(f"evidence/{step}") for step in EVIDENCE_STEPS)
+        if name == "exposure_ngrams":       # built in steps (evidence.py): the steps' SQL (and fold) is its text
+            return "\n".join([*(sql(f"evidence/{step}") for step in EVIDENCE_STEPS), f"-- {FOLD}"])
         return sql("exposure_slots_index" if name == "exposure_slots" and self.indexed else name)
 
     def _ensure(self, name: str, con: "duckdb.DuckDBPyConnection | None" = None, cached: bool = True) -> None:

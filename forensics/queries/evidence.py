@@ -77,12 +77,15 @@ def _dir(key: str) -> Path:
 
 
 STEPS = ("pairs", "read_runs", "digest", "candidates", "requests_digest", "final")
+FOLD = "read_runs: numpy 1"     # step 1a's fold in Python (read_runs): a kept answer depends on it too
+
+
 
 
 def _ident(sql) -> str:
     """What a kept answer depends on besides the rows: the steps' SQL and the DuckDB that ran them
     (the digests are DuckDB hashes)."""
-    return hashlib.sha256(json.dumps([[sql(f"evidence/{s}") for s in STEPS], duckdb.__version__]).encode()).hexdigest()
+    return hashlib.sha256(json.dumps([[sql(f"evidence/{s}") for s in STEPS], FOLD, duckdb.__version__]).encode()).hexdigest()
 
 
 def _load(key: str, ident: str) -> _Kept | None:
@@ -151,7 +154,7 @@ def read_runs(masks: pa.Table) -> pa.Table:
     out = {"response": pa.int64(), "donor": pa.int64(), "lo": pa.int64(), "hi": pa.int64()}
     if masks.num_rows == 0:
         return pa.table({c: pa.array([], t) for c, t in out.items()})
-    width = masks.column("width").to_numpy().astype(np.uint64)
+    width = np.clip(masks.column("width").to_numpy(), 0, 64).astype(np.uint64)     # (no slots below 0)
     keep = np.where(width >= 64, np.uint64(0xFFFFFFFFFFFFFFFF),
                     (np.uint64(1) << np.minimum(width, 63)) - np.uint64(1))
     m = masks.column("slot_mask").to_numpy().view(np.uint64) & keep
