@@ -723,34 +723,6 @@ def test_kept_entries_are_written_off_the_answer_s_path_whole_and_in_the_order_m
         assert f.read_all().column("x").to_pylist() == [2, 3]
 
 
-def test_a_command_s_process_ends_with_its_kept_entries_written(glm53_vulnerable, tmp_path, monkeypatch):
-    """A first command writes its kept tables on threads of their own and answers before they are
-    on disk; its process ends only after them (exit_at_once joins them): the next process loads
-    requests, the slot rows and the evidence's rows and answer from them - nothing built, no whole
-    ngrams scan - and answers alike."""
-    import subprocess
-    import sys
-    from forensics.queries import evidence, grown
-    store = _own_copy(glm53_vulnerable[1], tmp_path)
-    monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
-    slow = ("import runpy, sys, time; from forensics.queries import answers as a; w = a.write_entry; "
-            "a.write_entry = lambda *x: (time.sleep(1.0), w(*x))[1]; "     # each write well after the answer
-            "sys.argv = ['kvledger', *sys.argv[1:]]; runpy.run_module('engine.commands', run_name='__main__')")
-    out = subprocess.run([sys.executable, "-c", slow, "forensics", "exposures", "--store", str(store),
-                          "--format", "json"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    grown._KEPT.clear()
-    evidence._KEPT.clear()
-    g, e = dict(grown.stats), dict(evidence.stats)
-    fx = Forensics(store)
-    fx.answers = None                           # the tables, not the command's kept answer
-    got = fx.query("exposures")
-    assert grown.stats["loaded"] - g["loaded"] == 1 and grown.stats["built"] == g["built"]
-    assert evidence.stats["loaded"] - e["loaded"] == 1 and evidence.stats["whole_scans"] == e["whole_scans"]
-    assert json.loads(out.stdout) and len(json.loads(out.stdout)) == got.height
-    fx.close()
-
-
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
     """Issue 33: a response still decoding (or cut off by a crash) had no request row: tenant NULL,
     same_tenant wrong, not counted by runs or the report. Its arrival is now written by the ledger
@@ -1482,8 +1454,8 @@ def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_
                                                                           monkeypatch):
     """A query command run from the shell ends its process as soon as its answer is out
     (main.exit_at_once: no interpreter teardown), after what it keeps for the next reader is written -
-    the grown tables and the n-gram evidence's rows (in the command's thread), or the answers entry,
-    which a thread of its own writes while the query runs (KVLEDGER_GROW=0: joined first). The next
+    the grown tables and the n-gram evidence's rows, or the answers entry (KVLEDGER_GROW=0), each by a
+    thread of its own while the query runs (answers.in_background: joined first). The next
     process reads them back and answers the same; a closed pipe on stdout is no traceback."""
     import subprocess
     import sys
@@ -1494,9 +1466,11 @@ def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_
     _, store = glm53_vulnerable
     env = {**os.environ, "KVLEDGER_STATE_DIR": str(tmp_path / "state"), "KVLEDGER_GROW": grow}
     argv = [sys.executable, "-m", "engine.commands", "forensics", "exposures", "--store", str(store), "--format", "json"]
-    # the entry's thread made slow (0.5 s): the process must wait for it, not end under it
-    slow = ("import sys, time; import forensics.queries.answers as a; save = a.Answers.save\n"
+    # the entries' threads made slow (0.5 s each: the answers entry's, the grown tables' and the
+    # evidence rows'): the process must wait for them, not end under them
+    slow = ("import sys, time; import forensics.queries.answers as a; save, write = a.Answers.save, a.write_entry\n"
             "a.Answers.save = lambda self, con: (time.sleep(0.5), save(self, con))\n"
+            "a.write_entry = lambda *x: (time.sleep(0.5), write(*x))[1]\n"
             "from engine.commands.main import main; sys.argv = ['kvledger', *sys.argv[1:]]; sys.exit(main())")
     first = subprocess.run([sys.executable, "-c", slow, *argv[3:]], capture_output=True, env=env, timeout=120)
     assert first.returncode == 0 and first.stderr == b"", first.stderr.decode()

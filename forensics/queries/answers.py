@@ -26,6 +26,7 @@ import json
 import os
 import threading
 import time
+from typing import Callable
 from pathlib import Path
 
 import duckdb
@@ -38,7 +39,7 @@ from telemetry.store.schema import SCHEMA_SQL
 
 ENV = "KVLEDGER_ANSWER_CACHE"
 KEEP = 3            # snapshots kept per store (the newest; older ones are removed when one is added)
-_SAVING: dict[Path, threading.Thread] = {}      # entries being written by this process (save_later)
+_SAVING: dict[Path, threading.Thread] = {}      # entries being written by this process (in_background)
 _SAVING_LOCK = threading.Lock()
 
 
@@ -156,28 +157,16 @@ class Answers:
         it) joins it; a process exits only after it (not a daemon thread)."""
         cur = con.cursor()
 
-        def run() -> None:
+        def work() -> None:
             try:
                 self.save(cur)
             finally:
                 cur.close()
-                with _SAVING_LOCK:          # (a long-running reader keeps no finished writer around)
-                    if _SAVING.get(self.path) is t:
-                        del _SAVING[self.path]
-        t = threading.Thread(target=run, name="kvledger-answers-save")
-        with _SAVING_LOCK:
-            _SAVING[self.path] = t
-        t.start()
+        in_background(self.path, work)
 
     def wait(self) -> None:
         """Return once no write of this entry by this process is under way."""
-        with _SAVING_LOCK:
-            t = _SAVING.get(self.path)
-        if t is not None:
-            t.join()
-            with _SAVING_LOCK:
-                if _SAVING.get(self.path) is t:
-                    del _SAVING[self.path]
+        entry_written(self.path)
 
     def save(self, con: duckdb.DuckDBPyConnection) -> None:
         """Write the tables (a temporary file renamed into place: a reader sees a whole entry or
@@ -229,37 +218,38 @@ def write_entry(d: Path, tables: dict[str, pa.Table], meta: dict) -> bool:
     return True
 
 
-_WRITING: dict[Path, threading.Thread] = {}     # kept entries being written by this process (write_entry_later)
-_WRITING_LOCK = threading.Lock()
-
-
-def write_entry_later(d: Path, tables: dict[str, pa.Table], meta: dict) -> None:
-    """``write_entry`` on a thread of its own, off the answer's path (grown.py's and evidence.py's
-    kept tables: 0.1-0.15 s each of a first build at 121 M read rows, which a dashboard's render or
-    a command's answer had waited for), after any write of the same entry this process has under
-    way. Not a daemon thread: a process exits only after it (``exit_at_once`` joins it after the
-    answer is written); ``entry_written`` waits for it (the entry's loaders call it)."""
-    with _WRITING_LOCK:
-        before = _WRITING.get(d)
+def in_background(key: Path, work: Callable[[], None]) -> None:
+    """``work()`` on a thread of its own, after any work of the same entry (``key``) this process has
+    under way. Not a daemon thread: a process exits only after it (``exit_at_once`` joins it after the
+    answer is written); ``entry_written(key)`` waits for it."""
+    with _SAVING_LOCK:
+        before = _SAVING.get(key)
 
         def run() -> None:
             try:
                 if before is not None:
                     before.join()
-                write_entry(d, tables, meta)
+                work()
             finally:
-                with _WRITING_LOCK:
-                    if _WRITING.get(d) is t:
-                        del _WRITING[d]
+                with _SAVING_LOCK:
+                    if _SAVING.get(key) is t:
+                        del _SAVING[key]
         t = threading.Thread(target=run, name="kvledger-entry-save")
-        _WRITING[d] = t
+        _SAVING[key] = t
         t.start()
 
 
-def entry_written(d: Path) -> None:
+def write_entry_later(d: Path, tables: dict[str, pa.Table], meta: dict) -> None:
+    """``write_entry`` off the answer's path (``in_background``): grown.py's and evidence.py's kept
+    tables, 0.1-0.15 s each of a first build at 121 M read rows, which a dashboard's render or a
+    command's answer had waited for. Their loaders call ``entry_written`` first."""
+    in_background(d, lambda: write_entry(d, tables, meta))
+
+
+def entry_written(key: Path) -> None:
     """Return once no write of this entry by this process is under way."""
-    with _WRITING_LOCK:
-        t = _WRITING.get(d)
+    with _SAVING_LOCK:
+        t = _SAVING.get(key)
     if t is not None:
         t.join()
 
