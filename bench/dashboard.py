@@ -4,7 +4,12 @@ the whole script run (open the store, every panel's queries, charts, tables) thr
 AppTest, first (after the app's libraries are imported, as `kvledger dashboard` does while its
 server starts) and warm, beside the bare queries. The AppTest instances share one discovery of the
 installed packages' components, as a server's page loads do (tests/streamlit_app.py: before the
-forty-first session each render carried 0.25-0.5 s of it). Writes bench/results/dashboard.json.
+forty-first session each render carried 0.25-0.5 s of it). Also a first page load with the
+defaults, as an on-call engineer's first look at a store is: a process of its own (the server just
+started: the app's libraries imported, components discovered), a state directory holding nothing
+but the store's keys and its verification cache (no answer, no grown table, no evidence kept),
+the shared tables grown and kept as they are by default - what ``kvledger dashboard`` does the
+first time it is pointed at a store. Writes bench/results/dashboard.json.
 (--live hard-links the store's segments into its copy: a link changes a file's ctime, so a
 verification cache of the base store is stale afterwards and the next reader hashes it again.)"""
 from __future__ import annotations
@@ -34,7 +39,15 @@ def main() -> None:
                     help="also a live store: a copy of it (hard links) with a writer open that flushes one more "
                          "healthy copy of the base traffic (new segments, a new chain head) before each render; "
                          "renders with the shared tables grown (the default) and rebuilt, interleaved")
+    ap.add_argument("--first-page", type=int, default=3, metavar="N",
+                    help="first page loads with the defaults, each in a process of its own with nothing kept but "
+                         "the verification cache (default 3; 0: none)")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)     # one such page load
     args = ap.parse_args()
+    if args.first_page < 0:
+        ap.error(f"--first-page must be 0 or more, got {args.first_page}")
+    if args.child:
+        return _child()
     if args.sparse:
         root = Path(args.dir) / f"sparse-{args.rows}"
         m = build(root, args.rows)
@@ -74,6 +87,7 @@ def main() -> None:
     renders, scripts, at = render(3)
     os.environ.pop("KVLEDGER_GROW")
     first_banner, warm_banner = banners[0], min(banners[1:3])
+    firsts = _first_pages(root, args.first_page)     # (the renders above left the verification cache)
     # an idle store (after the incident): the shared tables kept by the first render, read back
     os.environ["KVLEDGER_ANSWER_CACHE"] = "1"
     kept, kept_scripts, _ = render(3)
@@ -90,7 +104,7 @@ def main() -> None:
            "first_banner_s": first_banner, "warm_banner_s": warm_banner, "kept_banner_s": kept_banner,
            "first_early_banner_s": earlies[0], "early_banners": sum(e is not None for e in earlies),
            "goal_banner_s": 1.0,
-           "affected_responses_shown": affected, "goal_s": 2.0, **live}
+           "affected_responses_shown": affected, "goal_s": 2.0, **firsts, **live}
     # the README's 136 M-row figures are dashboard_sparse.json; a smaller sparse store's run is kept beside them
     name = "dashboard" if not args.sparse else "dashboard_sparse" if args.rows >= 100_000_000 else \
         f"dashboard_sparse_{args.rows // 1_000_000}m"
@@ -102,6 +116,11 @@ def main() -> None:
           f"{warm_banner:.2f} s, kept {kept_banner:.2f} s; first render's early banner (before the n-gram evidence) "
           f"{'-' if earlies[0] is None else f'{earlies[0]:.2f} s'}; header totals alone {totals_s:.2f} s; "
           f"{affected} affected responses shown")
+    if firsts:
+        print(f"a first page load with the defaults (a process of its own, nothing kept but the verification "
+              f"cache; medians of {len(firsts['first_page_renders_s'])}): render {firsts['first_page_render_s']:.2f} s, "
+              f"the script {firsts['first_page_script_s']:.2f} s, the banner {firsts['first_page_banner_s']:.2f} s "
+              f"(early banner {firsts['first_page_early_banner_s']:.2f} s)")
     if live:
         print(f"a live store (a writer open, one flush of new traffic before each render): render "
               f"{live['live_render_s']:.2f} s, the script {live['live_script_s']:.2f} s, the banner "
@@ -109,6 +128,58 @@ def main() -> None:
               f"shared table rebuilt (KVLEDGER_GROW=0): render {live['live_rebuilt_render_s']:.2f} s, the script "
               f"{live['live_rebuilt_script_s']:.2f} s, the banner {live['live_rebuilt_banner_s']:.2f} s")
     print(f"wrote {out}")
+
+
+def _child() -> None:
+    """One first page load in this process (``--child``): the server's start (the app's libraries,
+    the components' discovery) untimed, then the script run; its times as a JSON line."""
+    import json
+
+    from tests.streamlit_app import app_test
+
+    from dashboard.serve import preload
+    preload()
+    at = app_test(APP, 600)
+    t = time.perf_counter()
+    at.run()
+    render_s = time.perf_counter() - t
+    assert not at.exception, [e.message for e in at.exception]
+    footer = next(c.value for c in at.caption if "rendered in" in c.value)
+    print(json.dumps({"render_s": render_s, "script_s": float(re.search(r"rendered in ([0-9.]+) s", footer).group(1)),
+                      "banner_s": at.session_state["state_line_s"],
+                      "early_banner_s": at.session_state["early_banner_s"] if "early_banner_s" in at.session_state
+                      else None}))
+
+
+def _first_pages(root: Path, n: int) -> dict:
+    """``n`` first page loads with the defaults, each in a process of its own (``--child``) with a
+    state directory of its own holding only this one's keys and verification cache (copied)."""
+    import json
+    import shutil
+    import statistics
+    import subprocess
+    import tempfile
+
+    from telemetry.store.keys import state_dir
+    if not n:
+        return {}
+    runs = []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory(prefix="kvledger-bench-first-") as tmp:
+            for part in ("keys", "verified"):
+                if (state_dir() / part).is_dir():
+                    shutil.copytree(state_dir() / part, Path(tmp) / part)
+            env = {k: v for k, v in os.environ.items() if k not in ("KVLEDGER_GROW", "KVLEDGER_ANSWER_CACHE")}
+            out = subprocess.run([sys.executable, __file__, "--child"], env=env | {"KVLEDGER_STATE_DIR": tmp,
+                                 "KVLEDGER_STORE": str(root)}, capture_output=True, text=True, check=True)
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    med = statistics.median
+    return {"first_page_renders_s": [r["render_s"] for r in runs],
+            "first_page_render_s": med(r["render_s"] for r in runs),
+            "first_page_script_s": med(r["script_s"] for r in runs),
+            "first_page_banner_s": med(r["banner_s"] for r in runs),
+            "first_page_early_banner_s": med(r["early_banner_s"] if r["early_banner_s"] is not None else r["banner_s"]
+                                             for r in runs)}
 
 
 def _live(root: Path, args, render, banners: list[float]) -> dict:
@@ -123,13 +194,21 @@ def _live(root: Path, args, render, banners: list[float]) -> dict:
 
     from bench._bigstore import TABLES, _base, _copy
     from dashboard.serve import preload
+    from engine.errors import KvledgerError
     from telemetry.store import SegmentWriter
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-live-"))
     store = tmp / "store"
     shutil.copytree(root, store, copy_function=os.link)
     os.environ["KVLEDGER_STORE"], os.environ["KVLEDGER_ANCHOR"] = str(store), str(tmp / "anchor.jsonl")
     _, healthy = _base(root.parent, "hardened", 0, not args.sparse)
-    w = SegmentWriter(store, anchor=tmp / "anchor.jsonl")
+    try:
+        w = SegmentWriter(store, anchor=tmp / "anchor.jsonl")
+    except KvledgerError as e:         # (the store's writer key not in this state directory)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.environ["KVLEDGER_STORE"] = str(root)
+        os.environ.pop("KVLEDGER_ANCHOR")
+        print(f"bench/dashboard.py: no live store rows: {e}", file=sys.stderr)
+        return {}
     runs: dict[str, dict[str, list[float]]] = {v: {"render": [], "script": [], "banner": []} for v in ("1", "0")}
     try:
         preload()

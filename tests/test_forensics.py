@@ -481,18 +481,22 @@ def test_tenants_resolve_refuses_a_names_file_it_cannot_read(content, error, tmp
     assert err.startswith("kvledger: error: --names") and error in err and "Traceback" not in err
 
 
-def _ngram_rule(store, shadow: str, extra_requests: str | None = None):
+def _ngram_rule(store, shadow: str, extra_requests: str | None = None, edit_requests: str | None = None):
     """exposure_ngrams over the real store, its ``ngrams`` replaced by the view ``shadow`` (SQL over
-    the stored rows) and ``extra_requests`` (SQL rows) added to its requests: the rule's own SQL."""
+    the stored rows), ``extra_requests`` (SQL rows) added to its requests and ``edit_requests`` (an
+    UPDATE of ``temp.requests``) run on them: the rule's own SQL."""
     from forensics.queries.duckdb import sql
     fx = Forensics(store, answer_cache=False)      # its tables are edited: built here, never read back
     fx._ensure("requests")
     fx._ensure("exposure_slots")
     fx.con.execute("CREATE TEMP TABLE stored_ngrams AS SELECT * FROM ngrams")
     fx.con.execute(f"CREATE OR REPLACE TEMP VIEW ngrams AS {shadow}")
-    if extra_requests:             # (a table of its own: the snapshot's requests may be a view, grown.py)
+    if extra_requests or edit_requests:     # (a table of its own: the snapshot's requests may be a view, grown.py)
         fx.con.execute("CREATE TEMP TABLE requests AS SELECT * FROM main.requests")
+    if extra_requests:
         fx.con.execute(f"INSERT INTO temp.requests BY NAME {extra_requests}")
+    if edit_requests:
+        fx.con.execute(edit_requests)
     rule = fx.con.sql(sql("exposure_ngrams")).pl()
     # what readers run - the rule in steps (forensics/queries/evidence.py) - gives the rule's rows here too
     from forensics.queries import evidence
@@ -547,6 +551,22 @@ def test_text_the_recipients_own_tenant_had_earlier_is_not_surfaced(glm53_vulner
         still = ng.filter((ng["response"] == r) & (ng["donor"] == d)).height
         assert still == (0 if cancelled else 1), offset
         assert 99 in gx.covered         # a request outside every pair: its row added for the evidence
+
+
+def test_the_donor_of_the_recipients_own_tenant_is_not_the_tenant_s_own_earlier_traffic(glm53_vulnerable):
+    """A donor of the recipient's own tenant arrived before the recipient and holds the text in its
+    prompt: the text still came through the slots read from that donor - the donor is not "an
+    earlier request of the tenant's own" that would cancel it. The pair's evidence is unchanged
+    when the donor is made one of the recipient's tenant's requests."""
+    _, store = glm53_vulnerable
+    pair, fx = _surfaced_pair(store)
+    r, d = pair["response"], pair["donor"]
+    (tenant, arrived), (_, donor_arrived) = (fx.con.sql(f"SELECT tenant_h, arrived_at FROM requests WHERE incarnation = {i}")
+                                           .fetchall()[0] for i in (r, d))
+    assert donor_arrived < arrived          # (the donor's KV was written before the recipient read it)
+    ng, _ = _ngram_rule(store, "SELECT * FROM stored_ngrams",
+                        edit_requests=f"UPDATE temp.requests SET tenant_h = '{tenant}' WHERE incarnation = {d}")
+    assert ng.filter((ng["response"] == r) & (ng["donor"] == d))["shared_ngrams"].to_list() == [pair["shared_ngrams"]]
 
 
 def test_text_outside_the_slots_read_from_the_donor_is_not_surfaced(glm53_vulnerable):
