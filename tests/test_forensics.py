@@ -1319,6 +1319,23 @@ def test_a_growing_stores_shared_tables_equal_their_rules_reading_only_new_segme
     assert seen[-1][4]["whole_scans"] == 2
 
 
+@pytest.mark.parametrize("finished", [[], [True] * 3, [False] * 2, [True, True, False], [False, True, True],
+                                      [True, False, True, False], [False, True, False]])
+def test_grown_requests_split_finished_from_open_rows_in_their_order(finished):
+    """The kept requests' finished and open rows (grown._finished: slices where they already lie
+    apart, else a mask's copy) are those a filter gives, in the table's order, over several chunks."""
+    import pyarrow as pa
+    from forensics.queries.grown import _finished
+    half = len(finished) // 2
+    t = pa.Table.from_batches([pa.record_batch({"incarnation": pa.array(range(a, b), pa.int64()),
+                                                "finished": pa.array(finished[a:b], pa.bool_())})
+                               for a, b in ((0, half), (half, len(finished)))])
+    done, open_ = _finished(t)
+    assert done["incarnation"].to_pylist() == [i for i, f in enumerate(finished) if f]
+    assert open_["incarnation"].to_pylist() == [i for i, f in enumerate(finished) if not f]
+    assert done.schema == open_.schema == t.schema
+
+
 def test_grown_requests_merge_arrivals_late_ends_and_duplicated_root_spans_as_the_sql_does(tmp_path):
     """The merge rules of grown requests, each met across segments: an unfinished request's
     arrivals in two segments (the earliest arrival's node, the largest prompt), a request that ends

@@ -183,8 +183,7 @@ def _merge_requests(s: duckdb.DuckDBPyConnection, kept: dict[str, pa.Table], del
     done, open_ = kept["done"], kept["open"]
     schema = done.schema
     names = schema.names
-    new_done = delta.filter(pc.field("finished")).cast(schema)
-    new_open = delta.filter(~pc.field("finished")).cast(schema)
+    new_done, new_open = (t.cast(schema) for t in _finished(delta))
     if new_done.num_rows:
         again = _in(done["incarnation"], new_done["incarnation"])
         if pc.any(again).as_py():           # a root span of a request already kept: grouped as requests.sql does
@@ -222,10 +221,25 @@ def _merge_queues(s: duckdb.DuckDBPyConnection, queues: pa.Table, delta: pa.Tabl
     return _concat(queues.filter(pc.invert(again)), summed)
 
 
+def _finished(requests: pa.Table) -> tuple[pa.Table, pa.Table]:
+    """The finished requests' rows and the others (``finished`` is never NULL: requests.sql), as
+    slices of ``requests`` where they already lie apart - none open (a store no writer holds), or the
+    open ones last (requests.sql's UNION ALL often gives them so) - else copied out by a mask. At
+    520 K requests (95 MB of rows; one-off, this session's AMD EPYC) a copy by a mask took 0.3 s the
+    first time in a process (fresh memory from pyarrow's pool, mimalloc; 0.03-0.06 s after) and the
+    filter by an expression used before (``pc.field``: Acero) 0.43 s: the grown requests' first
+    build 0.77 -> 0.35 s, a first dashboard page's early banner about 0.1 s sooner."""
+    finished = requests["finished"]
+    n = requests.num_rows
+    k = n - (pc.sum(finished).as_py() or 0)         # the open ones
+    if not pc.any(finished.slice(n - k)).as_py():   # (none: k = 0)
+        return requests.slice(0, n - k), requests.slice(n - k)
+    return requests.filter(finished), requests.filter(pc.invert(finished))
+
+
 def _build_requests(con, text: str, queues_sql: str) -> dict[str, pa.Table]:
-    full = con.sql(text).to_arrow_table()
-    return {"done": full.filter(pc.field("finished")), "open": full.filter(~pc.field("finished")),
-            "queues": con.sql(queues_sql).to_arrow_table()}
+    done, open_ = _finished(con.sql(text).to_arrow_table())
+    return {"done": done, "open": open_, "queues": con.sql(queues_sql).to_arrow_table()}
 
 
 WHOLE = "TIMESTAMP '1970-01-01', TIMESTAMP '2262-01-01'"      # the readers' default window: the whole store
