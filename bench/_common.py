@@ -70,12 +70,27 @@ def results_name(ap: argparse.ArgumentParser, given: "str | None", default: str)
     return name
 
 
+def count(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi] (else argparse's own error line, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer in [{lo}, {hi}], got {text!r}") from None
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be in [{lo}, {hi}], got {v}")
+        return v
+    return parse
+
+
 def workload_parser(description: str, repeats: int) -> argparse.ArgumentParser:
     """The shared decode workload's options: --batch, --new-tokens, --repeats."""
     ap = argparse.ArgumentParser(description=description)
-    ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--batch", type=count(1, 256), default=8,
+                    help="sequences decoded together (the tiny Llama workload's prompts; default 8)")
+    ap.add_argument("--new-tokens", type=count(1, 4096), default=64, help="tokens generated per sequence (default 64)")
+    ap.add_argument("--repeats", type=count(1, 1000), default=repeats,
+                    help=f"interleaved rounds per variant, the median kept (default {repeats})")
     return ap
 
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from bench._common import add_results_option, results_name, write  # noqa: E402
+from bench._common import add_results_option, count, results_name, write  # noqa: E402
 
 SERVER_ENV: dict = {}
 # a pool every running request fits in (128 x 17 pages of 16 tokens), as vLLM's 1 GiB KV cache space
@@ -158,13 +158,14 @@ def _phases(store: Path, clocks: list[dict]) -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--tenants", type=int, default=4)
+    ap.add_argument("--tenants", type=count(1, 64), default=4, help="tenants the requests are spread over (default 4)")
     ap.add_argument("--requests", type=int, default=128,
                     help="requests per round (default 128, about 6 s of serving: with 32 a round lasted about 1.4 s, "
                          "and the client's ramp - it sends the requests one after another - and the last requests' "
                          "tail were a large part of it)")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--new-tokens", type=count(1, 4096), default=64, help="tokens generated per request (default 64)")
+    ap.add_argument("--rounds", type=count(1, 100), default=5,
+                    help="measured rounds of the same load per side (served, the engine alone, vllm serve), interleaved, the median kept (default 5)")
     ap.add_argument("--torch-threads", type=int, default=None,
                     help="the server's --torch-threads (default: its own default, one fewer than the cores)")
     ap.add_argument("--max-num-seqs", type=int, default=None,

@@ -26,7 +26,7 @@ import torch
 from rich.progress import track
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import add_results_option, results_name, tiny_llama_workload, workload_parser, write  # noqa: E402
+from bench._common import add_results_option, count, results_name, tiny_llama_workload, workload_parser, write  # noqa: E402
 from engine.config import EngineConfig  # noqa: E402
 from engine.llm import LLMEngine  # noqa: E402
 from engine.request import SamplingParams  # noqa: E402
@@ -46,8 +46,10 @@ def main() -> None:
                     help="rounds of the priority calibration (the writer's CPU burnt by a Python thread at normal and "
                          "at idle priority, by an idle thread holding no GIL and by an idle process, vs nothing; one "
                          "generate call each)")
-    ap.add_argument("--ingest-steps", type=int, default=300)
-    ap.add_argument("--ingest-context", type=int, default=2048)
+    ap.add_argument("--ingest-steps", type=count(1, 100_000), default=300,
+                    help="decode steps captured and fed through the ledger in the ingest part (default 300)")
+    ap.add_argument("--ingest-context", type=count(16, 4092), default=2048,
+                    help="prompt tokens of each of the 32 captured decode sequences (default 2048; their engine holds 4096)")
     ap.add_argument("--ingest-repeats", type=int, default=3, help="measured ingest runs (median), after one warm-up")
     add_results_option(ap, "telemetry")
     args = ap.parse_args()
