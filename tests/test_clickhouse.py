@@ -493,6 +493,40 @@ def test_the_report_and_the_dashboard_say_the_same_on_chdb(glm53_vulnerable, tmp
     assert d.tenants() == sorted(d.fx.requests()["tenant_h"].drop_nulls().unique().to_list()) and len(d.tenants()) > 1
 
 
+@pytest.mark.xdist_group("glm53")
+def test_a_donor_of_the_recipients_own_tenant_still_surfaces_on_either_engine(glm53_vulnerable, tmp_path):
+    """The donor is not the recipient's tenant's "earlier request of its own": a store where the
+    donor of the most surfaced pair is made one of the recipient tenant's requests (its spans' and
+    arrivals' tenant) keeps that pair surfaced, on DuckDB and on chdb alike."""
+    import pyarrow.compute as pc
+    _, src = glm53_vulnerable
+    fx = Forensics(src, answer_cache=False)
+    ex = fx.query("exposures").filter(pl.col("evidence") == "surfaced")
+    row = ex.sort("shared_ngrams", descending=True).row(0, named=True)
+    tenant = fx.requests().filter(pl.col("incarnation") == row["response"])["tenant_h"][0]
+    assert row["donor_tenant"] != tenant        # (a cross-tenant pair, made same-tenant below)
+    store = tmp_path / "same-tenant"
+    con = open_store(src)
+    w = SegmentWriter(store)
+    for t in arrow_schemas():
+        data = con.table(t).to_arrow_table()
+        if t in ("spans", "arrivals"):
+            mine = pc.equal(data["incarnation"], row["donor"]).fill_null(False)
+            data = data.set_column(data.schema.get_field_index("tenant_h"), "tenant_h",
+                                   pc.if_else(mine, tenant, data["tenant_h"]))
+        if data.num_rows:
+            w.submit(t, data)
+    w.close()
+    d, c = Forensics(store, answer_cache=False), ClickHouseForensics(store)
+    try:
+        a, b = d.query("exposures"), c.query("exposures")
+        same(a, b, "exposures, the donor of the recipient's tenant")
+        now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
+        assert now.select("donor_tenant", "evidence").rows() == [(tenant, "surfaced")]
+    finally:
+        c.close()
+
+
 def test_a_stale_chdb_mirror_is_rebuilt_from_the_store_in_hand(fleet):
     """--engine chdb's copy is a cache: one holding another history of the store (a record whose
     sha256 is not the store's) is dropped and rebuilt, never mixed with the store's rows."""
