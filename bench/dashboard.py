@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 from pathlib import Path
@@ -57,7 +56,7 @@ def main() -> None:
     os.environ["KVLEDGER_STORE"] = str(root)
     from streamlit.testing.v1 import AppTest
 
-    from tests.streamlit_app import app_test
+    from tests.streamlit_app import timed_run
 
     from dashboard.data import Panels
     from dashboard.serve import preload
@@ -68,14 +67,9 @@ def main() -> None:
     def render(n: int) -> tuple[list[float], list[float], "AppTest"]:
         renders, scripts = [], []
         for _ in range(n):
-            at = app_test(APP, 600)
-            t = time.perf_counter()
-            at.run()
-            renders.append(time.perf_counter() - t)
-            assert not at.exception, [e.message for e in at.exception]
-            footer = next((c.value for c in at.caption if "rendered in" in c.value), None)   # the script's own time
-            assert footer, [e.value for e in at.error]
-            scripts.append(float(re.search(r"rendered in ([0-9.]+) s", footer).group(1)))
+            at, took, script = timed_run(APP, 600)
+            renders.append(took)
+            scripts.append(script)          # the script's own time
             banners.append(at.session_state["state_line_s"])     # the banner and tiles drawn, in the script
             # the banner said what the exposure index knows before the n-gram evidence was built (None:
             # the evidence was at hand, no early banner)
@@ -135,17 +129,12 @@ def _child() -> None:
     the components' discovery) untimed, then the script run; its times as a JSON line."""
     import json
 
-    from tests.streamlit_app import app_test
+    from tests.streamlit_app import timed_run
 
     from dashboard.serve import preload
     preload()
-    at = app_test(APP, 600)
-    t = time.perf_counter()
-    at.run()
-    render_s = time.perf_counter() - t
-    assert not at.exception, [e.message for e in at.exception]
-    footer = next(c.value for c in at.caption if "rendered in" in c.value)
-    print(json.dumps({"render_s": render_s, "script_s": float(re.search(r"rendered in ([0-9.]+) s", footer).group(1)),
+    at, render_s, script_s = timed_run(APP, 600)
+    print(json.dumps({"render_s": render_s, "script_s": script_s,
                       "banner_s": at.session_state["state_line_s"],
                       "early_banner_s": at.session_state["early_banner_s"] if "early_banner_s" in at.session_state
                       else None}))

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -15,14 +14,14 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bench._common import write  # noqa: E402
+from bench._common import count, write  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--repeats", type=int, default=5, help="warm runs measured (default 5)")
+    ap.add_argument("--repeats", type=count(1, 1000), default=5, help="warm runs measured (default 5)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvledger-bench-dash-"))
     os.environ.setdefault("KVLEDGER_STATE_DIR", str(tmp / "state"))
@@ -31,7 +30,7 @@ def main() -> None:
     store = tmp / "store"
     res = glm53("vulnerable", recorder=recording(store))
     os.environ["KVLEDGER_STORE"] = str(store)
-    from tests.streamlit_app import app_test
+    from tests.streamlit_app import timed_run
 
     from dashboard.data import VERIFIED, Panels
     from dashboard.serve import preload
@@ -46,13 +45,8 @@ def main() -> None:
         return time.perf_counter() - t
 
     def page() -> tuple[float, float]:
-        at = app_test(APP, 120)
-        t = time.perf_counter()
-        at.run()
-        took = time.perf_counter() - t
-        assert not at.exception, [e.message for e in at.exception]
-        footer = next(c.value for c in at.caption if "rendered in" in c.value)
-        return took, float(re.search(r"rendered in ([0-9.]+) s", footer).group(1))
+        _, took, script = timed_run(APP, 120)
+        return took, script
 
     VERIFIED.clear()
     first_banner = banner()

@@ -70,6 +70,21 @@ def small_config(model, pages: int, page_size: int = 4, **kw) -> EngineConfig:
     return EngineConfig(kv_memory_budget=budget_for_pages(model, pages, page_size), page_size=page_size, **kw)
 
 
+def rewrite_store(src, dst, edit) -> Path:
+    """Every table of ``src`` into a new store at ``dst`` through the real segment writer (signed and
+    chained by its own key), ``edit(table, arrow)`` applied first."""
+    from telemetry.store import SegmentWriter, open_store
+    from telemetry.store.schema import tables
+    con = open_store(src)
+    w = SegmentWriter(dst)
+    for t in tables():
+        data = edit(t, con.table(t).to_arrow_table())
+        if data.num_rows:
+            w.submit(t, data)
+    w.close()
+    return Path(dst)
+
+
 # ---- the GLM-5.3 replay, recorded into a store: shared by the incident and forensics tests -----
 # (tests using these carry @pytest.mark.xdist_group("glm53") so one xdist worker computes them once)
 GLM53_SMALL = dict(context=1024, victims=2, background=8, max_tokens=24, seed=3)

@@ -7,6 +7,9 @@ kept page's render in bench/dashboard.py. Here the instances of one process shar
 as the page loads of one `kvledger dashboard` do."""
 from __future__ import annotations
 
+import re
+import time
+
 from streamlit.components.v2.component_manager import BidiComponentManager
 from streamlit.testing.v1 import AppTest
 
@@ -22,3 +25,16 @@ def app_test(path: str, timeout: float) -> AppTest:
         _COMPONENTS.append(manager)
     at._bidi_component_manager = _COMPONENTS[0]     # (AppTest.run discovers only where this is None)
     return at
+
+
+def timed_run(path: str, timeout: float) -> tuple[AppTest, float, float]:
+    """One page load of the app (benches): the AppTest after its run, the run's wall seconds and the
+    script's own time (the page footer's "rendered in"); the run raised nothing."""
+    at = app_test(path, timeout)
+    t = time.perf_counter()
+    at.run()
+    took = time.perf_counter() - t
+    assert not at.exception, [e.message for e in at.exception]
+    footer = next((c.value for c in at.caption if "rendered in" in c.value), None)
+    assert footer, [e.value for e in at.error]
+    return at, took, float(re.search(r"rendered in ([0-9.]+) s", footer).group(1))

@@ -28,6 +28,7 @@ from telemetry.store.chain import read_chain
 from telemetry.clickhouse import ClickHouseError, columns, connect, ddl, export, follow, layouts
 from telemetry.store.schema import arrow_schemas
 from telemetry.store import SegmentWriter, open_store
+from tests.conftest import rewrite_store
 
 CHDB = os.environ["KVLEDGER_CHDB_PATH"]          # this test process's embedded ClickHouse (conftest)
 ALL = list(FORENSIC_QUERIES)
@@ -505,26 +506,16 @@ def test_a_donor_of_the_recipients_own_tenant_still_surfaces_on_either_engine(gl
     row = ex.sort("shared_ngrams", descending=True).row(0, named=True)
     tenant = fx.requests().filter(pl.col("incarnation") == row["response"])["tenant_h"][0]
     assert row["donor_tenant"] != tenant        # (a cross-tenant pair, made same-tenant below)
-    store = tmp_path / "same-tenant"
-    con = open_store(src)
-    w = SegmentWriter(store)
-    for t in arrow_schemas():
-        data = con.table(t).to_arrow_table()
-        if t in ("spans", "arrivals"):
-            mine = pc.equal(data["incarnation"], row["donor"]).fill_null(False)
-            data = data.set_column(data.schema.get_field_index("tenant_h"), "tenant_h",
-                                   pc.if_else(mine, tenant, data["tenant_h"]))
-        if data.num_rows:
-            w.submit(t, data)
-    w.close()
-    d, c = Forensics(store, answer_cache=False), ClickHouseForensics(store)
-    try:
-        a, b = d.query("exposures"), c.query("exposures")
-        same(a, b, "exposures, the donor of the recipient's tenant")
-        now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
-        assert now.select("donor_tenant", "evidence").rows() == [(tenant, "surfaced")]
-    finally:
-        c.close()
+
+    def moved(t: str, data: pa.Table) -> pa.Table:            # the donor's rows under the recipient's tenant
+        if t not in ("spans", "arrivals"):
+            return data
+        mine = pc.equal(data["incarnation"], row["donor"]).fill_null(False)
+        return data.set_column(data.schema.get_field_index("tenant_h"), "tenant_h",
+                               pc.if_else(mine, tenant, data["tenant_h"]))
+    a = _exposures_on_both(rewrite_store(src, tmp_path / "same-tenant", moved), "the donor of the recipient's tenant")
+    now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
+    assert now.select("donor_tenant", "evidence").rows() == [(tenant, "surfaced")]
 
 
 def test_a_stale_chdb_mirror_is_rebuilt_from_the_store_in_hand(fleet):
@@ -571,24 +562,23 @@ def test_text_the_recipients_tenant_had_earlier_is_not_surfaced_on_either_engine
         assert pick is not None, f"the incident has a surfaced response and a request for the {which} case"
         row, mate = pick
         out = fx.con.sql(f"SELECT n, hash FROM ngrams WHERE incarnation = {row['response']} AND role = 'output'").pl()
-        store = tmp_path / which        # a store of its own (own key and anchor) with those rows added
-        con = open_store(src)
-        w = SegmentWriter(store)
-        for t in arrow_schemas():
-            data = con.table(t).to_arrow_table()
-            if t == "ngrams":
-                data = pa.concat_tables([data, pa.table({
-                    "incarnation": pa.array([mate] * out.height, pa.int64()), "role": pa.array(["output"] * out.height),
-                    "n": out["n"].to_arrow(), "hash": out["hash"].to_arrow(),
-                    "pos": pa.array(range(out.height), pa.int32())}).cast(data.schema)])
-            if data.num_rows:
-                w.submit(t, data)
-        w.close()
-        d, c = Forensics(store, answer_cache=False), ClickHouseForensics(store)
-        try:
-            a, b = d.query("exposures"), c.query("exposures")
-            same(a, b, f"exposures, the text in the output of an {which} request")
-            now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
-            assert now["evidence"].to_list() == (["read"] if cancelled else ["surfaced"]), which
-        finally:
-            c.close()
+
+        def added(t: str, data: pa.Table) -> pa.Table:       # those rows added
+            return data if t != "ngrams" else pa.concat_tables([data, pa.table({
+                "incarnation": pa.array([mate] * out.height, pa.int64()), "role": pa.array(["output"] * out.height),
+                "n": out["n"].to_arrow(), "hash": out["hash"].to_arrow(),
+                "pos": pa.array(range(out.height), pa.int32())}).cast(data.schema)])
+        a = _exposures_on_both(rewrite_store(src, tmp_path / which, added), f"the text in the output of an {which} request")
+        now = a.filter((pl.col("response") == row["response"]) & (pl.col("donor") == row["donor"]))
+        assert now["evidence"].to_list() == (["read"] if cancelled else ["surfaced"]), which
+
+
+def _exposures_on_both(store: Path, what: str) -> pl.DataFrame:
+    """The store's exposures on DuckDB, once chdb's are the same."""
+    d, c = Forensics(store, answer_cache=False), ClickHouseForensics(store)
+    try:
+        a = d.query("exposures")
+        same(a, c.query("exposures"), f"exposures, {what}")
+        return a
+    finally:
+        c.close()

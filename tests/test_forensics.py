@@ -19,7 +19,7 @@ from engine.disagg.cluster import Guards
 from engine.replay.glm53 import glm53
 from forensics.queries.duckdb import Forensics
 from engine.commands.main import main
-from tests.conftest import GLM53_SMALL
+from tests.conftest import GLM53_SMALL, rewrite_store
 
 pytestmark = pytest.mark.xdist_group("glm53")
 
@@ -841,20 +841,6 @@ def test_the_exposure_index_equals_the_as_of_join(fixture, request, capsys):
     assert runs["index"].height < n("exposure_slots") or n("exposure_slots") == 0
 
 
-def _rewrite(src, dst, edit) -> None:
-    """Every table of ``src`` into a new store at ``dst`` through the real segment writer (signed and
-    chained by its own key), ``edit(table, arrow)`` applied first."""
-    from telemetry.store import SegmentWriter
-    from telemetry.store.schema import tables
-    con = open_store(src)
-    w = SegmentWriter(dst)
-    for t in tables():
-        data = edit(t, con.table(t).to_arrow_table())
-        if data.num_rows:
-            w.submit(t, data)
-    w.close()
-
-
 def test_verify_index_names_every_difference(glm53_vulnerable, tmp_path, capsys):
     """A store whose index is wrong (one of its rows lost, one donor changed) verifies as a store - it
     is signed as written - and verify-index names both differences (exit 1); readers told not to
@@ -871,7 +857,7 @@ def test_verify_index_names_every_difference(glm53_vulnerable, tmp_path, capsys)
         donor[1] = 4242
         return t.slice(1).set_column(t.schema.get_field_index("donor"), "donor", pa.array(donor[1:], pa.int64()))
     bad = tmp_path / "bad-index"
-    _rewrite(store, bad, edit)
+    rewrite_store(store, bad, edit)
     assert main(["forensics", "verify-index", "--store", str(bad)]) == 1
     out = capsys.readouterr().out
     assert "exposure index != as-of join" in out and "join only" in out and "index only" in out and "4242" in out
@@ -883,7 +869,7 @@ def test_verify_index_names_every_difference(glm53_vulnerable, tmp_path, capsys)
     slots = fx.exposure_slots()
     assert set(zip(slots["response"], slots["donor"], slots["node"], slots["page"], slots["position"])) == oracle_set(res)
     # a store whose runs wrote no index: nothing to verify (exit 3), the join answers
-    _rewrite(store, tmp_path / "no-index", lambda table, t: t.filter(pc.scalar(False)) if table == "exposure_index"
+    rewrite_store(store, tmp_path / "no-index", lambda table, t: t.filter(pc.scalar(False)) if table == "exposure_index"
              else t.drop_columns(["exposure_index"]) if table == "config_snapshots" else t)
     assert main(["forensics", "verify-index", "--store", str(tmp_path / "no-index")]) == 3
     assert "without the exposure index" in capsys.readouterr().err
@@ -970,7 +956,7 @@ def _own_copy(src, tmp_path, name: str = "store", writable: bool = False) -> Pat
     appended to would move the anchor of the store it was copied from (one store id)."""
     store = tmp_path / name
     if writable:
-        _rewrite(src, store, lambda table, t: t)
+        rewrite_store(src, store, lambda table, t: t)
     else:
         shutil.copytree(src, store)
     return store
