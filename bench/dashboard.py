@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._bigstore import build  # noqa: E402
-from bench._common import write  # noqa: E402
+from bench._common import count, write  # noqa: E402
 
 APP = str(Path(__file__).resolve().parent.parent / "dashboard" / "app.py")
 
@@ -38,13 +38,11 @@ def main() -> None:
                     help="also a live store: a copy of it (hard links) with a writer open that flushes one more "
                          "healthy copy of the base traffic (new segments, a new chain head) before each render; "
                          "renders with the shared tables grown (the default) and rebuilt, interleaved")
-    ap.add_argument("--first-page", type=int, default=3, metavar="N",
+    ap.add_argument("--first-page", type=count(0, 100), default=3, metavar="N",
                     help="first page loads with the defaults, each in a process of its own with nothing kept but "
                          "the verification cache (default 3; 0: none)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)     # one such page load
     args = ap.parse_args()
-    if args.first_page < 0:
-        ap.error(f"--first-page must be 0 or more, got {args.first_page}")
     if args.child:
         return _child()
     if args.sparse:

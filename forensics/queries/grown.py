@@ -224,7 +224,7 @@ def _merge_queues(s: duckdb.DuckDBPyConnection, queues: pa.Table, delta: pa.Tabl
 def _finished(requests: pa.Table) -> tuple[pa.Table, pa.Table]:
     """The finished requests' rows and the others (``finished`` is never NULL: requests.sql), as
     slices of ``requests`` where they already lie apart - none open (a store no writer holds), or the
-    open ones last (requests.sql's UNION ALL often gives them so) - else copied out by a mask. At
+    open ones all after the finished (requests.sql's UNION ALL may give them so) - else copied out by a mask. At
     520 K requests (95 MB of rows; one-off, this session's AMD EPYC) a copy by a mask took 0.3 s the
     first time in a process (fresh memory from pyarrow's pool, mimalloc; 0.03-0.06 s after) and the
     filter by an expression used before (``pc.field``: Acero) 0.43 s: the grown requests' first
