@@ -115,7 +115,8 @@ def test_a_chain_file_parsed_once_in_a_process_is_parsed_again_when_a_byte_chang
     f = store / "chain" / "000000002.json"
     body = json.loads(f.read_text())
     sig = body["signature"]
-    body["signature"] = ("A" if sig[0] != "A" else "B") + sig[1:]          # same size, one character
+    # same size, one hex digit other than it (an "A" for an "a" would be the same bytes: fromhex ignores case)
+    body["signature"] = ("0" if sig[0] != "0" else "1") + sig[1:]
     f.write_text(json.dumps(body))
     v = verify(store)
     assert not v.ok and "chain/000000002.json: not signed by this store's key" in v.broken
