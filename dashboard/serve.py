@@ -1,6 +1,6 @@
 """Start Streamlit on the dashboard with its libraries already imported.
 
-Streamlit runs the app script inside the server process, on the first page load; importing altair,
+Streamlit runs the app script inside the server process, on the first page load; importing
 polars, DuckDB and the forensic layer there, and DuckDB's first Parquet read in a process, cost
 about a second on this machine. ``kvledger dashboard`` runs ``python -m dashboard.serve APP
 [streamlit options]``, which does both while the server starts, so the first page load does not
@@ -14,7 +14,7 @@ import sys
 
 # (pandas' Styler: the tables' red rows, ~0.03 s; the ClickHouse backend's errors, which every page
 # load's opening names: ~0.025 s - each on the first page load otherwise)
-PRELOAD = ("altair", "polars", "dashboard.data", "pandas.io.formats.style", "forensics.queries.clickhouse")
+PRELOAD = ("polars", "dashboard.data", "pandas.io.formats.style", "forensics.queries.clickhouse")
 
 
 def preload() -> None:

@@ -38,3 +38,41 @@ def timed_run(path: str, timeout: float) -> tuple[AppTest, float, float]:
     footer = next((c.value for c in at.caption if "rendered in" in c.value), None)
     assert footer, [e.value for e in at.error]
     return at, took, float(re.search(r"rendered in ([0-9.]+) s", footer).group(1))
+
+
+def charts(at: AppTest) -> list[tuple[dict, dict[str, "pl.DataFrame"]]]:
+    """The page's Vega-Lite charts as Streamlit sent them: each chart's spec and its data by the name
+    its layers read it under (the chart's own data: ``""``)."""
+    import json
+
+    import polars as pl
+    import pyarrow as pa
+
+    def frame(raw: bytes) -> pl.DataFrame:
+        return pl.from_arrow(pa.ipc.open_stream(raw).read_all())
+
+    out = []
+    for el in at.get("vega_lite_chart"):
+        p = el.proto
+        data = {d.name: frame(d.data.data) for d in p.datasets}
+        if p.data.data:
+            data[""] = frame(p.data.data)
+        out.append((json.loads(p.spec), data))
+    return out
+
+
+def unknown_fields(spec: dict, data: dict) -> list[str]:
+    """The fields a chart's marks encode (axes, colours, shapes, tooltips...) that the data its layer
+    reads has no column of - what Vega-Lite would draw as nothing, with no error."""
+    missing = []
+
+    def walk(node: dict, name: str) -> None:
+        name = node.get("data", {}).get("name", name) if isinstance(node.get("data"), dict) else name
+        for channel in node.get("encoding", {}).values():
+            for ch in channel if isinstance(channel, list) else [channel]:
+                if "field" in ch and ch["field"] not in data[name].columns:
+                    missing.append(f"{name or 'data'}.{ch['field']}")
+        for layer in node.get("layer", []):
+            walk(layer, name)
+    walk(spec, "")
+    return missing

@@ -401,7 +401,7 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
     assert "--source applies to ttft, impact, tenants only" in capsys.readouterr().err
     import os
 
-    from tests.streamlit_app import app_test
+    from tests.streamlit_app import app_test, charts, unknown_fields
     os.environ["KVLEDGER_STORE"] = str(store)
     try:
         at = app_test(str(ROOT / "dashboard" / "app.py"), 120)
@@ -410,6 +410,8 @@ def test_a_foreign_incident_is_flagged_from_spans_and_logs_alone(tmp_path, capsy
         del os.environ["KVLEDGER_STORE"]
     assert not at.exception, [e.message for e in at.exception]
     assert any("Theil-Sen" in c.value for c in at.caption)       # the foreign TTFT chart and its per-tenant table
+    (spec, data), = charts(at)          # (no page ledger: the fleet's chart alone)
+    assert unknown_fields(spec, data) == [] and data["pts"].height == 44, data
 
 
 def test_the_ledger_s_tenants_name_a_foreign_fleet_s_spans_only_where_the_store_holds_some(tmp_path, capsys,

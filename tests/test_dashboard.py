@@ -16,7 +16,7 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from dashboard.data import Filters, Panels
-from tests.streamlit_app import app_test
+from tests.streamlit_app import app_test, charts, unknown_fields
 from forensics.queries.duckdb import Forensics
 
 pytestmark = pytest.mark.xdist_group("glm53")
@@ -53,6 +53,16 @@ def test_every_panel_renders_and_its_numbers_equal_kvledger_forensics(glm53_vuln
     assert m["Donor tenants"] == ex.filter(pl.col("donor") != -1)["donor_tenant"].n_unique()
     assert m["Billed for more prompt than prefilled"] == int(ttft["usage_dishonest"].sum())
     assert m["Transfers failing integrity"] == int((~tr["integrity_ok"]).sum())
+    # the charts: each encodes only columns of the data it reads, and that data is the panels'
+    drawn = charts(at)
+    assert [unknown_fields(spec, data) for spec, data in drawn] == [[], [], []]
+    (_, sot), (_, tm), (_, tt) = drawn      # score over time, donor -> recipient tenants, TTFT
+    p = Panels(store)
+    assert sot[""].select("time", "cumulative_score").equals(p.score_over_time().select("time", "cumulative_score"))
+    assert tm[""].sort("donor_tenant", "recipient_tenant").equals(p.tenant_matrix().sort("donor_tenant", "recipient_tenant"))
+    anomalies = p.ttft().filter(pl.col("below_floor") | pl.col("usage_dishonest"))
+    assert anomalies.height and sorted(tt["dots"].filter(pl.col("anomaly"))["incarnation"]) == sorted(anomalies["incarnation"])
+    assert tt["dots"].height == ttft.height and tt["floor"]["uncached"].is_sorted()
     # drill-down: every affected response, and for each exactly its donors
     drill = at.selectbox(key="drill")
     assert sorted(drill.options) == sorted(str(r) for r in scores["response"])
