@@ -115,6 +115,15 @@ def test_clickhouse_answers_every_query_as_duckdb_does_on_the_incident(which, re
             assert a["served"][0] == Forensics(store).query("ttft", None, half).height > 0
         finally:
             c.close()
+        # ttft's floor leaves out the window's exposed responses - read from exposure_slots on both
+        # engines, so a chdb session asked for ttft alone builds no n-gram evidence
+        c = ClickHouseForensics(store)
+        try:
+            for start, end in ((None, None), (None, half), (half, None)):
+                same(Forensics(store).query("ttft", start, end), c.query("ttft", start, end), f"ttft in [{start}, {end}]")
+            assert "exposure_slots" in c._made and "exposure_ngrams" not in c._made, c._made
+        finally:
+            c.close()
 
 
 @pytest.mark.xdist_group("runs")

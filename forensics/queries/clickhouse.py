@@ -223,10 +223,14 @@ class ClickHouseForensics:
                 self._ensure(m)
 
     def _prepare(self, text: str) -> None:
-        if any(m in text for m in ("exposure_slots", "exposures_in", "scores_in", "exposure_ngrams")):
-            self.materialise()
-        elif "requests" in text:
-            self._ensure("requests")
+        """Materialise what the query's text (its includes spliced in) names, with the tables
+        MATERIALISED lists before it (each is made from those before it): a query that reads
+        exposure_slots and not exposure_ngrams (ttft) does not wait for the n-gram evidence."""
+        body = _strip_comments(text)
+        named = [i for i, m in enumerate(MATERIALISED) if re.search(rf"\b{m}\b", body)]
+        for m in MATERIALISED[:max(named) + 1] if named else []:
+            if not (m in JOIN_ONLY and self.indexed):
+                self._ensure(m)
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:

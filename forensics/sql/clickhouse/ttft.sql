@@ -15,7 +15,9 @@ r AS (
 healthy AS (
     SELECT * FROM r
     WHERE prompt_tokens_billed <= prompt_tokens_prefilled + coalesce(prompt_tokens_cached, 0)
-      AND incarnation NOT IN (SELECT response FROM (@exposures_in@))
+      AND incarnation NOT IN (    -- exposures_in's responses, from exposure_slots: no n-gram evidence needed
+          SELECT response FROM exposure_slots
+          WHERE ts_first <= {to:DateTime64(9, 'UTC')} AND ts_last >= {from:DateTime64(9, 'UTC')})
       AND prompt_tokens_prefilled >= {min_tokens:Int64}
 ),
 rate AS (
