@@ -279,7 +279,7 @@ def exposure_section(p: Panels) -> None:
             st.info("No exposure recorded in this window.")
         else:
             chart({"mark": {"type": "line", "point": {"color": RED}, "color": RED}, "encoding": {
-                "x": _axis("time", "T", "first foreign read (UTC)", axis={"format": "%H:%M:%S"}),
+                "x": _axis("time", "T", "first foreign read (UTC)", axis={"format": "%H:%M:%S", "tickMinStep": 1000}),
                 "y": _axis("cumulative_score", "Q", "cumulative exposure score")}}, data=sot)
     with right:
         st.subheader("Donor -> recipient tenants")
