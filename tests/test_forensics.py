@@ -743,6 +743,24 @@ def test_kept_entries_are_written_off_the_answer_s_path_whole_and_in_the_order_m
         assert f.read_all().column("x").to_pylist() == [2, 3]
 
 
+def test_a_kept_entry_is_read_mapped_and_a_table_read_stays_whole_when_the_entry_is_rewritten(tmp_path):
+    """Kept tables and answers are memory-mapped, not copied into Arrow's memory (an idle store's
+    dashboard reads ~100 MB of them back on every refresh at 121 M read rows); a table read from an
+    entry keeps its values when the entry is written again and the file it was mapped from removed."""
+    import numpy as np
+    import pyarrow as pa
+    from forensics.queries import answers
+    d = tmp_path / "entry"
+    big = pa.table({"x": pa.array(np.arange(1_000_000, dtype=np.int64))})
+    assert answers.write_entry(d, {"t": big}, {"n": 1})
+    path = d / f"t-{json.loads((d / 'meta.json').read_text())['gen']}.arrow"
+    before = pa.total_allocated_bytes()
+    t = answers.read_kept(path)
+    assert pa.total_allocated_bytes() - before < big.nbytes // 100       # mapped: 8 MB not copied
+    assert answers.write_entry(d, {"t": pa.table({"x": [7]})}, {"n": 2}) and not path.exists()
+    assert t.equals(big)
+
+
 def test_a_response_cut_off_mid_decode_keeps_its_tenant_and_is_counted(tmp_path):
     """Issue 33: a response still decoding (or cut off by a crash) had no request row: tenant NULL,
     same_tenant wrong, not counted by runs or the report. Its arrival is now written by the ledger

@@ -41,9 +41,9 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
-import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk, entry_written, file_key as _stat, write_entry_later
+from forensics.queries.answers import (enabled as kept_on_disk, entry_written, file_key as _stat, read_kept,
+                                      write_entry_later)
 from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
@@ -100,8 +100,7 @@ def _load(key: str, ident: str) -> _Kept | None:
             return None
 
         def table(name: str) -> pa.Table:
-            with pa.ipc.open_file(d / f"{name}-{meta['gen']}.arrow") as f:
-                t = f.read_all()
+            t = read_kept(d / f"{name}-{meta['gen']}.arrow")
             if t.num_rows != meta[f"{name}_rows"]:
                 raise ValueError(f"{name}: a partial table")
             return t

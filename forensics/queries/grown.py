@@ -50,9 +50,9 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
-import pyarrow.ipc  # noqa: F401  (pa.ipc)
 
-from forensics.queries.answers import enabled as kept_on_disk, entry_written, file_key as _stat, write_entry_later
+from forensics.queries.answers import (enabled as kept_on_disk, entry_written, file_key as _stat, read_kept,
+                                      write_entry_later)
 from telemetry.store import carried, table_relation
 from telemetry.store.keys import state_dir
 
@@ -155,8 +155,7 @@ def _load(key: tuple, ident: str) -> _Kept | None:
             return None
         parts = {}
         for name, rows in meta["rows"].items():
-            with pa.memory_map(str(d / f"{name}-{meta['gen']}.arrow")) as f:
-                parts[name] = pa.ipc.open_file(f).read_all()
+            parts[name] = read_kept(d / f"{name}-{meta['gen']}.arrow")
             if parts[name].num_rows != rows:
                 return None
         files = {f: tuple(st) for f, st in meta["files"].items()}
