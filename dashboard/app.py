@@ -23,7 +23,8 @@ import polars as pl
 import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dashboard.data import BANNER, PROTECTION, TIERS, Filters, Panels, Protection  # noqa: E402
+from dashboard.data import (BANNER, PROTECTION, TIERS, TRANSFER_ORDER, Filters, Panels, Protection,  # noqa: E402
+                            chart_points, first_rows)
 from forensics.window import ago, parse_when, utcnow  # noqa: E402
 
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
@@ -149,12 +150,12 @@ def filters(start: dt.datetime | None = None) -> Filters:
                    node=None if node == "all" else node, policy=None if policy == "all" else policy)
 
 
-def table(df: pl.DataFrame, red: str | None = None, shown_as=None) -> None:
+def table(df: pl.DataFrame, red: str | None = None, shown_as=None, order: list[str] | None = None) -> None:
     """A table whose rows turn red where column `red` is true; red rows first, at most ROWS of them
-    (``shown_as``: how those rows are written for the eye, applied to them alone)."""
-    if red is not None and df.height:
-        df = df.sort(red, descending=True, maintain_order=True)
-    shown = df.head(ROWS)
+    (``shown_as``: how those rows are written for the eye, applied to them alone). ``order``: rows
+    in no set order (an UNORDERED query's), shown by these columns ascending, nulls last, as the
+    query's ORDER BY had them - the first ROWS picked without sorting the whole frame."""
+    shown = first_rows(df, ROWS, red, order)
     if shown_as is not None and shown.height:
         shown = shown_as(shown)
     pdf = shown.to_pandas()
@@ -321,13 +322,9 @@ def latency_section(p: Panels) -> None:
     if tt.is_empty():
         st.info("No request reached its first token in this window.")
     else:
-        pts = tt.select("incarnation", "tenant_h", "prompt_tokens_billed", "prompt_tokens_prefilled", "service_ttft_s",
-                        "ttft_floor_s", anomaly=pl.col("below_floor") | pl.col("usage_dishonest"),
-                        uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached"))
-        healthy = pts.filter(~pl.col("anomaly"))
-        if healthy.height > CHART_POINTS:       # every anomaly is drawn; healthy requests are sampled
-            pts = pl.concat([pts.filter(pl.col("anomaly")), healthy.sample(CHART_POINTS, seed=0)])
-            st.caption(f"every anomaly drawn; {CHART_POINTS} of {healthy.height} healthy requests sampled")
+        pts, healthy = chart_points(tt, CHART_POINTS)
+        if healthy > CHART_POINTS:
+            st.caption(f"every anomaly drawn; {CHART_POINTS} of {healthy} healthy requests sampled")
         floor = tt.group_by(uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached")).agg(
             pl.col("ttft_floor_s").max()).sort("uncached")
         chart({"layer": [
@@ -350,7 +347,9 @@ def integrity_section(p: Panels) -> None:
     tr = p.transfers()
     st.metric("Transfers failing integrity", int((~tr["integrity_ok"]).sum()) if tr.height else 0)
     table(tr.select("incarnation", "src_node", "dst_node", "reserved", "landed", "checksum_ok", "integrity_ok",
-                    "outcome", failing=~pl.col("integrity_ok")) if tr.height else tr, "failing" if tr.height else None)
+                    "outcome", *TRANSFER_ORDER[:2], failing=~pl.col("integrity_ok")) if tr.height else tr,
+          "failing" if tr.height else None, lambda shown: shown.drop(TRANSFER_ORDER[:2]),
+          order=TRANSFER_ORDER if tr.height else None)
 
     st.subheader("Deferred releases and held capacity")
     rel = p.releases()

@@ -24,6 +24,7 @@ from engine.commands.main import main
 from forensics.queries.catalog import QUERIES as FORENSIC_QUERIES
 from forensics.queries.fleet import query as named_query
 from forensics.queries.clickhouse import ClickHouseForensics
+from dashboard.data import UNORDERED
 from telemetry.store.chain import read_chain
 from telemetry.clickhouse import ClickHouseError, columns, connect, ddl, export, follow, layouts
 from telemetry.store.schema import arrow_schemas
@@ -63,11 +64,16 @@ def assert_engines_agree(store: Path, run: str | None = None) -> dict[str, int]:
     d = Forensics(store, run)
     c = ClickHouseForensics(store, run)
     try:
-        rows = {}
+        rows, answers = {}, {}
         for name in ALL:
             a, b = named_query(d, name), named_query(c, name)     # fleet_tenants: from two queries
             same(a, b, name)
-            rows[name] = a.height
+            rows[name], answers[name] = a.height, a
+        # the dashboard's queries without their closing ORDER BY (dashboard.data.UNORDERED): the same rows
+        for name in UNORDERED:
+            for fx in (d, c):
+                same(fx.queries([name], unordered=(name,))[name], answers[name], f"{name} unordered on {fx.engine}",
+                     ordered=False)
         # the dashboard banner's count of served requests (not a command): ttft's rows, on both engines
         same(d.query("served"), c.query("served"), "served")
         assert d.query("served")["served"][0] == rows["ttft"]

@@ -424,3 +424,54 @@ def test_a_first_render_with_nothing_kept_draws_the_early_banner_then_the_whole_
     again = _app(store, monkeypatch)             # the evidence is kept in this process now: no early banner
     assert "early_banner_s" not in again.session_state
     assert [e.value for e in again.error if e.value.startswith("EXPOSURE")][0].split(" (")[0] == exposure[0].split(" (")[0]
+
+
+def _shuffled(df: pl.DataFrame, seed: int) -> pl.DataFrame:
+    return df.sample(fraction=1.0, shuffle=True, seed=seed)
+
+
+TRANSFER_ROWS = pl.DataFrame({         # ties on the first key, nulls in it, failing rows among them
+    "ts_submit": [5, 1, None, 3, 3, 2, None, 4, 1, 6] * 3,
+    "transfer_id": [f"t{i:02d}" for i in range(30)],
+    "incarnation": list(range(30)),
+    "failing": [i % 4 == 0 for i in range(30)],
+})
+
+
+@pytest.mark.parametrize("limit,red", [(100, "failing"), (5, "failing"), (8, "failing"), (12, "failing"),
+                                       (3, None), (100, None)], ids=lambda v: str(v))
+def test_a_table_of_unordered_rows_shows_the_rows_its_ordered_query_would(limit, red):
+    """The transfers table reads its rows unordered (dashboard.data.UNORDERED): the rows it shows, and
+    their order, are still those of transfers.sql's ORDER BY (ascending, nulls last), failing rows
+    first - the first `limit` picked without sorting the whole frame, whatever order the rows came in."""
+    from dashboard.data import TRANSFER_ORDER, first_rows
+    ordered = TRANSFER_ROWS.sort(TRANSFER_ORDER, nulls_last=True)
+    want = first_rows(ordered, limit, red)          # the ordered query's rows, as the table took them before
+    for seed in range(5):
+        got = first_rows(_shuffled(TRANSFER_ROWS, seed), limit, red, TRANSFER_ORDER)
+        assert got.equals(want), (seed, got, want)
+    assert first_rows(TRANSFER_ROWS.head(0), limit, red, TRANSFER_ORDER).height == 0
+
+
+def test_the_ttft_chart_draws_the_same_points_whatever_order_its_rows_come_in():
+    """ttft's rows come unordered: the chart's sample of healthy requests, and the order its points
+    are drawn in, must not change from one refresh to the next (no flicker), and every anomaly is drawn."""
+    import random
+    from dashboard.data import chart_points
+    rnd = random.Random(7)
+    n = 5000
+    tt = pl.DataFrame({"incarnation": list(range(n)), "tenant_h": [f"t{i % 7}" for i in range(n)],
+                       "prompt_tokens_billed": [rnd.randint(1, 900) for _ in range(n)],
+                       "prompt_tokens_prefilled": [rnd.randint(1, 900) for _ in range(n)],
+                       "prompt_tokens_cached": [0] * n, "service_ttft_s": [rnd.random() for _ in range(n)],
+                       "ttft_floor_s": [0.01] * n, "below_floor": [i % 97 == 0 for i in range(n)],
+                       "usage_dishonest": [i % 89 == 0 for i in range(n)]})
+    first, healthy = chart_points(tt, 300)
+    anomalies = tt.filter(pl.col("below_floor") | pl.col("usage_dishonest"))
+    assert healthy == n - anomalies.height and first.height == 300 + anomalies.height
+    assert set(first.filter(pl.col("anomaly"))["incarnation"]) == set(anomalies["incarnation"])
+    for seed in range(4):
+        again, _ = chart_points(_shuffled(tt, seed), 300)
+        assert again.equals(first), seed
+    few, healthy = chart_points(tt.head(50), 300)     # under the limit: every request drawn
+    assert few.height == 50 and healthy == 50 - tt.head(50).filter(pl.col("below_floor") | pl.col("usage_dishonest")).height

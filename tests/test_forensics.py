@@ -1558,3 +1558,16 @@ def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53
     assert rc == 0 and b"recomputing the exposure index" in shown
     shown, _, rc = _on_a_terminal(["forensics", "exposures", "--store", str(tmp_path / "none")], env)
     assert rc != 0 and b"kvledger: error:" in shown and b"Traceback" not in shown
+
+
+@pytest.mark.parametrize("text,want", [
+    ("SELECT a FROM t\nORDER BY a, b\n", "SELECT a FROM t\n"),                       # the query's own
+    ("SELECT a FROM t\nORDER BY a DESC\n\n  \n", "SELECT a FROM t\n"),                # trailing blank lines
+    ("SELECT a FROM (\n    SELECT a FROM t\n    ORDER BY a\n)\n", None),              # a subquery's: kept
+    ("SELECT row_number() OVER (ORDER BY a) FROM t\n", None),                          # a window's: kept
+    ("SELECT a FROM t\n-- ORDER BY a\n", None),                                       # a comment: kept
+    ("SELECT a FROM t ORDER BY a\n", None),                                           # not at the margin: kept
+], ids=["own", "blank-lines", "subquery", "window", "comment", "same-line"])
+def test_a_query_is_taken_without_its_closing_order_by_only(text, want):
+    from forensics.queries.base import without_order
+    assert without_order(text) == (text if want is None else want)

@@ -31,7 +31,7 @@ from pathlib import Path
 import polars as pl
 import pyarrow as pa
 
-from forensics.queries.base import CLICKHOUSE_ONLY, ForensicsBackend, with_response_state
+from forensics.queries.base import CLICKHOUSE_ONLY, ForensicsBackend, with_response_state, without_order
 from forensics.queries.duckdb import DEFAULTS, EPOCH, FAR, SQL_DIR, unverified_note
 from telemetry.clickhouse import ChdbTarget, ClickHouseError, Target, connect, export
 from telemetry.store import StoreError, has_live_writer, resolve_boot
@@ -234,16 +234,21 @@ class ClickHouseForensics:
 
     def query(self, name: str, start: dt.datetime | None = None, end: dt.datetime | None = None,
               **params) -> pl.DataFrame:
-        self._prepare(ch_sql(name))
-        text = self._bind(ch_sql(name))
+        return self._query(ch_sql(name), start, end, params)
+
+    def _query(self, body: str, start, end, params: dict) -> pl.DataFrame:
+        self._prepare(body)
+        text = self._bind(body)
         return with_response_state(to_polars(self.target.query_arrow(text, self._params(text, start, end, params),
                                                                       SETTINGS)), self.live)
 
     def queries(self, names: list[str], start: dt.datetime | None = None, end: dt.datetime | None = None,
-                workers: int = 1, **params) -> dict[str, pl.DataFrame]:
+                workers: int = 1, unordered: tuple[str, ...] = (), **params) -> dict[str, pl.DataFrame]:
         """Several named queries over this snapshot (one after another: a ClickHouse session runs one
-        statement at a time; the server parallelises each)."""
-        return {n: self.query(n, start, end, **params) for n in names}
+        statement at a time; the server parallelises each); ``unordered``: these without their
+        closing ORDER BY (``base.without_order``)."""
+        return {n: self._query(without_order(ch_sql(n)) if n in unordered else ch_sql(n), start, end, params)
+                for n in names}
 
     @property
     def unverified_note(self) -> str | None:

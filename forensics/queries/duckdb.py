@@ -22,7 +22,7 @@ import polars as pl
 from forensics.queries.grown import WHOLE, build as grow, enabled as grow_enabled
 from forensics.queries.evidence import FOLD, PUSHED, build as build_evidence, kept as evidence_kept
 from forensics.queries.answers import Answers, enabled as answers_enabled
-from forensics.queries.base import with_response_state
+from forensics.queries.base import with_response_state, without_order
 from telemetry.store import (GENESIS, StoreError, has_live_writer, open_store, read_chain, segment_files, segment_merges,
                              verify)
 from telemetry.store.chain import HashCache, damaged_segments
@@ -372,11 +372,12 @@ class Forensics:
         return con.sql(text, params={k: v for k, v in values.items() if f"${k}" in text}).pl()
 
     def queries(self, names: list[str], start: dt.datetime | None = None, end: dt.datetime | None = None,
-                workers: int = 3, **params) -> dict[str, pl.DataFrame]:
+                workers: int = 3, unordered: tuple[str, ...] = (), **params) -> dict[str, pl.DataFrame]:
         """Several named queries over this snapshot at once, each on its own cursor (same database,
         same snapshot): what a dashboard page needs, in the time of the slowest few instead of the sum.
-        A whole-store answer kept for this snapshot is read back instead of run (answers.py)."""
-        texts = {n: sql(n) for n in names}
+        A whole-store answer kept for this snapshot is read back instead of run (answers.py).
+        ``unordered``: these without their closing ORDER BY (``base.without_order``)."""
+        texts = {n: without_order(sql(n)) if n in unordered else sql(n) for n in names}
         out = {n: df for n, t in texts.items() if (df := self._kept(n, t, start, end, params)) is not None}
         todo = {n: t for n, t in texts.items() if n not in out}
         reads_requests = any(READS_REQUESTS.search(COMMENT.sub("", t)) for t in todo.values())
