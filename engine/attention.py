@@ -213,6 +213,24 @@ def _attend_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     return torch.einsum("nhgqk,nkhd->nqhgd", probs, v), probs.sum(dim=(1, 2, 3))
 
 
+def bf16_prefill_widened(head_dim: int) -> bool:
+    """Whether a bf16 pool's prefill chunks (heads of ``head_dim`` values) are better attended by the
+    fp32 kernel over their values widened than in bf16 products: where these kernels run that one and
+    not the AMX one - a CPU with bf16 products but no AMX tiles (an AMD EPYC with AVX512-BF16), on
+    which the prefill in bf16 would be torch's SDPA after a gather, slower than the widened kernel
+    (the engine on `long` in bf16 1.32x there, 2026-12-07) and less exact. At most one call of each on
+    a pool of one page (kernels.CALLS left as it was)."""
+    if kernels.native() is None:
+        return False
+    pool = KVPool(1, head_dim, 4, 4 * KVPool.page_bytes_for(1, head_dim, 4, torch.bfloat16), dtype=torch.bfloat16)
+    q, out, calls = torch.zeros(2, 1, head_dim), torch.empty(2, 1, head_dim), kernels.CALLS
+    try:
+        return (not kernels.paged_prefill(q, pool, 0, torch.tensor([0]), 2, 1, 1.0, out, bf16_products=True)
+                and kernels.paged_prefill(q, pool, 0, torch.tensor([0]), 2, 1, 1.0, out, bf16_products=False))
+    finally:
+        kernels.CALLS = calls
+
+
 def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout, num_kv_heads: int,
                     head_dim: int, scale: float, check: bool, mass_pages: torch.Tensor | None = None,
                     exact_mass: bool = False, prefill_dtype: torch.dtype | None = None,
@@ -232,7 +250,7 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``, and not where
-      these kernels run only the widened one below - no AMX tiles: ``kernels.bf16_prefill_widened``); elsewhere, and
+      these kernels run only the widened one below - no AMX tiles: ``bf16_prefill_widened``); elsewhere, and
       for a chunk whose mass is measured, fp32 - a bf16 pool's chunks then through the fp32 kernel
       over its K/V widened as they are packed (the numbers of SDPA's fp32 path after the gather).
     The read check itself always covers every slot read.

@@ -132,7 +132,7 @@ def test_bf16_weights_and_kv_stay_within_the_stated_tolerance(kind, gemm, reques
             m.setattr(kernels, "_lib", None)
             torch_ops = LlamaModel.from_pretrained(path, torch.bfloat16)
             # the same prefill attention's type as the native path's (fp32 over widened values where
-            # the native kernels attend a bf16 pool's chunks only that way: kernels.bf16_prefill_widened)
+            # the native kernels attend a bf16 pool's chunks only that way: engine.attention.bf16_prefill_widened)
             torch_ops.prefill_dtype = model.prefill_dtype
             t_toks, t_logits = _greedy_with_logits(torch_ops, BF16_PROMPTS, MAX_NEW)
         assert t_toks == toks
@@ -268,11 +268,12 @@ def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_ll
     where one runs here for the model's heads - the AMX one, in bf16 products, where the CPU has tiles;
     else the fp32 one over the values widened (``model.prefill_dtype`` None: on an AMD EPYC with
     AVX512-BF16 and no AMX it is faster than torch's bf16 SDPA after a gather, `long` in bf16 1.3x,
-    and exact) - never to SDPA; and the greedy tokens stay those of transformers' fp32 run within
-    the stated tolerance (test above)."""
+    and exact) - never to SDPA. (That path's logits against transformers' fp32: the tolerance test
+    above, whose native run takes it.)"""
     import torch.nn.functional as F
 
     from engine import kernels
+    from engine.attention import bf16_prefill_widened
     monkeypatch.setenv("KVLEDGER_BF16_GEMM", "1")
     if kernels.native() is None:
         pytest.skip(f"native kernels not built here: {kernels.why_not()}")
@@ -288,7 +289,7 @@ def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_ll
     if not (amx or widened):
         pytest.skip(f"no native prefill kernel for heads of {D} values here")
     assert model.prefill_dtype == (torch.bfloat16 if amx else None)
-    assert kernels.bf16_prefill_widened(D) == (not amx)
+    assert bf16_prefill_widened(D) == (not amx)
     took, sdpa = [], []
     real_prefill, real_sdpa = kernels.paged_prefill, F.scaled_dot_product_attention
 

@@ -233,26 +233,6 @@ def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int
     return True
 
 
-def bf16_prefill_widened(head_dim: int) -> bool:
-    """Whether a bf16 pool's prefill chunks (heads of ``head_dim`` values) are better attended by the
-    fp32 kernel over their values widened than in bf16 products: where these kernels run that one and
-    not the AMX one - a CPU with bf16 products but no AMX tiles (an AMD EPYC with AVX512-BF16), on
-    which the prefill in bf16 would be torch's SDPA after a gather, slower than the widened kernel
-    (`long` in bf16 1.22x there, 2026-12-07) and less exact. One call of each on a pool of one page
-    (CALLS left as it was)."""
-    global CALLS
-    if native() is None:
-        return False
-    from engine.kv.pool import KVPool
-    pool = KVPool(1, head_dim, 4, 4 * KVPool.page_bytes_for(1, head_dim, 4, torch.bfloat16), dtype=torch.bfloat16)
-    q, out, calls = torch.zeros(2, 1, head_dim), torch.empty(2, 1, head_dim), CALLS
-    try:
-        return (not paged_prefill(q, pool, 0, torch.tensor([0]), 2, 1, 1.0, out, bf16_products=True)
-                and paged_prefill(q, pool, 0, torch.tensor([0]), 2, 1, 1.0, out, bf16_products=False))
-    finally:
-        CALLS = calls
-
-
 def _rows_ok(*ts: torch.Tensor, dtype: torch.dtype = torch.float32) -> bool:
     """fp32 (``dtype``) CPU tensors of 2-D rows, each row contiguous (any row stride). (Called several
     times a layer: written with the cheapest attribute reads, ``is_cpu`` not ``device.type``.)"""

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from engine import kernels
 from engine.config import decode_path
 from engine.errors import ModelLoadError
+from engine.attention import bf16_prefill_widened
 from engine.step import StepContext
 
 
@@ -366,7 +367,7 @@ class LlamaModel(nn.Module):
         # pool's chunks only over its values widened (no AMX tiles), they do that, in fp32 (faster than
         # torch's bf16 SDPA there); elsewhere attention is fp32
         self.prefill_dtype = (torch.bfloat16 if self.dtype == torch.bfloat16 and bf16_gemm()
-                              and not kernels.bf16_prefill_widened(cfg.head_dim) else None)
+                              and not bf16_prefill_widened(cfg.head_dim) else None)
         # q/k/v and gate/up as one matmul each (fewer, larger GEMMs); every projection's weight moves
         # out of ``weights`` into its Linear (laid out there, the loaded copy dropped where unneeded)
         onednn = packing_available()
