@@ -94,16 +94,19 @@ def workload_parser(description: str, repeats: int) -> argparse.ArgumentParser:
     return ap
 
 
-def kernel_bench_args(description: str) -> argparse.Namespace:
-    """A kernel bench's --repeats and --threads (bench/prefill_attention.py, decode_attention.py),
-    checked, torch's threads set to them."""
+def kernel_bench_args(description: str, results: str) -> argparse.Namespace:
+    """A kernel bench's --repeats, --threads and --results (bench/prefill_attention.py,
+    decode_attention.py), checked, torch's threads set to them; ``args.results`` the checked stem
+    (``results`` where not given)."""
     import torch
     ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--repeats", type=int, default=9, help="interleaved runs per variant, the median kept (default 9)")
     ap.add_argument("--threads", type=int, default=2, help="torch and kernel threads (default 2)")
+    add_results_option(ap, results)
     args = ap.parse_args()
     if args.repeats < 1 or not 1 <= args.threads <= 1024:
         ap.error(f"--repeats must be >= 1 and --threads in [1, 1024], got {args.repeats} and {args.threads}")
+    args.results = results_name(ap, args.results, results)
     torch.set_num_threads(args.threads)
     return args
 

@@ -92,7 +92,7 @@ def case(L: int, Hq: int, Hkv: int, D: int, seqs: list[int], repeats: int) -> di
 
 
 def main() -> None:
-    args = kernel_bench_args(__doc__)
+    args = kernel_bench_args(__doc__, "decode_attention")
     if kernels.native() is None:
         sys.exit(f"kvledger: error: the native kernels do not run here ({kernels.why_not()})")
     res = {"threads": args.threads, "repeats": args.repeats, "cases": {}}
@@ -104,7 +104,7 @@ def main() -> None:
               f"max |difference| {r['max_abs_diff']:.1e}; the pool's layout: on 4 KB pages "
               f"{r['ms_per_step']['amx_4k_pages']:.3f} ms ({r['ratio_vs_4k_pages']:.2f}x), and 8-byte records "
               f"{r['ms_per_step']['amx_4k_pages_8b_records']:.3f} ms ({r['ratio_vs_old_layout']:.2f}x)", flush=True)
-    print(f"wrote {write('decode_attention', res)}")
+    print(f"wrote {write(args.results, res)}")
 
 
 if __name__ == "__main__":

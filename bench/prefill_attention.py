@@ -3,10 +3,13 @@ pool, AVX-512 or AVX2 FMAs for an fp32 one, and for a bf16 one's values widened 
 fp32) against torch's SDPA on the same pages, as the engine would call
 each (SDPA after its page gather - and its widening to fp32; with its mask where the chunk continues a request), interleaved,
 medians; GFLOP/s of the causal products (2 * Hq * D * keys read). The pool has the long bench
-model's 4 layers (a key's record holds every layer's K and V). Writes
-bench/results/prefill_attention.json (prefill_attention_avx2.json on a CPU without AVX-512).
+model's 4 layers (a key's record holds every layer's K and V). A bf16 pool's kernel in bf16
+products runs on AMX tiles where the CPU has them - and then also with the tiles off, on AVX512-BF16's
+dot products, as a CPU without tiles runs it (``bfloat16_dp``). Writes
+bench/results/prefill_attention.json (prefill_attention_avx2.json on a CPU without AVX-512;
+``--results NAME``: NAME.json, another kind of CPU's figures beside these).
 
-    .venv/bin/python bench/prefill_attention.py [--repeats 9] [--threads 2]
+    .venv/bin/python bench/prefill_attention.py [--repeats 9] [--threads 2] [--results NAME]
 """
 from __future__ import annotations
 
@@ -29,7 +32,8 @@ CASES = [   # (label, query heads, KV heads, head dim, keys n, query rows ql): r
 ]
 
 
-def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.dtype, bf16_products: bool) -> dict:
+def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.dtype, bf16_products: bool,
+         tiles: bool = True) -> dict:
     S, L = 16, 4
     P = (n + S - 1) // S
     g = torch.Generator().manual_seed(0)
@@ -54,7 +58,11 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.
         out.copy_(o[0].transpose(0, 1))
 
     def kernel():
-        assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out, bf16_products=bf16_products)
+        kernels.PREFILL_TILES = tiles
+        try:
+            assert kernels.paged_prefill(q, pool, 1, pages, n, Hkv, D ** -0.5, out, bf16_products=bf16_products)
+        finally:
+            kernels.PREFILL_TILES = True
 
     sdpa(), kernel()
     t = interleaved({"sdpa": sdpa, "kernel": kernel}, repeats)
@@ -63,38 +71,47 @@ def case(Hq: int, Hkv: int, D: int, n: int, ql: int, repeats: int, dtype: torch.
             "ratio_kernel_vs_sdpa": t["sdpa"] / t["kernel"]}
 
 
-def runs(dtype: torch.dtype, bf16_products: bool) -> bool:
-    """Whether the native prefill kernel for a pool of this type runs on this machine."""
+def runs(dtype: torch.dtype, bf16_products: bool, tiles: bool) -> bool:
+    """Whether the native prefill kernel for a pool of this type runs on this machine (``tiles``
+    False: a bf16 product's with the tiles off - only where there are tiles to turn off)."""
+    if not tiles and not kernels.prefill_tiles():
+        return False
     pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, dtype), dtype=dtype)
-    return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32),
-                                 bf16_products=bf16_products)
+    kernels.PREFILL_TILES = tiles
+    try:
+        return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0,
+                                     torch.empty(1, 1, 32), bf16_products=bf16_products)
+    finally:
+        kernels.PREFILL_TILES = True
 
 
 AVX512 = "avx512f" in cpu().get("isa", [])
 VEC = "AVX-512" if AVX512 else "AVX2"
-KERNELS = {   # the JSON's name: (the pool's type, bf16 products, what runs)
-    "bfloat16": (torch.bfloat16, True, "AMX tiles (bf16 products)"),
-    "float32": (torch.float32, False, f"{VEC} FMAs (fp32 products)"),
-    "bfloat16_fp32": (torch.bfloat16, False, f"{VEC} FMAs over a bf16 pool's values widened (fp32 products)"),
+KERNELS = {   # the JSON's name: (the pool's type, bf16 products, tiles where they run, what runs)
+    "bfloat16": (torch.bfloat16, True, True, "AMX tiles (bf16 products)" if kernels.prefill_tiles()
+                 else "AVX512-BF16 dot products (bf16 products)"),
+    "bfloat16_dp": (torch.bfloat16, True, False, "AVX512-BF16 dot products, the tiles off (bf16 products)"),
+    "float32": (torch.float32, False, True, f"{VEC} FMAs (fp32 products)"),
+    "bfloat16_fp32": (torch.bfloat16, False, True, f"{VEC} FMAs over a bf16 pool's values widened (fp32 products)"),
 }
 
 
 def main() -> None:
-    args = kernel_bench_args(__doc__)
-    here = [name for name, (dt, bp, _) in KERNELS.items() if runs(dt, bp)]
+    # a CPU without AVX-512 (an AMD EPYC with AVX2) runs the AVX2 build: its figures kept apart by default
+    args = kernel_bench_args(__doc__, "prefill_attention" if AVX512 else "prefill_attention_avx2")
+    here = [name for name, (dt, bp, tiles, _) in KERNELS.items() if runs(dt, bp, tiles)]
     if not here:
         sys.exit(f"kvledger: error: no native prefill kernel runs here ({kernels.why_not() or 'no AMX tiles, no AVX-512 or AVX2 with FMA'})")
     res = {"threads": args.threads, "repeats": args.repeats, "kernels": {}}
     for name in here:
-        dt, bf16_products, what = KERNELS[name]
+        dt, bf16_products, tiles, what = KERNELS[name]
         cases = res["kernels"][name] = {"kernel": what, "cases": {}}
         for label, Hq, Hkv, D, n, ql in CASES:
             r = cases["cases"][label] = ({"heads": [Hq, Hkv, D], "keys": n, "rows": ql}
-                                         | case(Hq, Hkv, D, n, ql, args.repeats, dt, bf16_products))
+                                         | case(Hq, Hkv, D, n, ql, args.repeats, dt, bf16_products, tiles))
             print(f"{name} {label}: kernel {r['ms']['kernel']:.2f} ms ({r['gflops']['kernel']:.0f} GFLOP/s) vs SDPA "
                   f"{r['ms']['sdpa']:.2f} ms ({r['gflops']['sdpa']:.0f}) -> {r['ratio_kernel_vs_sdpa']:.2f}x", flush=True)
-    # a CPU without AVX-512 (an AMD EPYC with AVX2) runs the AVX2 build: its figures kept apart
-    print(f"wrote {write('prefill_attention' if AVX512 else 'prefill_attention_avx2', res)}")
+    print(f"wrote {write(args.results, res)}")
 
 
 if __name__ == "__main__":

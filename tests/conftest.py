@@ -126,9 +126,10 @@ def mixed(tmp_path_factory):
     return store, [run_fault(name, policy, recorder=recording(str(store), flush_interval=0.2)) for name, policy in MIXED]
 
 
-# ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine), and tests
-# marked `amx` on a CPU without AMX tiles (CI's machines are Intel Xeons with them or AMD EPYCs
-# without): on a CPU that has the tiles an `amx` test that skips fails the run as any other ---------
+# ---- a skipped test is a failure, except tests marked `gpu` (no GPU on the CI machine), tests
+# marked `amx` on a CPU without AMX tiles and `avx512_bf16` on one without bf16 dot products (CI's
+# machines are Intel Xeons with both, AMD EPYCs with the dot products and no tiles, or with neither):
+# on a CPU that has them such a test that skips fails the run as any other ---------
 _bad_skips: list[str] = []
 
 
@@ -142,7 +143,8 @@ def _cpu_flags() -> set[str]:
     return set()
 
 
-_ABSENT_HARDWARE = {"gpu"} | ({"amx"} if "amx_tile" not in _cpu_flags() else set())
+_ABSENT_HARDWARE = ({"gpu"} | ({"amx"} if "amx_tile" not in _cpu_flags() else set())
+                    | ({"avx512_bf16"} if "avx512_bf16" not in _cpu_flags() else set()))
 
 
 def pytest_runtest_logreport(report):

@@ -430,13 +430,14 @@ def test_a_bf16_pool_stores_k_and_v_rounded_as_torch_rounds_them(native, monkeyp
     assert torch.equal(pool.buf, after)
 
 
-def _amx_prefill_runs() -> bool:
+def _bf16_prefill_runs() -> bool:
     from engine.kv.pool import KVPool
     pool = KVPool(1, 32, 4, 4 * KVPool.page_bytes_for(1, 32, 4, torch.bfloat16), dtype=torch.bfloat16)
     return kernels.paged_prefill(torch.zeros(1, 1, 32), pool, 0, torch.tensor([0]), 1, 1, 1.0, torch.empty(1, 1, 32))
 
 
-@pytest.mark.amx
+@pytest.mark.parametrize("on", [pytest.param("tiles", marks=pytest.mark.amx),
+                                pytest.param("dp", marks=pytest.mark.avx512_bf16)])
 @pytest.mark.parametrize("Hq, Hkv, D, S, n, ql, spread", [
     (4, 2, 64, 16, 100, 100, 1.0),       # a whole prompt: square causal, a partial last query and key block
     (4, 2, 64, 16, 300, 13, 1.0),        # a continuing chunk: lower-right causal, 13 rows
@@ -447,14 +448,20 @@ def _amx_prefill_runs() -> bool:
     (4, 2, 64, 16, 1, 1, 1.0),           # a one-token prompt
     (4, 2, 64, 16, 150, 150, 40.0),      # scores spread over hundreds: probabilities below 2^-126 flushed to 0
 ])
-def test_prefill_attention_on_amx_tiles_equals_attention_over_the_bf16_pages(Hq, Hkv, D, S, n, ql, spread):
-    """paged_prefill.c against fp32 attention over the same bf16 K/V and bf16-rounded queries, the
-    chunk's rows at positions n - ql .. n - 1 (lower-right causal), read from pages out of order:
-    within what rounding the probabilities to bf16 for the P V product allows (torch's bf16 SDPA
-    is measured against the same reference and must not be closer)."""
+def test_prefill_attention_in_bf16_products_equals_attention_over_the_bf16_pages(Hq, Hkv, D, S, n, ql, spread,
+                                                                                 on, monkeypatch):
+    """paged_prefill.c in bf16 products - on AMX tiles (``tiles``) or AVX512-BF16's dot products
+    (``dp``: a CPU without tiles, or the tiles switched off) - against fp32 attention over the same
+    bf16 K/V and bf16-rounded queries, the chunk's rows at positions n - ql .. n - 1 (lower-right
+    causal), read from pages out of order: within what rounding the probabilities to bf16 for the
+    P V product allows (torch's bf16 SDPA is measured against the same reference and must not be
+    closer)."""
     from engine.kv.pool import KVPool
-    if not _amx_prefill_runs():
-        pytest.skip("no AMX tiles on this CPU (or the OS refuses them): the torch path runs")
+    if on == "tiles" and not kernels.prefill_tiles():
+        pytest.skip("no AMX tiles on this CPU (or the OS refuses them)")
+    monkeypatch.setattr(kernels, "PREFILL_TILES", on == "tiles")
+    if not _bf16_prefill_runs():
+        pytest.skip("no bf16 dot products on this CPU: the torch path runs")
     g = torch.Generator().manual_seed(n * 7 + ql)
     P = (n + S - 1) // S
     pool = KVPool(2, Hkv * D, S, (P + 5) * KVPool.page_bytes_for(2, Hkv * D, S, torch.bfloat16), dtype=torch.bfloat16)
@@ -556,8 +563,8 @@ def test_prefill_attention_leaves_the_threads_tiles_to_torch_as_it_found_them():
     after the kernel on the same threads they give the same numbers (the kernel puts the thread's tile
     configuration back; a palette torch thinks is set but is not would fault or compute garbage)."""
     from engine.kv.pool import KVPool
-    if not _amx_prefill_runs():
-        pytest.skip("no AMX tiles on this CPU (or the OS refuses them)")
+    if not _bf16_prefill_runs():
+        pytest.skip("no bf16 products on this CPU: neither AMX tiles nor AVX512-BF16")
     q, k, v = (torch.randn(1, 4, 300, 64).bfloat16() for _ in range(3))
     a, b = torch.randn(64, 512).bfloat16(), torch.randn(512, 256).bfloat16()
     before = (F.scaled_dot_product_attention(q, k, v, is_causal=True), a @ b)

@@ -265,11 +265,10 @@ def test_a_bf16_prefill_s_qkv_kept_in_bf16_gives_the_numbers_of_the_fp32_detour(
 
 def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_llama, monkeypatch):
     """bf16 products (KVLEDGER_BF16_GEMM=1) on a bf16 pool: every prefill chunk goes to a native kernel
-    where one runs here for the model's heads - the AMX one, in bf16 products, where the CPU has tiles;
-    else the fp32 one over the values widened (``model.prefill_dtype`` None: on an AMD EPYC with
-    AVX512-BF16 and no AMX it is faster than torch's bf16 SDPA after a gather, `long` in bf16 1.3x,
-    and exact) - never to SDPA. (That path's logits against transformers' fp32: the tolerance test
-    above, whose native run takes it.)"""
+    where one runs here for the model's heads - the one in bf16 products where the CPU has AMX tiles
+    or AVX512-BF16; else the fp32 one over the values widened (``model.prefill_dtype`` None: faster
+    than torch's bf16 SDPA after a gather, and exact) - never to SDPA. (That path's logits against
+    transformers' fp32: the tolerance test above, whose native run takes it.)"""
     import torch.nn.functional as F
 
     from engine import kernels
@@ -285,11 +284,11 @@ def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_ll
         pool = KVPool(1, D, 4, 4 * KVPool.page_bytes_for(1, D, 4, torch.bfloat16), dtype=torch.bfloat16)
         return kernels.paged_prefill(torch.zeros(2, 1, D), pool, 0, torch.tensor([0]), 2, 1, 1.0,
                                      torch.empty(2, 1, D), bf16_products=products)
-    amx, widened = runs(True), runs(False)
-    if not (amx or widened):
+    bf16, widened = runs(True), runs(False)
+    if not (bf16 or widened):
         pytest.skip(f"no native prefill kernel for heads of {D} values here")
-    assert model.prefill_dtype == (torch.bfloat16 if amx else None)
-    assert bf16_prefill_widened(D) == (not amx)
+    assert model.prefill_dtype == (torch.bfloat16 if bf16 else None)
+    assert bf16_prefill_widened(D) == (not bf16)
     took, sdpa = [], []
     real_prefill, real_sdpa = kernels.paged_prefill, F.scaled_dot_product_attention
 
@@ -305,4 +304,4 @@ def test_a_bf16_prefill_is_attended_by_a_native_kernel_wherever_one_runs(tiny_ll
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy_sdpa)
     _greedy_with_logits(model, BF16_PROMPTS, MAX_NEW, max_step_tokens=100)      # prompts chunked
     assert took and not sdpa
-    assert set(took) == {amx}           # bf16 products on AMX tiles, else the widened values' fp32 kernel
+    assert set(took) == {bf16}          # bf16 products (AMX tiles, AVX512-BF16), else the widened values' fp32 kernel

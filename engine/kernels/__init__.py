@@ -12,8 +12,9 @@ kernels load it; every product and sum is fp32, and new K/V rows are rounded to 
 keep fp32 accuracy; 1.1-1.8x the vector kernel a step, bench/decode_attention.py); else, or for a shape
 the tiles do not take (pages not a multiple of 16 slots, head_dim not a multiple of 32 or above 256,
 more than 8 query heads a KV head), the vector one.
-``paged_prefill`` (paged_prefill.c) is a prefill chunk's attention: a bf16 pool's on AMX tiles where
-the CPU has them (bf16 products, as SDPA's bf16 path), an fp32 pool's on AVX-512 FMAs (fp32 products:
+``paged_prefill`` (paged_prefill.c) is a prefill chunk's attention: a bf16 pool's in bf16 products (as
+SDPA's bf16 path) on AMX tiles where the CPU has them, else on AVX512-BF16's VDPBF16PS where it has
+that (an AMD EPYC of the Zen 4 kind), an fp32 pool's on AVX-512 FMAs (fp32 products:
 1.3-2.1x SDPA, bench/prefill_attention.py) or, on a CPU without AVX-512, AVX2's (1.1-2.5x SDPA on an
 AMD EPYC); K/V read from the records, no gather into the engine's
 tensors, no mask tensor. Where it declines torch's SDPA runs.
@@ -54,6 +55,7 @@ _why_not: str | None = None     # why the native path is off (None: not tried ye
 _tried = False
 CALLS = 0                       # successful native calls (tests tell the kernel ran)
 AMX_DECODES = 0                 # bf16 decode calls the AMX kernel answered (paged_decode.c)
+PREFILL_TILES = True            # a bf16 prefill's products on AMX tiles where they run, else VDPBF16PS (tests switch it off)
 DECODE_AMX = True               # try it first (tests and benches switch it off to compare with the vector kernel)
 # the stored element types the kernels read (pool K/V, packed weights): each kernel's variant by name
 STORED = {torch.float32: "_f32", torch.bfloat16: "_bf16"}
@@ -108,10 +110,13 @@ def _build() -> ctypes.CDLL:
                        ("kvl_linear_f32", lin), ("kvl_linear_bf16", lin)):
         getattr(lib, name).argtypes = args
         getattr(lib, name).restype = ctypes.c_int
-    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_bf16q", "kvl_paged_prefill_f32", "kvl_paged_prefill_f32b"):
+    for name in ("kvl_paged_prefill_bf16", "kvl_paged_prefill_bf16q", "kvl_paged_prefill_bf16_dp",
+                 "kvl_paged_prefill_bf16q_dp", "kvl_paged_prefill_f32", "kvl_paged_prefill_f32b"):
         getattr(lib, name).argtypes = [p, i64, i64, i64, p, p, i64, i64, i64, i64, i64, i64, i64, i64, f32, p, i64,
                                        ctypes.c_int]
         getattr(lib, name).restype = ctypes.c_int
+    lib.kvl_prefill_tiles.argtypes = []
+    lib.kvl_prefill_tiles.restype = ctypes.c_int
     lib.kvl_linear_bf16_amx.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, ctypes.c_int]
     lib.kvl_linear_bf16_amx.restype = ctypes.c_int
     lib.kvl_read_check.argtypes = [p, i64, i64, i64, i64, p, p, p, p, i64, i64, i64, p, p, p, p, p]
@@ -168,6 +173,13 @@ def why_not() -> str | None:
     return _why_not
 
 
+def prefill_tiles() -> bool:
+    """Whether a bf16 prefill in bf16 products runs on AMX tiles here (built for them, and the OS
+    grants the tile state); where not, it runs on AVX512-BF16's dot products, or nowhere."""
+    lib = native()
+    return lib is not None and lib.kvl_prefill_tiles() == 1
+
+
 def paged_decode(q: torch.Tensor, toks: torch.Tensor, pool, layer: int, pages: torch.Tensor, seq_lens: torch.Tensor,
                  num_kv_heads: int, scale: float, out: torch.Tensor, page_mass: torch.Tensor,
                  rows: torch.Tensor) -> bool:
@@ -207,8 +219,9 @@ def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int
                   scale: float, out: torch.Tensor, bf16_products: bool = True) -> bool:
     """Attention of one prefill chunk (paged_prefill.c): q [ql, Hq, D] fp32 (the chunk's rows: any row
     stride, heads adjacent; with a bf16 pool also bf16 - queries rounded already, as the kernel rounds
-    them), its queries at positions n - ql .. n - 1 of a request whose n keys are on ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's on AMX tiles (the products in bf16, as
-    SDPA's bf16 path) - or, with ``bf16_products`` False and fp32 q, on vector FMAs in fp32 over its
+    them), its queries at positions n - ql .. n - 1 of a request whose n keys are on ``pages``; out [ql, Hq, D] fp32 likewise. A bf16 pool's in bf16 products (as
+    SDPA's bf16 path) on AMX tiles, or AVX512-BF16's dot products where there are no tiles (or with
+    PREFILL_TILES off) - or, with ``bf16_products`` False and fp32 q, on vector FMAs in fp32 over its
     values widened (SDPA's fp32 path after the gather: a CPU without bf16 products); an fp32 pool's on
     vector FMAs (every product in fp32). False (nothing written) when the native path cannot run this call."""
     lib = native()
@@ -222,7 +235,10 @@ def paged_prefill(q: torch.Tensor, pool, layer: int, pages: torch.Tensor, n: int
     ql, Hq, D = q.shape
     k = pool.k(layer)
     pages = pages.contiguous()
-    rc = getattr(lib, "kvl_paged_prefill" + ("_bf16q" if bf16q else "_f32b" if widen else STORED[pool.dtype]))(
+    name = "kvl_paged_prefill" + ("_bf16q" if bf16q else "_f32b" if widen else STORED[pool.dtype])
+    if pool.dtype == torch.bfloat16 and not widen and not PREFILL_TILES:
+        name += "_dp"
+    rc = getattr(lib, name)(
         q.data_ptr(), q.stride(0), ql, n, k.untyped_storage().data_ptr(), pages.data_ptr(), pool.page_size, Hq,
         num_kv_heads, D, k.stride(0), k.stride(1), k.storage_offset(), pool.v(layer).storage_offset(), scale,
         out.data_ptr(), out.stride(0), torch.get_num_threads())

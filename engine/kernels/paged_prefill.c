@@ -1,8 +1,10 @@
-/* Paged prefill attention on AMX tiles: one prefill chunk of a request, bf16 K and V read out of the
-   pool's page records, queries rounded to bf16, every product summed in fp32 (AMX TDPBF16PS), the
-   softmax in fp32 on AVX-512, the probabilities rounded to bf16 for the P V product - the numbers of
-   torch's bf16 flash attention (scaled_dot_product_attention) and of vLLM-CPU's AMX attention, up to
-   rounding order.
+/* Paged prefill attention in bf16 products: one prefill chunk of a request, bf16 K and V read out
+   of the pool's page records, queries rounded to bf16, every product summed in fp32, the softmax in
+   fp32 on AVX-512, the probabilities rounded to bf16 for the P V product - the numbers of torch's
+   bf16 flash attention (scaled_dot_product_attention) and of vLLM-CPU's bf16 attention, up to
+   rounding order. The products run on AMX tiles (TDPBF16PS) where the CPU has them and the OS grants
+   them, else on AVX512-BF16's VDPBF16PS (a CPU with bf16 dot products and no tiles: an AMD EPYC of
+   the Zen 4 kind), the same tile-shaped blocks held in 16 vector registers (dp_tile below).
 
    Chunk: ql query tokens at positions n - ql .. n - 1 of a request of n keys (lower-right causal:
    query i reads keys 0 .. n - ql + i); a chunk that starts the request is the square causal case.
@@ -17,14 +19,14 @@
       (no horizontal reductions, no per-row scalars), and P^T's bf16 rows go straight into the B
       operand (pairs of keys interleaved). Blocks wholly past a block's last query are not computed.
       e^x is 2^(x log2 e) by a degree-4 polynomial: the probabilities are rounded to bf16 for P V.
-      Measured: bench/prefill_attention.py (README; 1.7-2.4x torch's SDPA on the same bf16 pages on
-      the 2-core AMX machine of 2026-12-05). Subnormal probabilities are flushed to zero on the
-      kernel's threads (each would cost a microcode assist); MXCSR and the tile configuration are
+      Measured: bench/prefill_attention.py (README; on tiles 1.7-2.4x torch's SDPA on the same bf16
+      pages on the 2-core AMX machine of 2026-12-05). Subnormal probabilities are flushed to zero on
+      the kernel's threads (each would cost a microcode assist); MXCSR and the tile configuration are
       put back after.
 
-   Returns -1 (nothing written: the caller's torch path runs) where AMX is not there (not compiled
-   for it, or the kernel refuses the tile state: arch_prctl ARCH_REQ_XCOMP_PERM) or the shape is not
-   one it takes (head_dim a multiple of 32, at most 256); 1 when a scratch allocation failed. */
+   Returns -1 (nothing written: the caller's torch path runs) where the build has no AVX512-BF16 (nor
+   AMX), or the shape is not one it takes (head_dim a multiple of 32, at most 256); 1 when a scratch
+   allocation failed. The _dp exports never use the tiles (tests and benches compare the two). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -40,7 +42,7 @@
 #define PREFILL_ARGS q_tok_stride, ql, n, kv, pages, S, Hq, Hkv, D, page_stride, rec_stride, k_off, v_off, scale, \
     out, out_tok_stride, nthreads
 
-/* a kernel this build cannot run (no AMX; no AVX-512 and no AVX2 with FMA): -1, nothing written */
+/* a kernel this build cannot run (no AVX512-BF16; no AVX-512 and no AVX2 with FMA): -1, nothing written */
 #define DECLINED(name, q_t, kv_t)                                                                             \
     int name(PREFILL_PARAMS(q_t, kv_t)) {                                                                    \
         (void)q; (void)q_tok_stride; (void)ql; (void)n; (void)kv; (void)pages; (void)S; (void)Hq; (void)Hkv;   \
@@ -49,17 +51,40 @@
         return -1;                                                                                            \
     }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx.h"
+#define KVL_TILES 1
+#endif
 
 #define QB 16           /* query rows a task */
 #define KB 64           /* keys a block */
 #define DMAXP 256
 
+#ifdef KVL_TILES
 /* eight 16 x 64-byte tiles (amx.h: the thread's configuration before is put back by tiles_off) */
 static void tiles_on(tile_config *saved) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     tiles_set(saved, rows);
+}
+#endif
+
+/* c (16 rows of 16 fp32, in registers) += A B, as TDPBF16PS computes a tile's product: A 16 rows of
+   ``pairs`` bf16 pairs (row m at a + m as, elements), B ``pairs`` rows of 16 pairs (64 bytes a row,
+   the tiles' B layout). Row m's pair p broadcast against B's row p: VDPBF16PS sums both products of
+   each lane's pair into it in fp32 (16 independent accumulators: VDPBF16PS's latency hidden). */
+static inline __attribute__((always_inline)) void dp_tile(__m512 c[QB], const uint16_t *a, int64_t as,
+                                                          const uint32_t *b, int64_t pairs) {
+    for (int64_t p = 0; p < pairs; p++) {
+        const __m512bh bv = (__m512bh)_mm512_load_si512(b + p * QB);
+#pragma GCC unroll 16
+        for (int m = 0; m < QB; m++) {
+            uint32_t u;
+            memcpy(&u, a + m * as + 2 * p, 4);
+            c[m] = _mm512_dpbf16_ps(c[m], (__m512bh)_mm512_set1_epi32((int)u), bv);
+        }
+    }
 }
 
 /* 2^t, 16 lanes, for t <= 0 (t = (score - max) scale log2(e)): t = n + f, |f| <= 1/2, 2^f by a
@@ -89,13 +114,15 @@ static inline const uint16_t *kv_row(const uint16_t *kv, const int64_t *pages, i
 
 /* q: fp32 rows rounded to bf16 here, or (q_bf16) bf16 rows as they are - the same numbers where those
    were rounded from the same fp32 (kvl_rope_bf16) */
-static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t ql, int64_t n, const uint16_t *kv,
-                       const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv, int64_t D,
-                       int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
-                       float *out, int64_t out_tok_stride, int nthreads) {
-    if (D % 32 || D > DMAXP || ql < 1 || n < ql || Hq % Hkv || !amx_granted()) return -1;
+static inline __attribute__((always_inline)) int prefill_bf16(const void *q, int q_bf16, int64_t q_tok_stride,
+        int64_t ql, int64_t n, const uint16_t *kv, const int64_t *pages, int64_t S, int64_t Hq, int64_t Hkv,
+        int64_t D, int64_t page_stride, int64_t rec_stride, int64_t k_off, int64_t v_off, float scale,
+        float *out, int64_t out_tok_stride, int nthreads, const int tiles) {
+    if (D % 32 || D > DMAXP || ql < 1 || n < ql || Hq % Hkv) return -1;
     const int64_t G = Hq / Hkv, np = (n + KB - 1) / KB * KB, P = D / 2;   /* P: 32-bit pairs a row */
-    const int64_t ns = D / 32;
+    const int64_t ns = D / 32;     /* 32-value slices a row (a tile's width) */
+    (void)ns;
+    (void)tiles;
     uint16_t *kc = aligned_alloc(64, sizeof(uint16_t) * Hkv * np * D);    /* [Hkv][np][D] */
     uint16_t *vt = aligned_alloc(64, sizeof(uint16_t) * Hkv * np * D);    /* [Hkv][D][np] */
     if (!kc || !vt) {
@@ -127,8 +154,10 @@ static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t 
                                           0x001c000c, 0x001d000d, 0x001e000e, 0x001f000f);
 #pragma omp parallel num_threads(nthreads)
     {
+#ifdef KVL_TILES
         tile_config saved;
-        tiles_on(&saved);
+        if (tiles) tiles_on(&saved);
+#endif
         /* probabilities far below a row's maximum (2^-126 .. 2^-149) are subnormal: without
            flush-to-zero each costs a microcode assist (7x the whole kernel on a real model's
            scores, where random test data has none); this thread's MXCSR is put back after */
@@ -169,26 +198,36 @@ static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t 
             const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f);   /* scale log2(e) */
             for (int64_t k0 = 0; k0 < keys; k0 += KB) {
                 /* S^T = K Q^T: four tiles of 16 keys x 16 rows */
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t s = 0; s < ns; s++) {
-                    const uint16_t *ks = kh + k0 * D + s * 32;
-                    _tile_loadd(4, qt + s * 256, 64);
-                    _tile_loadd(6, ks, D * 2);
-                    _tile_dpbf16ps(0, 6, 4);
-                    _tile_loadd(7, ks + 16 * D, D * 2);
-                    _tile_dpbf16ps(1, 7, 4);
-                    _tile_loadd(6, ks + 32 * D, D * 2);
-                    _tile_dpbf16ps(2, 6, 4);
-                    _tile_loadd(7, ks + 48 * D, D * 2);
-                    _tile_dpbf16ps(3, 7, 4);
-                }
-                _tile_stored(0, st, 64);
-                _tile_stored(1, st + 256, 64);
-                _tile_stored(2, st + 512, 64);
-                _tile_stored(3, st + 768, 64);
+#ifdef KVL_TILES
+                if (tiles) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t s = 0; s < ns; s++) {
+                        const uint16_t *ks = kh + k0 * D + s * 32;
+                        _tile_loadd(4, qt + s * 256, 64);
+                        _tile_loadd(6, ks, D * 2);
+                        _tile_dpbf16ps(0, 6, 4);
+                        _tile_loadd(7, ks + 16 * D, D * 2);
+                        _tile_dpbf16ps(1, 7, 4);
+                        _tile_loadd(6, ks + 32 * D, D * 2);
+                        _tile_dpbf16ps(2, 6, 4);
+                        _tile_loadd(7, ks + 48 * D, D * 2);
+                        _tile_dpbf16ps(3, 7, 4);
+                    }
+                    _tile_stored(0, st, 64);
+                    _tile_stored(1, st + 256, 64);
+                    _tile_stored(2, st + 512, 64);
+                    _tile_stored(3, st + 768, 64);
+                } else
+#endif
+                    for (int64_t g = 0; g < KB; g += 16) {
+                        __m512 c[QB];
+                        for (int m = 0; m < QB; m++) c[m] = _mm512_setzero_ps();
+                        dp_tile(c, kh + (k0 + g) * D, D, qt, P);
+                        for (int m = 0; m < QB; m++) _mm512_store_ps(st + (g + m) * QB, c[m]);
+                    }
                 /* the softmax, 16 rows a vector: masks, max and sums without horizontal reductions */
                 __m512 bm = mx;
                 if (k0 + KB > lo) {                 /* the block crosses some row's last key */
@@ -216,43 +255,56 @@ static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t 
                 }
                 sum = _mm512_fmadd_ps(sum, alpha, _mm512_add_ps(tot0, tot1));
                 /* O^T += V^T P^T, 64 head dims (four tiles of 16 dims x 16 rows) at a time */
-                _tile_loadd(4, pt, 64);
-                _tile_loadd(5, pt + 256, 64);
-                for (int64_t d0 = 0; d0 < D; d0 += 64) {
-                    const int64_t dn = D - d0 < 64 ? D - d0 : 64;
-                    const uint16_t *va = vh + d0 * np + k0;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    _tile_loadd(6, va, np * 2);
-                    _tile_dpbf16ps(0, 6, 4);
-                    _tile_loadd(7, va + 32, np * 2);
-                    _tile_dpbf16ps(0, 7, 5);
-                    _tile_loadd(6, va + 16 * np, np * 2);
-                    _tile_dpbf16ps(1, 6, 4);
-                    _tile_loadd(7, va + 16 * np + 32, np * 2);
-                    _tile_dpbf16ps(1, 7, 5);
-                    if (dn > 32) {
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        _tile_loadd(6, va + 32 * np, np * 2);
-                        _tile_dpbf16ps(2, 6, 4);
-                        _tile_loadd(7, va + 32 * np + 32, np * 2);
-                        _tile_dpbf16ps(2, 7, 5);
-                        _tile_loadd(6, va + 48 * np, np * 2);
-                        _tile_dpbf16ps(3, 6, 4);
-                        _tile_loadd(7, va + 48 * np + 32, np * 2);
-                        _tile_dpbf16ps(3, 7, 5);
+#ifdef KVL_TILES
+                if (tiles) {
+                    _tile_loadd(4, pt, 64);
+                    _tile_loadd(5, pt + 256, 64);
+                    for (int64_t d0 = 0; d0 < D; d0 += 64) {
+                        const int64_t dn = D - d0 < 64 ? D - d0 : 64;
+                        const uint16_t *va = vh + d0 * np + k0;
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_loadd(6, va, np * 2);
+                        _tile_dpbf16ps(0, 6, 4);
+                        _tile_loadd(7, va + 32, np * 2);
+                        _tile_dpbf16ps(0, 7, 5);
+                        _tile_loadd(6, va + 16 * np, np * 2);
+                        _tile_dpbf16ps(1, 6, 4);
+                        _tile_loadd(7, va + 16 * np + 32, np * 2);
+                        _tile_dpbf16ps(1, 7, 5);
+                        if (dn > 32) {
+                            _tile_zero(2);
+                            _tile_zero(3);
+                            _tile_loadd(6, va + 32 * np, np * 2);
+                            _tile_dpbf16ps(2, 6, 4);
+                            _tile_loadd(7, va + 32 * np + 32, np * 2);
+                            _tile_dpbf16ps(2, 7, 5);
+                            _tile_loadd(6, va + 48 * np, np * 2);
+                            _tile_dpbf16ps(3, 6, 4);
+                            _tile_loadd(7, va + 48 * np + 32, np * 2);
+                            _tile_dpbf16ps(3, 7, 5);
+                        }
+                        _tile_stored(0, st, 64);
+                        _tile_stored(1, st + 256, 64);
+                        if (dn > 32) {
+                            _tile_stored(2, st + 512, 64);
+                            _tile_stored(3, st + 768, 64);
+                        }
+                        float *a = acc + d0 * QB;
+                        for (int64_t d = 0; d < dn; d++)
+                            _mm512_store_ps(a + d * QB, _mm512_fmadd_ps(_mm512_load_ps(a + d * QB), alpha,
+                                                                        _mm512_load_ps(st + d * QB)));
                     }
-                    _tile_stored(0, st, 64);
-                    _tile_stored(1, st + 256, 64);
-                    if (dn > 32) {
-                        _tile_stored(2, st + 512, 64);
-                        _tile_stored(3, st + 768, 64);
-                    }
+                    continue;
+                }
+#endif
+                for (int64_t d0 = 0; d0 < D; d0 += 16) {    /* 16 dims x 16 rows in registers */
+                    __m512 c[QB];
+                    for (int m = 0; m < QB; m++) c[m] = _mm512_setzero_ps();
+                    dp_tile(c, vh + d0 * np + k0, np, pt, KB / 2);
                     float *a = acc + d0 * QB;
-                    for (int64_t d = 0; d < dn; d++)
-                        _mm512_store_ps(a + d * QB, _mm512_fmadd_ps(_mm512_load_ps(a + d * QB), alpha,
-                                                                    _mm512_load_ps(st + d * QB)));
+                    for (int m = 0; m < QB; m++)
+                        _mm512_store_ps(a + m * QB, _mm512_fmadd_ps(_mm512_load_ps(a + m * QB), alpha, c[m]));
                 }
             }
             float inv[QB] __attribute__((aligned(64)));
@@ -263,25 +315,44 @@ static int prefill_amx(const void *q, int q_bf16, int64_t q_tok_stride, int64_t 
             }
         }
         _mm_setcsr(csr);
-        tiles_off(&saved);
+#ifdef KVL_TILES
+        if (tiles) tiles_off(&saved);
+#endif
     }
     free(kc);
     free(vt);
     return 0;
 }
 
+#ifdef KVL_TILES
+#define ON_TILES amx_granted()
+#else
+#define ON_TILES 0
+#endif
+
+/* 1 where kvl_paged_prefill_bf16 runs on AMX tiles (built for them, granted by the kernel) */
+int kvl_prefill_tiles(void) { return ON_TILES; }
+
+/* on the tiles where they run, else on VDPBF16PS; the _dp kernels on VDPBF16PS always */
 int kvl_paged_prefill_bf16(PREFILL_PARAMS(float, uint16_t)) {
-    return prefill_amx(q, 0, PREFILL_ARGS);
+    return ON_TILES ? prefill_bf16(q, 0, PREFILL_ARGS, 1) : prefill_bf16(q, 0, PREFILL_ARGS, 0);
 }
 
 int kvl_paged_prefill_bf16q(PREFILL_PARAMS(uint16_t, uint16_t)) {
-    return prefill_amx(q, 1, PREFILL_ARGS);
+    return ON_TILES ? prefill_bf16(q, 1, PREFILL_ARGS, 1) : prefill_bf16(q, 1, PREFILL_ARGS, 0);
 }
+
+int kvl_paged_prefill_bf16_dp(PREFILL_PARAMS(float, uint16_t)) { return prefill_bf16(q, 0, PREFILL_ARGS, 0); }
+
+int kvl_paged_prefill_bf16q_dp(PREFILL_PARAMS(uint16_t, uint16_t)) { return prefill_bf16(q, 1, PREFILL_ARGS, 0); }
 
 #else
 
-DECLINED(kvl_paged_prefill_bf16, float, uint16_t)     /* no AMX in this build: the caller's torch path */
+DECLINED(kvl_paged_prefill_bf16, float, uint16_t)     /* no bf16 products in this build: the caller's torch path */
 DECLINED(kvl_paged_prefill_bf16q, uint16_t, uint16_t)
+DECLINED(kvl_paged_prefill_bf16_dp, float, uint16_t)
+DECLINED(kvl_paged_prefill_bf16q_dp, uint16_t, uint16_t)
+int kvl_prefill_tiles(void) { return 0; }
 
 #endif
 

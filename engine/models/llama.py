@@ -363,9 +363,10 @@ class LlamaModel(nn.Module):
         self.eos_token_id = cfg.eos_token_id
         self.name = cfg.model_type
         # where bf16 products run in bf16 (bf16_gemm), so does a prefill's attention, on the bf16 pool's
-        # K/V as stored (engine.attention.paged_attention) - but where the native kernels attend a bf16
-        # pool's chunks only over its values widened (no AMX tiles), they do that, in fp32 (faster than
-        # torch's bf16 SDPA there); elsewhere attention is fp32
+        # K/V as stored (engine.attention.paged_attention: the native kernel on AMX tiles or AVX512-BF16)
+        # - but where the native kernels attend a bf16 pool's chunks only over its values widened (no
+        # bf16 kernel in this build), they do that, in fp32 (faster than torch's bf16 SDPA after a
+        # gather); elsewhere attention is fp32
         self.prefill_dtype = (torch.bfloat16 if self.dtype == torch.bfloat16 and bf16_gemm()
                               and not bf16_prefill_widened(cfg.head_dim) else None)
         # q/k/v and gate/up as one matmul each (fewer, larger GEMMs); every projection's weight moves
