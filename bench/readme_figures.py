@@ -718,7 +718,7 @@ def segments_table(r: dict) -> str:
 
 SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table, "prefill_attention_zen4": prefill_attention_table,
-            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
+            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 
