@@ -64,7 +64,7 @@ def add_results_option(ap: argparse.ArgumentParser, default: str) -> None:
 def results_name(ap: argparse.ArgumentParser, given: "str | None", default: str) -> str:
     """The checked stem (``ap.error`` - exit 2 - on anything but [a-z0-9_]{1,64})."""
     import re
-    name = given or default
+    name = default if given is None else given      # an empty --results is refused, not the default
     if not re.fullmatch(r"[a-z0-9_]{1,64}", name):
         ap.error(f"--results must be 1-64 characters of a-z, 0-9 and _ (a file stem), got {name!r}")
     return name
