@@ -9,7 +9,10 @@ defaults, as an on-call engineer's first look at a store is: a process of its ow
 started: the app's libraries imported, components discovered), a state directory holding nothing
 but the store's keys and its verification cache (no answer, no grown table, no evidence kept),
 the shared tables grown and kept as they are by default - what ``kvledger dashboard`` does the
-first time it is pointed at a store. Writes bench/results/dashboard.json.
+first time it is pointed at a store - in three ways a round, in turn: requested at once while the
+server's warm-up of the shared tables runs (dashboard/serve.py; the real server starts it once it
+listens, this bench at once: the harder case), with the warm-up off (``--no-warm``), and requested
+after the warm-up finished (with how long it took). Writes bench/results/dashboard.json.
 (--live hard-links the store's segments into its copy: a link changes a file's ctime, so a
 verification cache of the base store is stale afterwards and the next reader hashes it again.)"""
 from __future__ import annotations
@@ -39,8 +42,9 @@ def main() -> None:
                          "healthy copy of the base traffic (new segments, a new chain head) before each render; "
                          "renders with the shared tables grown (the default) and rebuilt, interleaved")
     ap.add_argument("--first-page", type=count(0, 100), default=3, metavar="N",
-                    help="first page loads with the defaults, each in a process of its own with nothing kept but "
-                         "the verification cache (default 3; 0: none)")
+                    help="rounds of first page loads with the defaults, each in a process of its own with nothing kept "
+                         "but the verification cache: the page at the server's start, with the warm-up off, and after "
+                         "the warm-up (default 3; 0: none)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)     # one such page load
     args = ap.parse_args()
     if args.child:
@@ -110,9 +114,12 @@ def main() -> None:
           f"{affected} affected responses shown")
     if firsts:
         print(f"a first page load with the defaults (a process of its own, nothing kept but the verification "
-              f"cache; medians of {len(firsts['first_page_renders_s'])}): render {firsts['first_page_render_s']:.2f} s, "
-              f"the script {firsts['first_page_script_s']:.2f} s, the banner {firsts['first_page_banner_s']:.2f} s "
-              f"(early banner {firsts['first_page_early_banner_s']:.2f} s)")
+              f"cache; medians of {len(firsts['first_page_renders_s'])}; the server's warm-up "
+              f"{firsts['warm_up_s']:.2f} s):")
+        for mode, what in MODES.items():
+            pre = "first_page_" if mode == "at_start" else f"first_page_{mode}_"
+            print(f"  {what}: render {firsts[pre + 'render_s']:.2f} s, the script {firsts[pre + 'script_s']:.2f} s, "
+                  f"the banner {firsts[pre + 'banner_s']:.2f} s (early banner {firsts[pre + 'early_banner_s']:.2f} s)")
     if live:
         print(f"a live store (a writer open, one flush of new traffic before each render): render "
               f"{live['live_render_s']:.2f} s, the script {live['live_script_s']:.2f} s, the banner "
@@ -122,25 +129,38 @@ def main() -> None:
     print(f"wrote {out}")
 
 
+MODES = {"at_start": "the shipped default: the warm-up started, the page requested at once",
+         "no_warm": "the warm-up off (--no-warm): the page builds the shared tables",
+         "warmed": "the page requested after the warm-up finished"}
+
+
 def _child() -> None:
     """One first page load in this process (``--child``): the server's start (the app's libraries,
-    the components' discovery) untimed, then the script run; its times as a JSON line."""
+    the components' discovery, the store's verification) untimed, then the script run; its times as
+    a JSON line. KVLEDGER_BENCH_MODE (MODES): whether the server's warm-up of the shared tables
+    (dashboard/serve.py) runs, and whether the page waits for it."""
     import json
 
     from tests.streamlit_app import timed_run
 
-    from dashboard.serve import preload
-    preload()
+    from dashboard import serve
+    mode = os.environ["KVLEDGER_BENCH_MODE"]
+    serve.preload()
+    t = serve.start_warm()          # (returns at once where KVLEDGER_DASHBOARD_WARM=0: no_warm)
+    if mode == "warmed":
+        t.join()
     at, render_s, script_s = timed_run(APP, 600)
+    t.join()
     print(json.dumps({"render_s": render_s, "script_s": script_s,
                       "banner_s": at.session_state["state_line_s"],
                       "early_banner_s": at.session_state["early_banner_s"] if "early_banner_s" in at.session_state
-                      else None}))
+                      else None, "warm_s": serve.warmed.get("seconds")}))
 
 
 def _first_pages(root: Path, n: int) -> dict:
-    """``n`` first page loads with the defaults, each in a process of its own (``--child``) with a
-    state directory of its own holding only this one's keys and verification cache (copied)."""
+    """``n`` rounds of first page loads with the defaults, one of each of MODES a round in turn, each
+    in a process of its own with a state directory of its own holding only this one's keys and
+    verification cache (copied)."""
     import json
     import shutil
     import statistics
@@ -150,23 +170,29 @@ def _first_pages(root: Path, n: int) -> dict:
     from telemetry.store.keys import state_dir
     if not n:
         return {}
-    runs = []
+    runs: dict[str, list[dict]] = {m: [] for m in MODES}
     for _ in range(n):
-        with tempfile.TemporaryDirectory(prefix="kvledger-bench-first-") as tmp:
-            for part in ("keys", "verified"):
-                if (state_dir() / part).is_dir():
-                    shutil.copytree(state_dir() / part, Path(tmp) / part)
-            env = {k: v for k, v in os.environ.items() if k not in ("KVLEDGER_GROW", "KVLEDGER_ANSWER_CACHE")}
-            out = subprocess.run([sys.executable, __file__, "--child"], env=env | {"KVLEDGER_STATE_DIR": tmp,
-                                 "KVLEDGER_STORE": str(root)}, capture_output=True, text=True, check=True)
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        for mode in MODES:
+            with tempfile.TemporaryDirectory(prefix="kvledger-bench-first-") as tmp:
+                for part in ("keys", "verified"):
+                    if (state_dir() / part).is_dir():
+                        shutil.copytree(state_dir() / part, Path(tmp) / part)
+                env = {k: v for k, v in os.environ.items() if k not in ("KVLEDGER_GROW", "KVLEDGER_ANSWER_CACHE")}
+                out = subprocess.run([sys.executable, __file__, "--child"], env=env | {
+                    "KVLEDGER_STATE_DIR": tmp, "KVLEDGER_STORE": str(root), "KVLEDGER_BENCH_MODE": mode,
+                    "KVLEDGER_DASHBOARD_WARM": "0" if mode == "no_warm" else "1"}, capture_output=True, text=True,
+                    check=True)
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
     med = statistics.median
-    return {"first_page_renders_s": [r["render_s"] for r in runs],
-            "first_page_render_s": med(r["render_s"] for r in runs),
-            "first_page_script_s": med(r["script_s"] for r in runs),
-            "first_page_banner_s": med(r["banner_s"] for r in runs),
-            "first_page_early_banner_s": med(r["early_banner_s"] if r["early_banner_s"] is not None else r["banner_s"]
-                                             for r in runs)}
+    res = {}
+    for mode, rs in runs.items():
+        pre = "first_page_" if mode == "at_start" else f"first_page_{mode}_"
+        res |= {pre + "renders_s": [r["render_s"] for r in rs], pre + "render_s": med(r["render_s"] for r in rs),
+                pre + "script_s": med(r["script_s"] for r in rs), pre + "banner_s": med(r["banner_s"] for r in rs),
+                pre + "early_banner_s": med(r["early_banner_s"] if r["early_banner_s"] is not None else r["banner_s"]
+                                            for r in rs)}
+    res["warm_up_s"] = med(r["warm_s"] for r in runs["warmed"])
+    return res
 
 
 def _live(root: Path, args, render, banners: list[float]) -> dict:

@@ -18,7 +18,7 @@ import polars as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._bigstore import build  # noqa: E402
-from bench._common import write  # noqa: E402
+from bench._common import cpu, write  # noqa: E402
 from forensics.queries.duckdb import Forensics, sql  # noqa: E402
 from telemetry.store import open_store, read_chain  # noqa: E402
 from telemetry.store.chain import live_links  # noqa: E402
@@ -125,7 +125,7 @@ def update_commands(path: Path, stores: list[Path]) -> dict:
     """Re-measure only the commands of an earlier run's JSON, on the same stores (the joins and the
     export untouched: the export alone is minutes); says when."""
     res = json.loads(path.read_text())
-    res["commands_measured_unix_time"] = int(time.time())
+    res["commands_measured_unix_time"], res["commands_cpu"] = int(time.time()), cpu()
     for store in stores:
         rows = _manifest(store)["read_rows"]
         known = [res["config"]["read_rows"], *(x["read_rows"] for x in res.get("scaling", []))]
@@ -146,7 +146,7 @@ def update_joins(path: Path, stores: list[Path], engines: list[str]) -> dict:
     stores, in one run: chdb on the copy an earlier run exported (the export itself, minutes, is not
     re-run; without that copy chdb is left as it was). Says when."""
     res = json.loads(path.read_text())
-    res["joins_measured_unix_time"], res["join_rounds"] = int(time.time()), ROUNDS
+    res["joins_measured_unix_time"], res["join_rounds"], res["joins_cpu"] = int(time.time()), ROUNDS, cpu()
     fns = {"duckdb": duckdb_join, "polars": polars_join, "chdb": chdb_join, "index": duckdb_index,
            "verify_index": duckdb_verify_index}
     for store in stores:

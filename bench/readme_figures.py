@@ -287,7 +287,7 @@ def forensics_table(r: dict) -> str:
         f"replicated: {c['exposed_copies']} of {c['copies']} copies are the incident"
         f"{', the rest healthy traffic' if c['exposed_copies'] < c['copies'] else ''}), "
         f"{r['failing_read_rows'] / 1e6:.1f} M failing read rows ({r['failing_slot_reads'] / 1e6:.1f} M failing slot "
-        f"reads) to attribute, on this 2-core machine"
+        f"reads) to attribute, on this 2-core machine{_when(r, 'joins')}"
         f"{f' (medians of {rounds} rounds, the engines in turn in each)' if (rounds := r.get('join_rounds')) else ''}"
         f". Failing read rows with identical findings are merged into runs, "
         f"cut only where a write changed a failing slot, and only the touched pages' write runs are expanded to "
@@ -324,7 +324,7 @@ def forensics_table(r: dict) -> str:
              for x in r["scaling"]]
           if len(r.get("scaling", [])) > 1 else []),
         *(["", f"The commands at {c['read_rows'] / 1e6:.0f} M rows (`kvledger forensics Q --format json`; in this "
-           "process / the whole command from the shell, Python's start included; medians of 3):", "",
+           f"process / the whole command from the shell, Python's start included; medians of 3{_when(r, 'commands')}):", "",
            "| command | first: nothing kept | after the store changed: what an earlier command kept | "
            "later, same snapshot | goal |",
            "| --- | --- | --- | --- | --- |"]
@@ -346,6 +346,16 @@ def forensics_table(r: dict) -> str:
              f"added, so that read is not in it); the rest is, from the shell, Python's start and imports."]
             if r.get("commands", {}).get("first_shell_s") else []),
     ])
+
+
+def _when(r: dict, part: str) -> str:
+    """``; measured DAY on a CPU with ISA`` for a part re-measured on its own (``--commands-only``),
+    where the run recorded its CPU; else nothing (the table's own machine)."""
+    import time as _t
+    if f"{part}_cpu" not in r or f"{part}_measured_unix_time" not in r:
+        return ""
+    return (f"; measured {_t.strftime('%Y-%m-%d', _t.gmtime(r[part + '_measured_unix_time']))} on a CPU with "
+            f"{_isa(r[part + '_cpu'])}")
 
 
 def _cmd(c: "dict | None", q: str, pre: str = "") -> str:
@@ -404,7 +414,21 @@ def dashboard_table(r: dict) -> str:
                  f"told apart, the tenants, the protection state and the clock (`early_pairs.sql`) - "
                  f"{r['first_early_banner_s']:.2f} s into the script (goal <= {r['goal_banner_s']:.0f} s), then becomes "
                  f"the whole banner.")
-    if "first_page_render_s" in r:
+    if "first_page_warmed_render_s" in r:
+        kept += (f" A first page load with the defaults - a dashboard just started on this store, a process of its "
+                 f"own, nothing kept but the verification cache, the shared tables then kept as by default "
+                 f"(medians of {len(r['first_page_renders_s'])} rounds, the three cases in turn in each; goals "
+                 f"<= {r['goal_banner_s']:.0f} s and <= {r['goal_s']:.0f} s): loaded after the server's warm-up of the "
+                 f"shared tables (`dashboard/serve.py`: requests, the exposure slots and the n-gram evidence built "
+                 f"while the server starts, {r['warm_up_s']:.1f} s here) render "
+                 f"**{r['first_page_warmed_render_s']:.1f} s**, the script {r['first_page_warmed_script_s']:.1f} s, "
+                 f"the banner {r['first_page_warmed_banner_s']:.2f} s into it; loaded at once, the warm-up still running "
+                 f"(it waits for the tables it is building) render {r['first_page_render_s']:.1f} s, the early banner "
+                 f"{r['first_page_early_banner_s']:.2f} s and the whole banner {r['first_page_banner_s']:.1f} s into it; "
+                 f"with the warm-up off (`kvledger dashboard --no-warm`: the page builds the tables) render "
+                 f"{r['first_page_no_warm_render_s']:.1f} s, the early banner {r['first_page_no_warm_early_banner_s']:.2f} s, "
+                 f"the whole banner {r['first_page_no_warm_banner_s']:.1f} s.")
+    elif "first_page_render_s" in r:
         kept += (f" A first page load with the defaults - a dashboard just started on this store, a process of its "
                  f"own, nothing kept but the verification cache, the shared tables then kept as by default: render "
                  f"{r['first_page_render_s']:.1f} s, the script {r['first_page_script_s']:.1f} s, the early banner "

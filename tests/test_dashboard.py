@@ -475,3 +475,139 @@ def test_the_ttft_chart_draws_the_same_points_whatever_order_its_rows_come_in():
         assert again.equals(first), seed
     few, healthy = chart_points(tt.head(50), 300)     # under the limit: every request drawn
     assert few.height == 50 and healthy == 50 - tt.head(50).filter(pl.col("below_floor") | pl.col("usage_dishonest")).height
+
+
+# ---- the server's warm-up (dashboard/serve.py: the shared tables built while the server starts) ----
+def _no_kept_tables(monkeypatch) -> None:
+    """A new dashboard process: no evidence rows, no grown tables, no warm-up done (the
+    verification cache stays)."""
+    from dashboard import serve
+    from forensics.queries import grown
+    _nothing_kept(monkeypatch)
+    monkeypatch.setattr(grown, "_KEPT", {})
+    monkeypatch.setattr(grown, "_LOCKS", {})
+    monkeypatch.setattr(serve, "warmed", {})
+    for var in ("KVLEDGER_DASHBOARD_WARM", "KVLEDGER_ENGINE", "KVLEDGER_DSN", "KVLEDGER_RUN", "KVLEDGER_ANCHOR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def _steady(at) -> dict:
+    """The page's metrics but the clock's ("N s ago" moves between two renders)."""
+    return {k: v for k, v in _metrics(at).items() if k != "Last foreign read"}
+
+
+def _builds() -> tuple[int, int]:
+    """(tables grown.py built from every segment, whole-table reads of the n-gram evidence) so far."""
+    from forensics.queries import evidence, grown
+    return grown.stats["built"], evidence.stats["whole_scans"]
+
+
+def test_the_server_s_warm_up_builds_what_a_first_page_reads_and_the_page_shows_the_same(glm53_vulnerable, monkeypatch):
+    """After the warm-up a first page builds nothing from every segment (the requests, the exposure
+    slots and the n-gram evidence are the warm-up's), draws no early banner, and shows what a first
+    page with nothing kept shows."""
+    from dashboard import serve
+    _, store = glm53_vulnerable
+    _no_kept_tables(monkeypatch)
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    cold = _app(store, monkeypatch)
+    assert "early_banner_s" in cold.session_state        # (nothing was kept: the early banner came first)
+    _no_kept_tables(monkeypatch)
+    before = _builds()
+    serve.warm()
+    assert serve.warmed.get("seconds", 0) > 0, serve.warmed
+    built = _builds()
+    assert built[0] - before[0] == 2 and built[1] > before[1], (before, built)     # requests, slots; the evidence
+    warm = _app(store, monkeypatch)
+    assert _builds() == built                            # the page read the warm-up's tables
+    assert "early_banner_s" not in warm.session_state
+    assert _steady(warm) == _steady(cold) and _steady(warm)["Affected responses"] > 0
+    assert [e.value.split(" (")[0] for e in warm.error] == [e.value.split(" (")[0] for e in cold.error]
+
+
+def test_a_page_loaded_while_the_warm_up_runs_waits_for_it_and_nothing_is_built_twice(glm53_vulnerable, monkeypatch):
+    from dashboard import serve
+    _, store = glm53_vulnerable
+    _no_kept_tables(monkeypatch)
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    ref = _steady(_app(store, monkeypatch))
+    _no_kept_tables(monkeypatch)
+    before = _builds()
+    t = serve.start_warm()
+    at = _app(store, monkeypatch)
+    t.join(timeout=120)
+    assert not t.is_alive() and "seconds" in serve.warmed, serve.warmed
+    after = _builds()
+    # each table built once (by whichever came first), the evidence's two whole reads once
+    assert (after[0] - before[0], after[1] - before[1]) == (2, 2), (before, after)
+    assert _steady(at) == ref
+
+
+def test_the_evidence_s_kept_check_does_not_wait_for_a_build_in_progress(glm53_vulnerable):
+    """The early banner asks whether evidence rows are kept (``evidence.kept``) while the warm-up's
+    build holds the evidence lock: the answer comes at once (not kept yet), not after the build."""
+    import threading
+
+    from forensics.queries import evidence
+    _, store = glm53_vulnerable
+    got: list[bool] = []
+    with evidence._LOCK:                 # a build in progress
+        t = threading.Thread(target=lambda: got.append(evidence.kept(store / "elsewhere", disk=False)), daemon=True)
+        t.start()
+        t.join(timeout=5)
+        assert not t.is_alive() and got == [False]
+
+
+@pytest.mark.parametrize("case", ["off", "clickhouse", "no store", "damaged", "no such run", "fails"])
+def test_the_warm_up_skips_or_fails_quietly_and_keeps_nothing(case, glm53_vulnerable, monkeypatch, tmp_path, capsys):
+    """Where it has nothing to do (switched off, another engine, no store, a store that does not
+    verify, a run not in it) the warm-up keeps nothing and says why in ``warmed``; an error inside it
+    is one note on stderr and nothing kept - never an exception in the server's start."""
+    import shutil
+
+    from dashboard import serve
+    from forensics.queries import evidence, grown
+    from forensics.queries.duckdb import Forensics as F
+    _, store = glm53_vulnerable
+    _no_kept_tables(monkeypatch)
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    if case == "off":
+        monkeypatch.setenv("KVLEDGER_DASHBOARD_WARM", "0")
+    elif case == "clickhouse":
+        monkeypatch.setenv("KVLEDGER_ENGINE", "chdb")
+    elif case == "no store":
+        monkeypatch.setenv("KVLEDGER_STORE", str(tmp_path / "nothing"))
+    elif case == "damaged":
+        shutil.copytree(store, tmp_path / "store")
+        seg = sorted((tmp_path / "store" / "segments" / "spans").glob("*.parquet"))[0]
+        seg.write_bytes(seg.read_bytes()[:-8] + b"tampered")
+        monkeypatch.setenv("KVLEDGER_STORE", str(tmp_path / "store"))
+    elif case == "no such run":
+        monkeypatch.setenv("KVLEDGER_RUN", "zzz")
+    else:
+        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("disk gone")))
+    serve.warm()
+    assert not evidence._KEPT and not grown._KEPT
+    err = capsys.readouterr().err
+    if case == "fails":
+        assert serve.warmed == {"failed": "RuntimeError: disk gone"}
+        assert err.startswith("kvledger: note: the dashboard did not build") and err.count("\n") == 1, err
+    else:
+        assert set(serve.warmed) == {"skipped"} and not err, (serve.warmed, err)
+        if case == "damaged":
+            assert "verif" in serve.warmed["skipped"], serve.warmed
+        if case == "no such run":
+            assert "zzz" in serve.warmed["skipped"], serve.warmed
+
+
+@pytest.mark.parametrize("flags,warm", [([], "1"), (["--no-warm"], "0")], ids=["default", "no-warm"])
+def test_kvledger_dashboard_passes_the_warm_up_switch_to_its_server(flags, warm, tmp_path, monkeypatch):
+    from dashboard.commands import dashboard as cmd
+    from engine import osutil
+    seen = {}
+    monkeypatch.setattr(osutil, "run_child", lambda argv, env: seen.update(argv=argv, env=env) or 0)
+    import argparse
+    ap = argparse.ArgumentParser()
+    cmd.add_arguments(ap)
+    assert cmd.run(cmd.make_config(ap.parse_args(["--store", str(tmp_path), *flags]))) == 0
+    assert seen["env"]["KVLEDGER_DASHBOARD_WARM"] == warm and seen["argv"][1:3] == ["-m", "dashboard.serve"]

@@ -23,6 +23,7 @@ class DashboardConfig:
     run: str | None = None
     allow_unverified: bool = False
     anchor: str | None = None
+    warm: bool = True
 
 
 def add_arguments(d) -> None:
@@ -35,6 +36,9 @@ def add_arguments(d) -> None:
     add_verify_options(d, "show the panels of a store that does not verify, under the red UNVERIFIED banner "
                           "(default: the banner and verify's words only, as every reader refuses)")
     add_engine_options(d)
+    d.add_argument("--no-warm", dest="warm", action="store_false",
+                   help="do not build the store's shared tables (requests, exposure slots, n-gram evidence) while the "
+                        "server starts; the first page load then builds them (default: built at start, on a thread)")
 
 
 def make_config(a) -> DashboardConfig:
@@ -42,7 +46,8 @@ def make_config(a) -> DashboardConfig:
     import math
     if not (math.isfinite(a.refresh) and 0.5 <= a.refresh <= 3600):
         raise InputError(f"--refresh must be in [0.5, 3600] seconds, got {a.refresh}")
-    return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a), a.run, a.allow_unverified, a.anchor)
+    return DashboardConfig(a.store, a.host, a.port, a.refresh, engine_choice(a), a.run, a.allow_unverified, a.anchor,
+                           a.warm)
 
 
 def run(c: DashboardConfig) -> int:
@@ -55,7 +60,7 @@ def run(c: DashboardConfig) -> int:
            "KVLEDGER_ENGINE": c.engine.engine, "KVLEDGER_DSN": c.engine.dsn or "",
            "KVLEDGER_CHDB_PATH": c.engine.chdb_path or os.environ.get("KVLEDGER_CHDB_PATH", ""),
            "KVLEDGER_RUN": c.run or "", "KVLEDGER_ANCHOR": c.anchor or "",
-           "KVLEDGER_ALLOW_UNVERIFIED": "1" if c.allow_unverified else ""}
+           "KVLEDGER_ALLOW_UNVERIFIED": "1" if c.allow_unverified else "", "KVLEDGER_DASHBOARD_WARM": "1" if c.warm else "0"}
     print(f"kvledger dashboard on http://{c.host}:{c.port} (store {c.store})", file=sys.stderr)
     return run_child([sys.executable, "-m", "dashboard.serve", app, "--server.address", c.host,
                       "--server.port", str(c.port), "--server.headless", "true",

@@ -132,9 +132,8 @@ def kept(store: str | Path, disk: bool = True) -> bool:
     (``disk``) in the state directory: a build from them reads the segments added since, not every
     segment."""
     key = str(Path(store).resolve())
-    with _LOCK:
-        if key in _KEPT:
-            return True
+    if key in _KEPT:        # (not under _LOCK, which a build holds throughout: a dashboard's page asks
+        return True         # while its server's warm-up builds - dashboard/serve.py - and must not wait)
     return disk and kept_on_disk() and (_dir(key) / "meta.json").is_file()
 
 

@@ -32,6 +32,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -622,9 +623,13 @@ class HashCache(dict):
         return self.path.with_suffix(".sigs.json")
 
     def save(self) -> None:
-        files = [[*k, v] for k, v in self.items() if len(k) == 5 and isinstance(v, str) and isinstance(k[0], str)]
-        cols = [[*k[1:], v] for k, v in self.items() if len(k) == 6 and k[0] == "cols"]
-        sigs = [list(k[1:]) for k, v in self.items() if len(k) == 4 and k[0] == "sig" and v is True]
+        # (the entries copied in one step: another thread of the process may verify with this cache
+        # meanwhile - a dashboard's page loads, its server's warm-up - and a dict that grows while a
+        # comprehension walks it raises)
+        items = list(self.items())
+        files = [[*k, v] for k, v in items if len(k) == 5 and isinstance(v, str) and isinstance(k[0], str)]
+        cols = [[*k[1:], v] for k, v in items if len(k) == 6 and k[0] == "cols"]
+        sigs = [list(k[1:]) for k, v in items if len(k) == 4 and k[0] == "sig" and v is True]
         if len(files) != self._loaded:      # the store changed: the files gone since (a writer's merged
             files = [e for e in files if os.path.exists(e[0])]      # segments) are forgotten, not kept forever
             cols = [e for e in cols if os.path.exists(e[0])]
@@ -634,7 +639,7 @@ class HashCache(dict):
                 continue
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                tmp = path.with_suffix(f".tmp-{os.getpid()}")
+                tmp = path.with_suffix(f".tmp-{os.getpid()}-{threading.get_ident()}")
                 tmp.write_text(json.dumps(entries))
                 os.replace(tmp, path)
             except OSError:
