@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 
 # (pandas' Styler: the tables' red rows, ~0.03 s; the ClickHouse backend's errors, which every page
 # load's opening names: ~0.025 s - each on the first page load otherwise)
@@ -53,6 +54,8 @@ def preload() -> None:
 
 
 WARM = "KVLEDGER_DASHBOARD_WARM"
+_stopping = threading.Event()       # set at the process's exit: the warm-up stops after its step in progress
+EXIT_WAIT_S = 30.0                  # the longest the exit waits for that step
 warmed: dict[str, float | str] = {}         # what the warm-up did: "seconds", or "skipped" / "failed": why
 
 
@@ -85,11 +88,21 @@ def warm() -> None:
             return
         try:
             fx.early_pairs()    # requests first, alone: what a page loaded meanwhile waits for to draw its
-            fx.materialise()    # early banner (built beside the slots it came 0.3 s later); then the rest
+            if _stopping.is_set():      # early banner (built beside the slots it came 0.3 s later); then the rest
+                warmed["skipped"] = "interrupted: the server is stopping"
+                return
+            fx.materialise()
         finally:
             fx.close()
         warmed["seconds"] = time.perf_counter() - t0
     except Exception as e:          # (only speed is lost: the first page builds them)
+        import duckdb
+        # the server is stopping (SIGTERM, Ctrl-C): DuckDB interrupted, or the process's exit begun
+        # (concurrent.futures then refuses materialise's side-by-side builds) - nothing to say
+        if (_stopping.is_set() or isinstance(e, duckdb.InterruptException)
+                or (isinstance(e, RuntimeError) and "interpreter shutdown" in str(e))):
+            warmed["skipped"] = "interrupted: the server is stopping"
+            return
         warmed["failed"] = f"{type(e).__name__}: {e}"
         print(f"kvledger: note: the dashboard did not build the store's tables at its start ({warmed['failed']}); "
               "the first page builds them", file=sys.stderr)
@@ -104,25 +117,34 @@ def _listening(host: str, port: int) -> None:
     import time
     host = "127.0.0.1" if host in ("", "0.0.0.0") else "::1" if host == "::" else host
     end = time.monotonic() + LISTEN_WAIT_S
-    while time.monotonic() < end:
+    while time.monotonic() < end and not _stopping.is_set():     # (a server that failed to start exits)
         try:
             socket.create_connection((host, port), timeout=0.5).close()
             return
         except OSError:
-            time.sleep(0.05)
+            _stopping.wait(0.05)
 
 
-def start_warm(after: "tuple[str, int] | None" = None):
+def start_warm(after: "tuple[str, int] | None" = None) -> threading.Thread:
     """``warm`` on a daemon thread; the thread. ``after``: the server's (host, port) - the warm-up
     starts once the server listens, so the server is up as soon as without it (started beside
-    Streamlit's own start, it delayed the server's first answer by 1.3-1.7 s at 121 M read rows)."""
-    import threading
+    Streamlit's own start, it delayed the server's first answer by 1.3-1.7 s at 121 M read rows).
+    At the process's exit the warm-up stops after its step in progress, which the exit waits for (up
+    to EXIT_WAIT_S): a thread left inside DuckDB while the interpreter finalizes aborted the process
+    (a server stopped 1.2 s after its start: "terminate called ...", exit 250)."""
+    import atexit
 
     def run() -> None:
         if after is not None:
             _listening(*after)
-        warm()
+        if not _stopping.is_set():
+            warm()
     t = threading.Thread(target=run, name="kvledger-warm", daemon=True)
+
+    def stop() -> None:
+        _stopping.set()
+        t.join(EXIT_WAIT_S)
+    atexit.register(stop)
     t.start()
     return t
 

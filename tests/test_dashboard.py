@@ -558,11 +558,13 @@ def test_the_evidence_s_kept_check_does_not_wait_for_a_build_in_progress(glm53_v
         assert not t.is_alive() and got == [False]
 
 
-@pytest.mark.parametrize("case", ["off", "clickhouse", "no store", "damaged", "no such run", "fails"])
+@pytest.mark.parametrize("case", ["off", "clickhouse", "no store", "damaged", "no such run", "fails", "stopping",
+                                  "interrupted", "exiting"])
 def test_the_warm_up_skips_or_fails_quietly_and_keeps_nothing(case, glm53_vulnerable, monkeypatch, tmp_path, capsys):
     """Where it has nothing to do (switched off, another engine, no store, a store that does not
     verify, a run not in it) the warm-up keeps nothing and says why in ``warmed``; an error inside it
-    is one note on stderr and nothing kept - never an exception in the server's start."""
+    is one note on stderr and nothing kept - never an exception in the server's start; where the
+    server is stopping (its exit begun, DuckDB interrupted) it stops quietly."""
     import shutil
 
     from dashboard import serve
@@ -584,8 +586,16 @@ def test_the_warm_up_skips_or_fails_quietly_and_keeps_nothing(case, glm53_vulner
         monkeypatch.setenv("KVLEDGER_STORE", str(tmp_path / "store"))
     elif case == "no such run":
         monkeypatch.setenv("KVLEDGER_RUN", "zzz")
+    elif case == "stopping":            # the process's exit began while requests were built: no more
+        import threading
+        stop = threading.Event()
+        monkeypatch.setattr(serve, "_stopping", stop)
+        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: stop.set())
     else:
-        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: (_ for _ in ()).throw(RuntimeError("disk gone")))
+        import duckdb
+        error = {"fails": RuntimeError("disk gone"), "interrupted": duckdb.InterruptException("INTERRUPT Error"),
+                 "exiting": RuntimeError("cannot schedule new futures after interpreter shutdown")}[case]
+        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: (_ for _ in ()).throw(error))
     serve.warm()
     assert not evidence._KEPT and not grown._KEPT
     err = capsys.readouterr().err
@@ -598,6 +608,8 @@ def test_the_warm_up_skips_or_fails_quietly_and_keeps_nothing(case, glm53_vulner
             assert "verif" in serve.warmed["skipped"], serve.warmed
         if case == "no such run":
             assert "zzz" in serve.warmed["skipped"], serve.warmed
+        if case in ("stopping", "interrupted", "exiting"):        # a server stopping: nothing to say
+            assert serve.warmed["skipped"].startswith("interrupted"), serve.warmed
 
 
 @pytest.mark.parametrize("flags,warm", [([], "1"), (["--no-warm"], "0")], ids=["default", "no-warm"])
