@@ -420,7 +420,10 @@ def dashboard_table(r: dict) -> str:
                  f"(medians of {len(r['first_page_renders_s'])} rounds, the three cases in turn in each; goals "
                  f"<= {r['goal_banner_s']:.0f} s and <= {r['goal_s']:.0f} s): loaded after the server's warm-up of the "
                  f"shared tables (`dashboard/serve.py`: requests, the exposure slots and the n-gram evidence built "
-                 f"while the server starts, {r['warm_up_s']:.1f} s here) render "
+                 f"while the server starts"
+                 + (f" - then, no page having loaded yet, the page's {r['warm_up_answers']} named queries over the whole "
+                    f"store, their answers kept (`answers.py`)" if r.get("warm_up_answers") else "")
+                 + f", {r['warm_up_s']:.1f} s here) render "
                  f"**{r['first_page_warmed_render_s']:.1f} s**, the script {r['first_page_warmed_script_s']:.1f} s, "
                  f"the banner {r['first_page_warmed_banner_s']:.2f} s into it; loaded at once, the warm-up still running "
                  f"(it waits for the tables it is building) render {r['first_page_render_s']:.1f} s, the early banner "
@@ -742,8 +745,8 @@ def segments_table(r: dict) -> str:
 
 SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table, "prefill_attention_zen4": prefill_attention_table,
-            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "forensics": forensics_table,
-            "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "collect": collect_table,
+            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "telemetry_zen4": telemetry_table, "forensics": forensics_table,
+            "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "serve_zen4": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 
 

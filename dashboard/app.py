@@ -24,9 +24,10 @@ import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dashboard.data import (BANNER, PROTECTION, TIERS, TRANSFER_ORDER, Filters, Panels, Protection,  # noqa: E402
-                            chart_points, first_rows)
+                            chart_points, first_rows, page_loaded)
 from forensics.window import ago, parse_when, utcnow  # noqa: E402
 
+page_loaded.set()          # (the server's warm-up leaves the page's queries to this page from now on)
 STORE = os.environ.get("KVLEDGER_STORE", "./kvledger-store")
 REFRESH = float(os.environ.get("KVLEDGER_REFRESH_S", "2"))
 ENGINE = {"engine": os.environ.get("KVLEDGER_ENGINE", "duckdb"), "dsn": os.environ.get("KVLEDGER_DSN") or None,

@@ -4,6 +4,7 @@ Filters (tenant, node, policy) narrow the query results; they never change the S
 from __future__ import annotations
 
 import datetime as dt
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -86,6 +87,9 @@ def verified(store: str | Path) -> HashCache:
 # before the sections' own queries run; PROTECTION: those of them that need no n-gram evidence
 PROTECTION = ("served", "guards", "preflight", "gaps")
 BANNER = ("exposures", "scores", *PROTECTION)
+# set at the first page load (script run) in this process: the server's warm-up (dashboard/serve.py)
+# then leaves the page's named queries to the page rather than run them beside it
+page_loaded = threading.Event()
 # the named queries one dashboard page runs
 PAGE = ("exposures", "scores", "tenants", "ttft", "transfers", "releases", "guards", "preflight", "probes",
         "fleet_ttft", "fleet_impact", "canary", "gaps")

@@ -13,7 +13,10 @@ what every page's queries read (``warm``) - into this process's kept rows (``gro
 ``evidence.py``), so a page load finds them built and reads only the segments written since,
 instead of building them from every segment (at 100 M+ read rows about a second of a first page
 on a 2-core machine). A page that loads while they are still being built waits for that build
-(each is under its own lock) rather than doing it twice; its early banner does not wait.
+(each is under its own lock) rather than doing it twice; its early banner does not wait. Where
+no page has loaded by then and the store's whole-store answers are kept (it verifies and no
+writer holds it: answers.py), it then runs the page's named queries over the whole store too, so
+a first page reads their answers back instead of running them.
 ``KVLEDGER_DASHBOARD_WARM=0`` (``kvledger dashboard --no-warm``) leaves them to the first page.
 """
 from __future__ import annotations
@@ -56,12 +59,15 @@ def preload() -> None:
 WARM = "KVLEDGER_DASHBOARD_WARM"
 _stopping = threading.Event()       # set at the process's exit: the warm-up stops after its step in progress
 EXIT_WAIT_S = 30.0                  # the longest the exit waits for that step
-warmed: dict[str, float | str] = {}         # what the warm-up did: "seconds", or "skipped" / "failed": why
+warmed: dict[str, float | str] = {}         # what the warm-up did: "seconds" (and "answers": the page's queries
+                                            # run and kept), or "skipped" / "failed": why
 
 
 def warm() -> None:
     """Build the store's shared tables in this process (``Forensics.materialise``: requests, the
-    exposure slots, the n-gram evidence), kept by grown.py and evidence.py for the page loads, on the
+    exposure slots, the n-gram evidence), kept by grown.py and evidence.py for the page loads - and,
+    where no page has loaded yet and the store's answers are kept, run the page's named queries over
+    the whole store (their answers kept by answers.py for the first page) - on the
     store, run and anchor the app shows (KVLEDGER_STORE, KVLEDGER_RUN, KVLEDGER_ANCHOR). Skipped where
     KVLEDGER_DASHBOARD_WARM=0, the engine is not the local DuckDB one (ClickHouse keeps no such rows
     here), there is no store yet, or it does not verify (the page says why). It opens the store with a
@@ -92,6 +98,13 @@ def warm() -> None:
                 warmed["skipped"] = "interrupted: the server is stopping"
                 return
             fx.materialise()
+            # then, where no page has loaded yet and the store's answers are kept (verified, no writer
+            # holds it), the page's own named queries over the whole store: a page loaded after
+            # this reads them back (answers.py) instead of running them
+            from dashboard.data import PAGE, UNORDERED, page_loaded
+            if fx.answers is not None and not page_loaded.is_set() and not _stopping.is_set():
+                fx.queries(list(PAGE), unordered=UNORDERED)
+                warmed["answers"] = len(PAGE)
         finally:
             fx.close()
         warmed["seconds"] = time.perf_counter() - t0

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -523,6 +525,43 @@ def test_the_server_s_warm_up_builds_what_a_first_page_reads_and_the_page_shows_
     assert "early_banner_s" not in warm.session_state
     assert _steady(warm) == _steady(cold) and _steady(warm)["Affected responses"] > 0
     assert [e.value.split(" (")[0] for e in warm.error] == [e.value.split(" (")[0] for e in cold.error]
+
+
+@pytest.mark.parametrize("page_first", [False, True], ids=["no page yet", "a page loaded first"])
+def test_the_warm_up_keeps_the_page_s_whole_store_answers_until_a_page_loads(page_first, glm53_vulnerable, monkeypatch,
+                                                                            tmp_path):
+    """Where no page has loaded when the shared tables are built and the store's answers are kept
+    (it verifies, no writer holds it), the warm-up runs the page's named queries over the whole store:
+    a first page then runs none of them (each is read back) and shows what a page that ran them shows.
+    Once a page has loaded, the page's queries are left to it (the warm-up would run them beside it)."""
+    import forensics.queries.duckdb as fd
+    from dashboard import data, serve
+    from dashboard.data import PAGE, UNORDERED
+    from forensics.queries.answers import answers_dir
+    from forensics.queries.base import without_order
+    store = tmp_path / "store"
+    shutil.copytree(glm53_vulnerable[1], store)          # (kept answers are per store path: this test's own)
+    _no_kept_tables(monkeypatch)
+    monkeypatch.setenv("KVLEDGER_STORE", str(store))
+    ref = _steady(_app(store, monkeypatch))                  # (answers off: every query run)
+    _no_kept_tables(monkeypatch)
+    monkeypatch.setenv("KVLEDGER_ANSWER_CACHE", "1")
+    monkeypatch.setattr(data, "page_loaded", threading.Event())
+    if page_first:
+        data.page_loaded.set()
+    serve.warm()
+    assert "seconds" in serve.warmed and ("answers" in serve.warmed) != page_first, serve.warmed
+    kept = sorted(answers_dir(store).glob("*.arrow"))
+    assert len(kept) == (0 if page_first else len(PAGE)), kept
+    texts = {fd.sql(n) if n not in UNORDERED else without_order(fd.sql(n)): n for n in PAGE}
+    ran: list[str] = []
+    run = fd.Forensics._run
+    monkeypatch.setattr(fd.Forensics, "_run", staticmethod(lambda con, text, *a: (ran.append(texts.get(text, "")),
+                                                                                   run(con, text, *a))[1]))
+    at = _app(store, monkeypatch)
+    assert data.page_loaded.is_set()
+    assert sorted(n for n in ran if n) == ([] if not page_first else sorted(PAGE)), ran
+    assert _steady(at) == ref and ref["Affected responses"] > 0
 
 
 def test_a_page_loaded_while_the_warm_up_runs_waits_for_it_and_nothing_is_built_twice(glm53_vulnerable, monkeypatch):
