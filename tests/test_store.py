@@ -623,3 +623,43 @@ def test_a_reader_does_not_recheck_a_chain_file_s_signature_it_checked_before_un
     with pytest.raises(StoreError, match="not signed by this store's key"):
         Forensics(store)
     assert sum(b"kvledger-chain" in m for m in checked) == 1
+
+
+def test_the_store_schemas_kept_in_the_state_directory_are_duckdb_s_mapping_and_a_damaged_copy_is_mapped_again(
+        tmp_path, monkeypatch):
+    """The Arrow schemas of the store's tables, mapped by DuckDB from schema.sql, are kept in the state
+    directory (read back instead of mapped at every process's start): read back they equal a fresh
+    mapping, field for field; a kept file that is cut, garbage or empty is mapped again and rewritten;
+    a state directory that cannot be written still gives the mapping."""
+    from telemetry.store import schema
+    monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
+    ddl = schema.SCHEMA_SQL.read_text()
+    fresh = schema._mapped(ddl)
+    mapped: list = []
+    real = schema._mapped
+    monkeypatch.setattr(schema, "_mapped", lambda d: mapped.append(d) or real(d))
+
+    def schemas() -> dict:
+        schema.arrow_schemas.cache_clear()
+        return schema.arrow_schemas()
+    try:
+        got = schemas()
+        path = schema._kept_path(ddl)
+        assert len(mapped) == 1 and path.is_file()
+        kept = schemas()
+        assert len(mapped) == 1                                         # read back, not mapped
+        assert list(kept) == list(fresh) and "page_reads" in kept
+        assert all(kept[t].equals(fresh[t], check_metadata=True) and got[t].equals(fresh[t]) for t in fresh)
+        whole = path.read_bytes()
+        for damage in (whole[:len(whole) // 2], b"not arrow at all", b""):
+            path.write_bytes(damage)
+            assert all(schemas()[t].equals(fresh[t], check_metadata=True) for t in fresh)
+            assert path.read_bytes() == whole                           # mapped again and rewritten
+        assert len(mapped) == 4
+        blocked = tmp_path / "file"
+        blocked.write_text("")
+        monkeypatch.setenv("KVLEDGER_STATE_DIR", str(blocked / "state"))   # under a file: no directory can be made
+        assert all(schemas()[t].equals(fresh[t], check_metadata=True) for t in fresh)
+    finally:
+        monkeypatch.undo()
+        schema.arrow_schemas.cache_clear()
