@@ -646,6 +646,52 @@ def test_read_runs_fold_the_same_in_any_batching(tmp_path):
     tel.close()
 
 
+def test_a_fold_s_batch_gives_each_field_as_the_records_one_by_one(tmp_path):
+    """A fold reads its records once (telemetry.ledger._Batch: whole-batch concatenations, the lists
+    that consecutive steps share converted once): every tensor field equals the records' tensors
+    flattened one by one in step order, and the per-step scalars, shapes, batch rows, incarnations,
+    prompt lengths and ids equal the records' own - on the engine's steps (block tables that gain
+    columns as the sequences grow, batches that change) and on the same steps with their tables
+    reshaped, some fields as numpy and lists not shared between consecutive steps."""
+    from telemetry.ledger import StepRecord, _Batch, _cat
+    tel = Telemetry(tmp_path / "s", model_name="recall", metric_interval=60, flush_interval=600)
+    tel.ledger.FOLD_CELLS = 1 << 40                 # keep every step pending
+    eng = _engine(tel)
+    for i in range(3):
+        eng.add_request("the quick brown fox jumps over the lazy dog " * (1 + 2 * i), SamplingParams(max_tokens=40), f"t{i}")
+    eng.run_until_done()
+    steps = list(tel.ledger._pending)
+    cols = {int(s.block_tables.shape[1]) for s in steps}
+    assert len(steps) > 30 and len(cols) > 2 and len({len(s.incs) for s in steps}) > 1     # tables grow, batches change
+    assert any(a.incs is b.incs for a, b in zip(steps, steps[1:]))                           # lists shared step to step
+    tensor_fields = [f for f in StepRecord._fields[8:]]
+    rng = np.random.default_rng(0)
+
+    def odd(s):     # the same step: its lists copied (not shared), two of its tables [B, C] -> [B * C, 1]
+        B, C = s.block_tables.shape
+        return s._replace(incs=list(s.incs), ids=list(s.ids), prompt_lens=list(s.prompt_lens),
+                          **{f: getattr(s, f).reshape(B * C, 1) for f in ("block_tables", "slots_read")})
+    cases = {"the engine's steps": steps,
+             "copied lists, reshaped tables, positions as numpy": [
+                 (odd(s) if rng.random() < 0.5 else s)._replace(positions=s.positions.numpy().copy()) for s in steps]}
+    for name, recs in cases.items():
+        for batch in (recs, recs[:1], recs[5:23]):
+            b = _Batch(batch)
+            for f in tensor_fields:
+                want = np.concatenate([np.asarray(r[StepRecord._fields.index(f)]).reshape(-1) for r in batch])
+                got = b(f)
+                assert got.dtype == _cat(batch, f).dtype and np.array_equal(got, want, equal_nan=got.dtype.kind == "f"), (name, f)
+            for f in ("step", "lclock", "ts_ns"):
+                assert b.per_step(f).tolist() == [getattr(r, f) for r in batch], (name, f)
+            assert b.shape("block_tables", 1).tolist() == [r.block_tables.shape[1] for r in batch], name
+            assert b.row_counts().tolist() == [len(r.incs) for r in batch], name
+            assert b.rows("incs").tolist() == [x for r in batch for x in r.incs], name
+            assert b.rows("prompt_lens").tolist() == [x for r in batch for x in r.prompt_lens], name
+            assert b.ids() == [x for r in batch for x in r.ids], name
+    tel.ledger._pending.clear()
+    tel.close()
+
+
 def _fold_both_ways(page_size: int, batches: list[list]) -> int:
     """Fold the batches in engine/kernels/read_runs.c and in numpy: the same rows in the same order
     (a run's mass to 1e-12: C sums a run's reads in order, numpy pairwise); how many rows."""
