@@ -63,7 +63,7 @@ class _Batch:
     ``rows`` a per-batch-row list (incarnations, prompt lengths) concatenated, ``ids`` the (trace, span)
     pairs likewise. Consecutive records holding the very same lists - the engine hands its batch's
     lists over step after step while the batch stays (``PageLedger.on_step``) - convert them once:
-    a Python call per step and field was a fifth of a fold's CPU. Read only: nothing writes into what
+    a Python call per step and field was about a tenth of a fold's CPU. Read only: nothing writes into what
     it returns."""
 
     def __init__(self, recs: list):

@@ -36,7 +36,7 @@ def arrow_schemas() -> dict[str, pa.Schema]:
     """table name -> Arrow schema, as DuckDB itself maps the DDL. Mapped once per DDL, DuckDB and
     pyarrow and kept in the state directory (a name and a serialized schema per table): the mapping
     - a DuckDB database made for it, the DDL run, every table exported empty - is 50-70 ms of every
-    reader's and writer's start (one-off, this session's AMD EPYC), the kept file's read about 1 ms.
+    reader's and writer's start (one-off, this session's AMD EPYC), the kept file's read about 5 ms.
     An unreadable kept file is mapped again; one that cannot be written changes nothing."""
     ddl = SCHEMA_SQL.read_text()
     path = _kept_path(ddl)
@@ -53,10 +53,13 @@ def arrow_schemas() -> dict[str, pa.Schema]:
         path.parent.mkdir(parents=True, exist_ok=True)
         table = pa.table({"name": list(out), "schema": [s.serialize().to_pybytes() for s in out.values()]})
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
-            w.write_table(table)
-        os.replace(tmp, path)
-    except OSError:
+        try:
+            with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
+                w.write_table(table)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)         # (a write cut short, e.g. by a full disk, leaves nothing)
+    except (OSError, pa.ArrowException):
         pass
     return out
 
