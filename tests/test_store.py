@@ -627,21 +627,28 @@ def test_a_reader_does_not_recheck_a_chain_file_s_signature_it_checked_before_un
 
 def test_the_store_schemas_kept_in_the_state_directory_are_duckdb_s_mapping_and_a_damaged_copy_is_mapped_again(
         tmp_path, monkeypatch):
-    """The Arrow schemas of the store's tables, mapped by DuckDB from schema.sql, are kept in the state
-    directory (read back instead of mapped at every process's start): read back they equal a fresh
-    mapping, field for field; a kept file that is cut, garbage or empty is mapped again and rewritten;
-    a state directory that cannot be written still gives the mapping."""
+    """The Arrow schemas of the store's tables and their NOT NULL columns, mapped by DuckDB from
+    schema.sql, are kept in the state directory (read back instead of mapped at every process's start):
+    read back they equal a fresh mapping, field for field and column for column; a kept file that is
+    cut, garbage, empty or written before it held the NOT NULL columns is mapped again and rewritten; a
+    state directory that cannot be written still gives the mapping; a writer's segments take their
+    NOT NULL columns from the kept file (no mapping of their own)."""
+    import pyarrow as pa
+
     from telemetry.store import schema
     monkeypatch.setenv("KVLEDGER_STATE_DIR", str(tmp_path / "state"))
     ddl = schema.SCHEMA_SQL.read_text()
-    fresh = schema._mapped(ddl)
+    fresh, fresh_required = schema._mapped(ddl)
+    assert fresh_required["page_reads"] and set(fresh_required) == set(fresh)
     mapped: list = []
     real = schema._mapped
     monkeypatch.setattr(schema, "_mapped", lambda d: mapped.append(d) or real(d))
 
     def schemas() -> dict:
-        schema.arrow_schemas.cache_clear()
-        return schema.arrow_schemas()
+        schema._store_schema.cache_clear()
+        got = schema.arrow_schemas()
+        assert schema.not_null() == fresh_required
+        return got
     try:
         got = schemas()
         path = schema._kept_path(ddl)
@@ -651,15 +658,24 @@ def test_the_store_schemas_kept_in_the_state_directory_are_duckdb_s_mapping_and_
         assert list(kept) == list(fresh) and "page_reads" in kept
         assert all(kept[t].equals(fresh[t], check_metadata=True) and got[t].equals(fresh[t]) for t in fresh)
         whole = path.read_bytes()
-        for damage in (whole[:len(whole) // 2], b"not arrow at all", b""):
+        with pa.ipc.open_file(pa.py_buffer(whole)) as f:
+            before = f.read_all().drop_columns(["not_null"])            # as the fifty-first session kept it
+        sink = pa.BufferOutputStream()
+        with pa.ipc.new_file(sink, before.schema) as w:
+            w.write_table(before)
+        for damage in (whole[:len(whole) // 2], b"not arrow at all", b"", sink.getvalue().to_pybytes()):
             path.write_bytes(damage)
             assert all(schemas()[t].equals(fresh[t], check_metadata=True) for t in fresh)
             assert path.read_bytes() == whole                           # mapped again and rewritten
-        assert len(mapped) == 4
+        assert len(mapped) == 5
+        required = schema.not_null()["page_reads"]
+        with pytest.raises(ValueError, match="missing columns"):        # a writer's check, from the kept columns
+            schema.conform("page_reads", pa.table({"boot": ["b"]}))
+        assert len(mapped) == 5 and required <= set(fresh["page_reads"].names)
         blocked = tmp_path / "file"
         blocked.write_text("")
         monkeypatch.setenv("KVLEDGER_STATE_DIR", str(blocked / "state"))   # under a file: no directory can be made
         assert all(schemas()[t].equals(fresh[t], check_metadata=True) for t in fresh)
     finally:
         monkeypatch.undo()
-        schema.arrow_schemas.cache_clear()
+        schema._store_schema.cache_clear()

@@ -14,15 +14,24 @@ import pyarrow as pa
 SCHEMA_SQL = Path(__file__).with_name("schema.sql")
 
 
-def _mapped(ddl: str) -> dict[str, pa.Schema]:
+Mapping = tuple[dict[str, pa.Schema], dict[str, frozenset[str]]]     # (Arrow schemas, NOT NULL columns) by table
+
+
+def _mapped(ddl: str) -> Mapping:
+    """DuckDB's own reading of the DDL: each table's Arrow schema (its export of the table, empty)
+    and its NOT NULL columns (DuckDB's Arrow export marks every field nullable)."""
     con = duckdb.connect()
-    con.execute(ddl)
-    names = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()]
-    out = {}
-    for name in names:
-        out[name] = con.table(name).limit(0).to_arrow_table().schema
-    con.close()
-    return out
+    try:
+        con.execute(ddl)
+        names = [r[0] for r in con.execute("SELECT table_name FROM duckdb_tables() ORDER BY table_name").fetchall()]
+        schemas = {name: con.table(name).limit(0).to_arrow_table().schema for name in names}
+        required: dict[str, set[str]] = {name: set() for name in names}
+        for table, col in con.execute("SELECT table_name, column_name FROM information_schema.columns "
+                                      "WHERE is_nullable = 'NO'").fetchall():
+            required.setdefault(table, set()).add(col)
+    finally:
+        con.close()
+    return schemas, {t: frozenset(c) for t, c in required.items()}
 
 
 def _kept_path(ddl: str) -> Path:
@@ -32,26 +41,30 @@ def _kept_path(ddl: str) -> Path:
 
 
 @cache
-def arrow_schemas() -> dict[str, pa.Schema]:
-    """table name -> Arrow schema, as DuckDB itself maps the DDL. Mapped once per DDL, DuckDB and
-    pyarrow and kept in the state directory (a name and a serialized schema per table): the mapping
-    - a DuckDB database made for it, the DDL run, every table exported empty - is 50-70 ms of every
-    reader's and writer's start (one-off, this session's AMD EPYC), the kept file's read about 5 ms.
-    An unreadable kept file is mapped again; one that cannot be written changes nothing."""
+def _store_schema() -> Mapping:
+    """The DDL's mapping (``_mapped``), made once per DDL, DuckDB and pyarrow and kept in the state
+    directory (per table: its name, serialized Arrow schema and NOT NULL columns): the mapping - a
+    DuckDB database made for it, the DDL run, every table exported empty, the columns' nullability
+    read - is 50-70 ms of every reader's and writer's start (one-off, an AMD EPYC), the kept file's
+    read about 5 ms. An unreadable kept file, or one written before it held the NOT NULL columns, is
+    mapped again; one that cannot be written changes nothing."""
     ddl = SCHEMA_SQL.read_text()
     path = _kept_path(ddl)
     try:
         with pa.OSFile(str(path)) as f:
             kept = pa.ipc.open_file(f).read_all()
-        out = {n: pa.ipc.read_schema(pa.py_buffer(b)) for n, b in zip(kept["name"].to_pylist(), kept["schema"].to_pylist())}
-        if out:
-            return out
+        names = kept["name"].to_pylist()
+        schemas = {n: pa.ipc.read_schema(pa.py_buffer(b)) for n, b in zip(names, kept["schema"].to_pylist())}
+        required = {n: frozenset(c) for n, c in zip(names, kept["not_null"].to_pylist())}
+        if schemas:
+            return schemas, required
     except (OSError, ValueError, KeyError, TypeError, pa.ArrowException):
         pass
-    out = _mapped(ddl)
+    schemas, required = _mapped(ddl)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        table = pa.table({"name": list(out), "schema": [s.serialize().to_pybytes() for s in out.values()]})
+        table = pa.table({"name": list(schemas), "schema": [s.serialize().to_pybytes() for s in schemas.values()],
+                          "not_null": pa.array([sorted(required.get(n, ())) for n in schemas], pa.list_(pa.string()))})
         tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         try:
             with pa.OSFile(str(tmp), "wb") as f, pa.ipc.new_file(f, table.schema) as w:
@@ -61,21 +74,18 @@ def arrow_schemas() -> dict[str, pa.Schema]:
             tmp.unlink(missing_ok=True)         # (a write cut short, e.g. by a full disk, leaves nothing)
     except (OSError, pa.ArrowException):
         pass
-    return out
+    return schemas, required
 
 
-@cache
+def arrow_schemas() -> dict[str, pa.Schema]:
+    """table name -> Arrow schema, as DuckDB itself maps the DDL (kept: ``_store_schema``)."""
+    return _store_schema()[0]
+
+
 def not_null() -> dict[str, frozenset[str]]:
-    """table -> its NOT NULL columns (DuckDB's Arrow export marks every field nullable)."""
-    con = duckdb.connect()
-    con.execute(SCHEMA_SQL.read_text())
-    rows = con.execute("SELECT table_name, column_name FROM information_schema.columns "
-                       "WHERE is_nullable = 'NO'").fetchall()
-    con.close()
-    out: dict[str, set[str]] = {}
-    for table, col in rows:
-        out.setdefault(table, set()).add(col)
-    return {t: frozenset(c) for t, c in out.items()}
+    """table -> its NOT NULL columns (kept with the schemas: a writer's first segment no longer makes
+    a DuckDB database and runs the DDL for them, ~70 ms of its first flush)."""
+    return _store_schema()[1]
 
 
 def tables() -> list[str]:
