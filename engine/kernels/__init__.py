@@ -71,12 +71,16 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build() -> ctypes.CDLL:
+def _build(defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The kernels built (once: kept under the cache by a hash of the sources, flags and CPU) and
+    loaded. ``defines``: extra -D flags, for benches that time a kernel's compile-time variants side by
+    side (bench/decode_prefetch.py); the engine loads the build without them."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise OSError("no C compiler (cc) on PATH")
+    flags = [*_FLAGS, *(f"-D{d}" for d in defines)]
     src = b"".join(p.read_bytes() for p in _SRCS + _HDRS)
-    key = hashlib.sha256(src + " ".join(_FLAGS).encode() + _cpu_flags().encode() + platform.machine().encode())
+    key = hashlib.sha256(src + " ".join(flags).encode() + _cpu_flags().encode() + platform.machine().encode())
     cache = Path(os.environ.get("KVLEDGER_CACHE") or Path.home() / ".cache" / "kvledger") / "kernels"
     so = cache / f"paged_decode-{key.hexdigest()[:16]}.so"
     if not so.exists():
@@ -84,7 +88,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(dir=cache, suffix=".so.tmp")
         os.close(fd)
         try:
-            r = subprocess.run([cc, *_FLAGS, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
+            r = subprocess.run([cc, *flags, *map(str, _SRCS), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=120)
             if r.returncode != 0:
                 raise OSError(f"{cc} failed: {r.stderr.strip()[:300]}")
             os.replace(tmp, so)

@@ -77,9 +77,12 @@ static inline __attribute__((always_inline)) float kv1(const void *row, int64_t 
    buffers until its line arrives, which capped the lines in flight - rows a record apart read out of
    memory at 7.4 GB/s on one thread, 14-15 GB/s this way (the long workload's decode attention, 4 layers
    of 12 K keys: 6.9 -> 3.4 ms a step; 2 threads 3.7 -> 2.0 ms; tiny's and big's, in cache, no slower) */
+#ifndef KVL_PF_LOCALITY
+#define KVL_PF_LOCALITY 2   /* __builtin_prefetch's locality: 2 prefetcht1 (L2), 3 prefetcht0 (L1: the bench's "before") */
+#endif
 static inline void prefetch_row(const void *p, int64_t bytes) {
     const char *line = (const char *)((uintptr_t)p & ~(uintptr_t)63), *end = (const char *)p + bytes;
-    for (; line < end; line += 64) __builtin_prefetch(line, 0, 2);
+    for (; line < end; line += 64) __builtin_prefetch(line, 0, KVL_PF_LOCALITY);
 }
 
 static inline __attribute__((always_inline)) float dot(const float *restrict a, const void *restrict b, int64_t D,
@@ -294,9 +297,12 @@ static inline void mass_rows(const float *part, float *page_mass, const int64_t 
     }
 }
 
-#define PFF 32          /* keys ahead whose K and V rows the one-pass path prefetches */
+#ifndef KVL_PFF
+#define KVL_PFF 32      /* keys ahead whose K and V rows the one-pass path prefetches (16 before: the bench) */
+#endif
+#define PFF KVL_PFF
 
-/* s[g * 64 + j] = scale * q_g . K_j for the nk (<= 64) keys of a page and the G heads: 8 keys at a time
+/* s[g * 64 + j] = scale * q_g . K_j for nk keys (of a page: up to 64) and the G heads: 8 keys at a time
    read straight out of their records (no copy: a page's rows are read once a head, the second time
    from L1), their 8 dots summed by one transposing sum (hsum8) instead of a horizontal sum a key and
    head; fp32 rows of a multiple of 8 values (else, and for a page's last nk % 8 keys, key by key) */
@@ -340,11 +346,22 @@ static inline __attribute__((always_inline)) void one_pass(const float *qb, cons
     for (int64_t i = 0; i < PFF && i < n; i++) { prefetch_row(krow[i], D * es); prefetch_row(vrow[i], D * es); }
     for (int64_t c = 0, i0 = 0; i0 < n; c++, i0 += S) {
         const int64_t nk = n - i0 < S ? n - i0 : S;
+#ifdef KVL_SCORES_KEYWISE       /* key by key, as before the fifty-fourth session (bench/decode_prefetch.py) */
         for (int64_t j = 0; j < nk; j++) {
             const int64_t ahead = i0 + j + PFF;
             if (ahead < n) { prefetch_row(krow[ahead], D * es); prefetch_row(vrow[ahead], D * es); }
+            for (int64_t g = 0; g < G; g++) s[g * 64 + j] = dot(qb + g * D, krow[i0 + j], D, bf16) * scale;
         }
-        page_scores(qb, krow + i0, nk, G, D, scale, s, bf16);
+#else
+        for (int64_t j0 = 0; j0 < nk; j0 += KB) {      /* the prefetches spread between the blocks' products */
+            const int64_t nb = nk - j0 < KB ? nk - j0 : KB;
+            for (int64_t j = j0; j < j0 + nb; j++) {
+                const int64_t ahead = i0 + j + PFF;
+                if (ahead < n) { prefetch_row(krow[ahead], D * es); prefetch_row(vrow[ahead], D * es); }
+            }
+            page_scores(qb, krow + i0 + j0, nb, G, D, scale, s + j0, bf16);
+        }
+#endif
         for (int64_t g = 0; g < G; g++) {
             float *sg = s + g * 64, m = -INFINITY, l = 0.f;
             for (int64_t j = 0; j < nk; j++) m = sg[j] > m ? sg[j] : m;
