@@ -688,6 +688,24 @@ def decode_attention_table(r: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- |", *rows, *_layout_rows(r)])
 
 
+def decode_prefetch_table(r: dict) -> str:
+    """bench/decode_prefetch.py: the decode kernel as built against its builds with a change taken back."""
+    rows = [f"| {label} | {c['dtype']} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]}, {c['layers']} layers | "
+            f"{c['ms_per_step']['now']:.2f} ms, {c['gb_per_s']['now']:.1f} GB/s | "
+            + " | ".join(f"{c['ms_per_step'][k]:.2f} ms (**{c['ratio_now_vs'][k]:.2f}x**)"
+                         for k in ("l1_prefetch", "keywise_scores", "before")) + " |"
+            for label, c in r["cases"].items()]
+    return "\n".join([
+        f"Decode attention alone, the kernel as built against its builds with the fifty-fourth session's changes "
+        f"taken back (`bench/decode_prefetch.py`, {_isa(r.get('cpu'))}, {r['threads']} thread(s), medians of "
+        f"{r['repeats']} interleaved steps - one call per layer, every layer; GB/s of the K and V bytes a step reads; "
+        "the ratios: how much longer each build takes than the kernel as built; the outputs agree to "
+        f"{max(max(c['max_abs_diff'].values()) for c in r['cases'].values()):.0e}):", "",
+        "| step | pool | heads, layers | as built (rows prefetched into L2, page scores 8 keys at a time) | "
+        "rows prefetched into L1, 16 keys ahead | scores key by key | both (the kernel before) |",
+        "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+
+
 def _layout_rows(r: dict) -> list[str]:
     """The AMX kernel on the pool's earlier layouts (bench/decode_attention.py rebuilds them)."""
     cases = {k: c for k, c in r["cases"].items() if "amx_4k_pages_8b_records" in c["ms_per_step"]}
@@ -745,7 +763,7 @@ def segments_table(r: dict) -> str:
 
 SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table, "prefill_attention_zen4": prefill_attention_table,
-            "decode_attention": decode_attention_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "telemetry_zen4": telemetry_table, "forensics": forensics_table,
+            "decode_attention": decode_attention_table, "decode_prefetch_zen4": decode_prefetch_table, "decode_prefetch_zen4_1t": decode_prefetch_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "telemetry_zen4": telemetry_table, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "serve_zen4": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 

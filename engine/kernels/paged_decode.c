@@ -74,9 +74,10 @@ static inline __attribute__((always_inline)) float kv1(const void *row, int64_t 
 }
 
 /* every line the row touches, into L2 (prefetcht1, not t0): a prefetch into L1 holds one of L1's few miss
-   buffers until its line arrives, which capped the lines in flight - rows a record apart read out of
-   memory at 7.4 GB/s on one thread, 14-15 GB/s this way (the long workload's decode attention, 4 layers
-   of 12 K keys: 6.9 -> 3.4 ms a step; 2 threads 3.7 -> 2.0 ms; tiny's and big's, in cache, no slower) */
+   buffers until its line arrives, which capped the lines in flight - fp32 rows a record apart came out of
+   memory at about 7 GB/s on one thread, 12-14 GB/s this way (bench/decode_prefetch.py on an AMD EPYC of
+   the Zen 4 kind, 2026-12-07: the long workload's decode attention, 4 layers of 12 K keys, 1.7x at one
+   and at two threads; big's 1.45-1.49x; tiny's, in cache, 1.03-1.05x) */
 #ifndef KVL_PF_LOCALITY
 #define KVL_PF_LOCALITY 2   /* __builtin_prefetch's locality: 2 prefetcht1 (L2), 3 prefetcht0 (L1: the bench's "before") */
 #endif
