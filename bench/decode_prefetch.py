@@ -1,9 +1,11 @@
 """The decode kernel's memory reads (engine/kernels/paged_decode.c), its builds side by side: the
 kernel as built (``now``: K and V rows prefetched into L2 - prefetcht1 - and the one-pass path's
-page scores 8 keys at a time), and rebuilt here only with the fifty-fourth session's changes taken
-back one at a time (``-D`` flags of the same sources): ``l1_prefetch`` (rows prefetched into L1 -
-prefetcht0 - and the one-pass path 16 keys ahead, as before), ``keywise_scores`` (a page's scores key
-by key, as before) and ``before`` (both). One call per layer over every layer of a pool, as a decode
+page scores 8 keys at a time, the blocked path's rows 3 blocks ahead), and rebuilt here only with
+the fifty-fourth session's changes taken back one at a time (``-D`` flags of the same sources):
+``l1_prefetch`` (rows prefetched into L1 - prefetcht0 - and the one-pass path 16 keys ahead, as
+before), ``keywise_scores`` (a page's scores key by key, as before), ``one_block_ahead`` (the blocked
+path - several query heads a KV head, or bf16 - prefetching one block of 8 keys ahead, as before) and
+``before`` (all three). One call per layer over every layer of a pool, as a decode
 step makes them (a layer's K/V rows are a record apart: records hold every layer), interleaved,
 medians; GB/s of the K and V bytes a step reads; the largest difference from ``now``'s outputs.
 The cases are the engine bench's decode shapes (bench/engine.py): `long`'s 12 K keys of 4 layers do
@@ -31,7 +33,7 @@ CASES = [   # (label, dtype, layers, query heads, KV heads, head dim, keys of ea
 ]
 
 BUILDS = {"now": (), "l1_prefetch": ("KVL_PF_LOCALITY=3", "KVL_PFF=16"), "keywise_scores": ("KVL_SCORES_KEYWISE",),
-          "before": ("KVL_PF_LOCALITY=3", "KVL_PFF=16", "KVL_SCORES_KEYWISE")}
+          "one_block_ahead": ("KVL_BPF=1",), "before": ("KVL_PF_LOCALITY=3", "KVL_PFF=16", "KVL_SCORES_KEYWISE", "KVL_BPF=1")}
 
 
 def case(libs: dict, dtype: torch.dtype, L: int, Hq: int, Hkv: int, D: int, seqs: list[int], repeats: int) -> dict:

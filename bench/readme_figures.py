@@ -693,7 +693,7 @@ def decode_prefetch_table(r: dict) -> str:
     rows = [f"| {label} | {c['dtype']} | {c['heads'][0]}:{c['heads'][1]} x {c['heads'][2]}, {c['layers']} layers | "
             f"{c['ms_per_step']['now']:.2f} ms, {c['gb_per_s']['now']:.1f} GB/s | "
             + " | ".join(f"{c['ms_per_step'][k]:.2f} ms (**{c['ratio_now_vs'][k]:.2f}x**)"
-                         for k in ("l1_prefetch", "keywise_scores", "before")) + " |"
+                         for k in ("l1_prefetch", "keywise_scores", "one_block_ahead", "before")) + " |"
             for label, c in r["cases"].items()]
     return "\n".join([
         f"Decode attention alone, the kernel as built against its builds with the fifty-fourth session's changes "
@@ -701,9 +701,10 @@ def decode_prefetch_table(r: dict) -> str:
         f"{r['repeats']} interleaved steps - one call per layer, every layer; GB/s of the K and V bytes a step reads; "
         "the ratios: how much longer each build takes than the kernel as built; the outputs agree to "
         f"{max(max(c['max_abs_diff'].values()) for c in r['cases'].values()):.0e}):", "",
-        "| step | pool | heads, layers | as built (rows prefetched into L2, page scores 8 keys at a time) | "
-        "rows prefetched into L1, 16 keys ahead | scores key by key | both (the kernel before) |",
-        "| --- | --- | --- | --- | --- | --- | --- |", *rows])
+        "| step | pool | heads, layers | as built (rows prefetched into L2; one pass: 32 keys ahead, page scores 8 "
+        "keys at a time; blocked: 3 blocks ahead) | rows prefetched into L1, one pass 16 keys ahead | scores key by "
+        "key | blocked: one block ahead | all three (the kernel before) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |", *rows])
 
 
 def _layout_rows(r: dict) -> list[str]:

@@ -76,8 +76,9 @@ static inline __attribute__((always_inline)) float kv1(const void *row, int64_t 
 /* every line the row touches, into L2 (prefetcht1, not t0): a prefetch into L1 holds one of L1's few miss
    buffers until its line arrives, which capped the lines in flight - fp32 rows a record apart came out of
    memory at about 7 GB/s on one thread, 12-14 GB/s this way (bench/decode_prefetch.py on an AMD EPYC of
-   the Zen 4 kind, 2026-12-07: the long workload's decode attention, 4 layers of 12 K keys, 1.7x at one
-   and at two threads; big's 1.45-1.49x; tiny's, in cache, 1.03-1.05x) */
+   the Zen 4 kind, 2026-12-07: the long workload's fp32 decode attention, 4 layers of 12 K keys, 1.7-1.8x
+   at one and at two threads; with the blocked path's rows 3 blocks ahead, bf16 long's 1.6-2.2x and fp32
+   big's 1.5-1.6x; tiny's, in cache, 1.1-1.2x) */
 #ifndef KVL_PF_LOCALITY
 #define KVL_PF_LOCALITY 2   /* __builtin_prefetch's locality: 2 prefetcht1 (L2), 3 prefetcht0 (L1: the bench's "before") */
 #endif
@@ -166,6 +167,10 @@ static inline float row_sum(const float *s, int64_t n) {
 }
 
 #define KB 8           /* keys a block: the scores of 8 keys come out of one transposing sum */
+#ifndef KVL_BPF
+#define KVL_BPF 3       /* blocks ahead whose rows the blocked path prefetches (1 before: bench/decode_prefetch.py) */
+#endif
+#define BPF KVL_BPF
 #define DMAX 256        /* the blocked path's widest head */
 
 /* the horizontal sums of a[0..7], as one vector: r[j] = a[j][0] + ... + a[j][7] */
@@ -210,7 +215,7 @@ static inline __attribute__((always_inline)) void blocked_scores(const float *qb
     const float *r[KB];
     for (int64_t i0 = 0; i0 < n; i0 += KB) {
         const int64_t nb = n - i0 < KB ? n - i0 : KB;
-        for (int64_t j = 0; j < KB && i0 + KB + j < n; j++) prefetch_row(krow[i0 + KB + j], D * es);
+        for (int64_t j = 0; j < KB && i0 + BPF * KB + j < n; j++) prefetch_row(krow[i0 + BPF * KB + j], D * es);
         block_rows(krow + i0, nb, D, buf, zero, r, bf16);
         for (int64_t g = 0; g < G; g++) {
             const float *qg = qb + g * D;
@@ -234,7 +239,7 @@ static inline __attribute__((always_inline)) void blocked_values(const float *sc
     memset(acc, 0, sizeof(float) * G * D);
     for (int64_t i0 = 0; i0 < n; i0 += KB) {
         const int64_t nb = n - i0 < KB ? n - i0 : KB;
-        for (int64_t j = 0; j < KB && i0 + KB + j < n; j++) prefetch_row(vrow[i0 + KB + j], D * es);
+        for (int64_t j = 0; j < KB && i0 + BPF * KB + j < n; j++) prefetch_row(vrow[i0 + BPF * KB + j], D * es);
         block_rows(vrow + i0, nb, D, buf, zero, r, bf16);
         for (int64_t g = 0; g < G; g++) {
             const float *p = sc + g * n + i0;
