@@ -30,6 +30,7 @@ CASES = [   # (label, dtype, layers, query heads, KV heads, head dim, keys of ea
     ("long bf16", torch.bfloat16, 4, 4, 2, 64, [2764, 2639, 3733, 3296]),
     ("big fp32: 8 requests of 320-700 keys", torch.float32, 8, 14, 2, 64, [600, 400, 650, 320, 500, 700, 350, 450]),
     ("tiny fp32: 8 requests of 30-200 keys", torch.float32, 4, 4, 2, 64, [100, 150, 50, 190, 30, 77, 120, 160]),
+    ("tiny bf16", torch.bfloat16, 4, 4, 2, 64, [100, 150, 50, 190, 30, 77, 120, 160]),
 ]
 
 BUILDS = {"now": (), "l1_prefetch": ("KVL_PF_LOCALITY=3", "KVL_PFF=16"), "keywise_scores": ("KVL_SCORES_KEYWISE",),
