@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) float kv1(const void *row, int64_t 
    memory at about 7 GB/s on one thread, 12-14 GB/s this way (bench/decode_prefetch.py on an AMD EPYC of
    the Zen 4 kind, 2026-12-07: the long workload's fp32 decode attention, 4 layers of 12 K keys, 1.7-1.8x
    at one and at two threads; with the blocked path's rows 3 blocks ahead, bf16 long's 1.6-2.2x and fp32
-   big's 1.5-1.6x; tiny's, in cache, 1.1-1.2x) */
+   big's 1.5-1.6x; tiny's, in cache: fp32 1.1-1.2x, bf16 0.94-0.95x) */
 #ifndef KVL_PF_LOCALITY
 #define KVL_PF_LOCALITY 2   /* __builtin_prefetch's locality: 2 prefetcht1 (L2), 3 prefetcht0 (L1: the bench's "before") */
 #endif
