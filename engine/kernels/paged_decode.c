@@ -191,6 +191,18 @@ static inline __attribute__((always_inline)) v8 hsum8(const v8 *a) {
            + __builtin_shufflevector(u0, u1, 4, 5, 6, 7, 12, 13, 14, 15);
 }
 
+/* scale * (q . r[j]) for the KB rows r[j] of D fp32 values (D % 8 == 0), as one vector: a chain of
+   products per key, then one transposing sum (hsum8) for the KB keys */
+static inline __attribute__((always_inline)) v8 block_dots(const float *q, const float *const *r, int64_t D,
+                                                           float scale) {
+    v8 a[KB] = {{0}};
+    for (int64_t c = 0; c < D; c += 8) {
+        const v8 qv = ld8(q + c);
+        for (int j = 0; j < KB; j++) a[j] += qv * ld8(r[j] + c);
+    }
+    return hsum8(a) * scale;
+}
+
 /* KB rows of a block as fp32 rows, copied (bf16: widened) once into ``buf`` and read from there by
    all G query heads: records a few kilobytes apart would share L1 sets (a power-of-two stride plus
    the 16-byte tag), the copy is one contiguous block. A row past the last key points at ``zero``. */
@@ -218,13 +230,7 @@ static inline __attribute__((always_inline)) void blocked_scores(const float *qb
         for (int64_t j = 0; j < KB && i0 + BPF * KB + j < n; j++) prefetch_row(krow[i0 + BPF * KB + j], D * es);
         block_rows(krow + i0, nb, D, buf, zero, r, bf16);
         for (int64_t g = 0; g < G; g++) {
-            const float *qg = qb + g * D;
-            v8 a[KB] = {{0}};
-            for (int64_t c = 0; c < D; c += 8) {
-                const v8 qv = ld8(qg + c);
-                for (int j = 0; j < KB; j++) a[j] += qv * ld8(r[j] + c);
-            }
-            const v8 s = hsum8(a) * scale;
+            const v8 s = block_dots(qb + g * D, r, D, scale);
             if (nb == KB) st8(sc + g * n + i0, s);
             else for (int64_t j = 0; j < nb; j++) sc[g * n + i0 + j] = s[j];
         }
@@ -319,15 +325,7 @@ static inline __attribute__((always_inline)) void page_scores(const float *qb, c
         for (; j0 + KB <= nk; j0 += KB) {
             const float *r[KB];
             for (int j = 0; j < KB; j++) r[j] = (const float *)krow[j0 + j];
-            for (int64_t g = 0; g < G; g++) {
-                const float *qg = qb + g * D;
-                v8 a[KB] = {{0}};
-                for (int64_t c = 0; c < D; c += 8) {
-                    const v8 qv = ld8(qg + c);
-                    for (int j = 0; j < KB; j++) a[j] += qv * ld8(r[j] + c);
-                }
-                st8(s + g * 64 + j0, hsum8(a) * scale);
-            }
+            for (int64_t g = 0; g < G; g++) st8(s + g * 64 + j0, block_dots(qb + g * D, r, D, scale));
         }
     for (; j0 < nk; j0++)
         for (int64_t g = 0; g < G; g++) s[g * 64 + j0] = dot(qb + g * D, krow[j0], D, bf16) * scale;
