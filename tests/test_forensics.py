@@ -1537,6 +1537,25 @@ def test_a_command_from_the_shell_ends_at_once_with_what_it_keeps_written(glm53_
     assert closed.stdout.startswith(b"[{") and b"Traceback" not in closed.stderr, closed.stderr.decode()
 
 
+def test_the_status_line_draws_every_phase_however_short():
+    """Each phase a command names is drawn when it is named, not at the status line's next timed
+    refresh: phases that end at once (a small store's exposure slots) were never shown on a terminal."""
+    import io
+
+    from forensics.commands.query import status
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    term = Terminal()
+    with status(term) as say:
+        for phase in ("building the exposure slots", "building the n-gram evidence", "answering"):
+            say(phase)
+    for phase in ("verifying the store", "building the exposure slots", "building the n-gram evidence", "answering"):
+        assert f"kvledger: {phase}" in term.getvalue(), phase
+
+
 def test_a_command_says_what_it_builds_on_a_terminal_and_nothing_in_a_pipe(glm53_vulnerable, tmp_path):
     """On a terminal, stderr carries a status line while the store is verified and the shared tables
     are built - the n-gram evidence named, and whether every ngrams segment is read - and the

@@ -157,8 +157,14 @@ def status(stream=None) -> "Iterator[Callable[[str], None]]":
         yield lambda text: None
         return
     from rich.console import Console
-    with Console(file=stream).status("kvledger: verifying the store") as line:
-        yield lambda text: line.update(f"kvledger: {text}")
+    with Console(file=stream).status("kvledger: verifying the store", spinner="dots") as line:
+        # (naming the spinner again makes rich draw the phase now: a bare text update - and the line's start -
+        # wait for its next timed refresh, and a phase shorter than that (a small store's exposure slots) was
+        # never shown)
+        def say(text: str) -> None:
+            line.update(f"kvledger: {text}", spinner="dots")
+        say("verifying the store")
+        yield say
 
 
 def verify_index(fx, c: QueryConfig, chk) -> int:
