@@ -29,8 +29,9 @@ from telemetry.store import SegmentWriter, open_store  # noqa: E402
 SHIFT = 1 << 40
 INSTANCES = 32              # the fleet's instances (3 nodes each in the disaggregated replay: 96 nodes)
 PAGE_STRIDE = 1 << 14       # pages a copy may use on its instance (the replays use a few hundred)
-LAYOUT = 2                  # 1: a node per copy (88 k nodes at 136 M rows: guards and preflight then measured
-                            # the node count, not the ledger)
+LAYOUT = 3                  # 3: ngrams segments with the outputs in row groups of their own (columns.APART);
+                            # 2: before that; 1: a node per copy (88 k nodes at 136 M rows: guards and
+                            # preflight then measured the node count, not the ledger)
 TABLES = ("page_reads", "page_writes", "exposure_index", "config_snapshots", "spans", "transfers", "ngrams")
 ID_COLS = {"page_reads": ["reader"], "page_writes": ["writer"], "spans": ["incarnation"], "transfers": ["incarnation"],
            "ngrams": ["incarnation"], "exposure_index": ["reader", "donor"]}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -233,6 +234,61 @@ def test_ngrams_segments_have_row_groups_a_lookup_skips_by_their_hash_bloom_filt
     small = con.sql(f"SELECT bloom_filter_length FROM parquet_metadata('{segs[1]}') WHERE path_in_schema = 'hash'").fetchall()
     big = con.sql(f"SELECT max(bloom_filter_length) FROM parquet_metadata('{segs[max(segs)]}') WHERE path_in_schema = 'hash'").fetchall()
     assert small[0][0] < big[0][0]
+
+
+def test_ngrams_segments_hold_the_outputs_in_row_groups_of_their_own(tmp_path, monkeypatch):
+    """A segment's output n-grams (columns.APART) come first, in row groups of their own - a flush's
+    segment and a merge's - each part in the order its rows came: a lookup filtering on role =
+    'output' skips every prompt row group by its min and max and one of prompt rows every output
+    row group; the segments hold the rows that were submitted, and a segment of one role alone is
+    written as it came."""
+    import duckdb
+    import pyarrow as pa
+    import telemetry.store.columns as columns
+    from telemetry.store import SegmentWriter
+    monkeypatch.setattr(columns, "LOOKUP_ROW_GROUP", 1000)
+    rng = np.random.default_rng(11)
+    parts = []
+    for k, (reqs, outs) in enumerate([(30, 25), (40, 60), (3, 0)]):    # the last: prompts alone
+        rows = []
+        for i in range(reqs):
+            inc = k * 1000 + i
+            rows += [(inc, "prompt", p) for p in range(50)] + [(inc, "output", None) for _ in range(outs)]
+        inc, role, pos = zip(*rows)
+        parts.append(pa.table({"incarnation": np.array(inc, np.int64), "role": list(role),
+                               "n": np.full(len(rows), NGRAM, np.int16),
+                               "hash": rng.integers(-2 ** 62, 2 ** 62, len(rows), dtype=np.int64),
+                               "pos": pa.array(pos, pa.int32())}))
+    w = SegmentWriter(tmp_path / "store", flush_interval=3600, compact_fan=2)
+    for part in parts:
+        w.submit("ngrams", part)
+        w.flush()
+    w.close()
+    assert w.compactions >= 1                          # the first two flushes merged: a merge's segment too
+    con = duckdb.connect()
+    segs = sorted((tmp_path / "store" / "segments" / "ngrams").glob("*.parquet"))     # flushes' and merges'
+    got = open_store(tmp_path / "store").table("ngrams").to_arrow_table()      # (merged parts may linger a while)
+    key = lambda t: sorted(zip(*[t[c].to_pylist() for c in ("incarnation", "role", "hash", "pos")]))  # noqa: E731
+    assert key(got) == key(pa.concat_tables(parts))
+    both = 0
+    for seg in segs:
+        t = pa.parquet.read_table(seg)
+        roles = t["role"].to_pylist()
+        first = roles.count("output")
+        assert roles == ["output"] * first + ["prompt"] * (len(roles) - first), seg
+        for role in ("output", "prompt"):       # each part in the order it came
+            mine = t.filter(pa.compute.equal(t["role"], role))
+            assert mine["incarnation"].to_pylist() == sorted(mine["incarnation"].to_pylist())
+        groups = con.sql(f"SELECT row_group_id, any_value(row_group_num_rows), min(stats_min_value), max(stats_max_value) "
+                         f"FROM parquet_metadata('{seg}') WHERE path_in_schema = 'role' GROUP BY 1 ORDER BY 1").fetchall()
+        assert all(lo == hi for _, _, lo, hi in groups), groups          # no row group holds both roles
+        assert sum(rows for _, rows, lo, _ in groups if lo == "output") == first
+        both += 0 < first < len(roles)
+        for role in ("output", "prompt"):
+            plan = con.sql(f"EXPLAIN ANALYZE SELECT hash FROM '{seg}' WHERE role = '{role}'").fetchall()[0][1]
+            scanned = re.search(r"Row Groups Scanned: (\d+) / (\d+)", plan)     # (none at all: no scan shown)
+            assert int(scanned[1] if scanned else 0) == sum(lo == role for _, _, lo, _ in groups), plan
+    assert both >= 2
 
 
 def test_genai_metrics_use_the_spec_buckets(glm53_vulnerable):

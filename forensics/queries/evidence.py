@@ -4,8 +4,15 @@ snapshot of the same store instead of two scans of the whole ``ngrams`` table.
 ``exposure_ngrams.sql`` is the rule. It reads ``ngrams`` twice: the rows of every pair's
 incarnations (``ng``), then every row holding a candidate hash (``hits``) - at 256 M n-gram rows
 about 3 s of a 4 s build, on every new snapshot of a live store (a dashboard refresh). Here the
-same answer comes in three steps (``forensics/sql/evidence/``): the pairs' incarnations, the
-candidates from ``_ng``, the answer from ``_candidates`` and ``_hits``. ``_ng`` and ``_hits`` are
+same answer comes in three steps (``forensics/sql/evidence/``): the pairs' responses, the
+candidates from ``_ng`` - those responses' output rows - and ``_hits`` - every row holding one of
+their output hashes, where the donors' prompt rows that can match are - then the answer from
+``_candidates`` and ``_hits`` (its rows of the candidate hashes). A response's prompt and a donor's
+are read only where they hold one of those hashes: at 121 M read rows the pairs' 3,575
+incarnations' rows were 2.3 M, almost all prompt rows, against 0.19 M output rows and 0.3 M rows of
+the outputs' hashes; and a store written since the writer puts a segment's output rows in row groups
+of their own (``telemetry/store/columns.APART``) has the outputs' lookup read only those.
+``_ng`` and ``_hits`` are
 kept in this process per store, with the segment files, incarnations and hashes they cover: on a
 later snapshot whose segments include those files, only the new segments are read for the
 covered incarnations and hashes, and the whole table only for incarnations or hashes not covered
@@ -41,6 +48,7 @@ from pathlib import Path
 import duckdb
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from forensics.queries.answers import (enabled as kept_on_disk, entry_written, file_key as _stat, read_kept,
                                       write_entry_later)
@@ -55,7 +63,7 @@ SAVE_EVERY = 30.0           # seconds between two saves of one store's rows to t
 @dataclass
 class _Kept:
     files: dict[str, tuple[int, int, int]]      # segment path -> (inode, size, ctime ns)
-    incs: set[int]          # _ng holds every row of these incarnations in those files
+    incs: set[int]          # _ng holds every output row of these incarnations in those files
     hashes: set[int]        # _hits holds every row with these hashes in those files
     ng: pa.Table
     hits: pa.Table
@@ -65,6 +73,8 @@ class _Kept:
     answer: pa.Table | None = None      # ... and exposure_ngrams (saved with the rows, under the SQL's ident)
 
 
+LAYOUT = 2          # what _ng and _hits hold (2: the responses' output rows, and the rows of their output
+                    # hashes with every column): a kept entry of another layout is not read
 _KEPT: dict[str, _Kept] = {}
 _SAVED: dict[str, float] = {}        # store -> when its rows were last saved
 _LOCK = threading.Lock()
@@ -73,7 +83,7 @@ stats = {"whole_scans": 0, "new_segment_reads": 0, "loaded": 0, "reused": 0,    
 
 
 def _dir(key: str) -> Path:
-    return state_dir() / "evidence" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return state_dir() / "evidence" / hashlib.sha256(f"{LAYOUT}:{key}".encode()).hexdigest()[:32]
 
 
 STEPS = ("pairs", "read_runs", "digest", "candidates", "requests_digest", "final")
@@ -96,7 +106,7 @@ def _load(key: str, ident: str) -> _Kept | None:
     entry_written(d)
     try:
         meta = json.loads((d / "meta.json").read_text())
-        if meta.get("store") != key:
+        if meta.get("store") != key or meta.get("layout") != LAYOUT:
             return None
 
         def table(name: str) -> pa.Table:
@@ -120,7 +130,7 @@ def _save(key: str, kept: _Kept, ident: str) -> None:
     """Write the rows, the last answer and the meta that names them (answers.write_entry), on a
     thread of its own (write_entry_later). No error if it cannot."""
     tables = {"ng": kept.ng, "hits": kept.hits}
-    meta = {"store": key, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes)}
+    meta = {"store": key, "layout": LAYOUT, "files": kept.files, "incs": sorted(kept.incs), "hashes": sorted(kept.hashes)}
     if kept.answer is not None:
         tables |= {"candidates": kept.candidates, "answer": kept.answer}
         meta |= {"answer_ident": ident, "digest": list(kept.digest), "requests": list(kept.requests)}
@@ -190,6 +200,10 @@ def read_runs(masks: pa.Table) -> pa.Table:
 PUSHED = 4096      # values up to which the join's build side is pushed into the scan as an IN filter (see _rows)
 
 
+OUTPUTS = "role = 'output'"     # the rows of _ng (filtered before the lookup: the row groups of a store's
+                                # prompt rows apart - columns.APART - are skipped by their min and max)
+
+
 def _rows(con, rel: duckdb.DuckDBPyRelation, col: str, values: set[int], cols: list[str]) -> pa.Table:
     """The rows of ``rel`` whose ``col`` is one of ``values``, by a semi join against them, with
     DuckDB told to push the join's values into the scan as a filter for up to PUSHED of them
@@ -243,47 +257,55 @@ def build(con: duckdb.DuckDBPyConnection, store: str | Path, files: list[str], s
         old_incs, old_hashes = (kept.incs, kept.hashes) if kept is not None else (set(), set())
         kept_answer = kept.answer if kept is not None else None
 
-        def grow(table: pa.Table | None, col: str, have: set[int], want: set[int], cols: list[str]) -> tuple[pa.Table, bool]:
+        def grow(table: pa.Table | None, col: str, have: set[int], want: set[int], cols: list[str],
+                 where: str | None = None) -> tuple[pa.Table, bool]:
             """The kept rows with those of the new segments (covered values) and of the whole table
-            (values not covered yet); and whether any row or value was added."""
+            (values not covered yet), of the rows ``where`` holds; and whether any row or value was added."""
             parts, added = [table] if table is not None else [], False
+            of = (lambda rel: rel.filter(where)) if where else (lambda rel: rel)     # noqa: E731
             if delta is not None and have:
                 stats["new_segment_reads"] += 1
-                parts.append(_rows(con, delta, col, have, cols))
+                parts.append(_rows(con, of(delta), col, have, cols))
                 added = parts[-1].num_rows > 0
             if want - have:
                 stats["whole_scans"] += 1
-                parts.append(_rows(con, whole, col, want - have, cols))
+                parts.append(_rows(con, of(whole), col, want - have, cols))
                 added = True
             if not parts:
-                return _rows(con, whole, col, set(), cols), True
+                return _rows(con, of(whole), col, set(), cols), True
             return (pa.concat_tables(parts, promote_options="default") if len(parts) > 1 else parts[0]), added
 
-        incs = _ids(con, sql("evidence/pairs"), "incarnation")
+        incs = _ids(con, sql("evidence/pairs"), "incarnation")          # the pairs' responses
         con.register("_read_runs", read_runs(con.sql(sql("evidence/read_runs")).to_arrow_table()))
         try:
             digest = tuple(con.sql(sql("evidence/digest")).fetchall()[0])
-            ng, ng_added = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS)
-            same = kept is not None and kept.answer is not None and kept.digest == digest and not ng_added
+            ng, ng_added = grow(kept.ng if kept else None, "incarnation", old_incs, incs, COLUMNS, OUTPUTS)
+            hashes = {h for h in pc.unique(ng.column("hash")).to_pylist() if h is not None}
+            hits, hits_added = grow(kept.hits if kept else None, "hash", old_hashes, hashes, COLUMNS)
+            same = (kept is not None and kept.answer is not None and kept.digest == digest
+                    and not ng_added and not hits_added)
             if same:                    # the candidates read the same pairs, positions and rows
                 candidates = kept.candidates
             else:
                 con.register("_ng", ng)
+                con.register("_hits", hits)
                 try:
                     candidates = con.sql(sql("evidence/candidates")).to_arrow_table()
                 finally:
                     con.unregister("_ng")
+                    con.unregister("_hits")
         finally:
             con.unregister("_read_runs")
-        hashes = {h for h in candidates.column("hash").to_pylist() if h is not None}
-        hits, hits_added = grow(kept.hits if kept else None, "hash", old_hashes, hashes, ["incarnation", "role", "hash"])
+        # step 3 reads the rows of the candidate hashes only (those of other output hashes change nothing)
+        chosen = hits.filter(pc.is_in(hits.column("hash"), value_set=candidates.column("hash").combine_chunks()
+                                      .cast(pa.int64())))
         if cover is not None:
-            cover({i for i in hits.column("incarnation").unique().to_pylist() if i is not None})
+            cover({i for i in chosen.column("incarnation").unique().to_pylist() if i is not None})
         con.register("_candidates", candidates)
-        con.register("_hits", hits)
+        con.register("_hits", chosen)
         try:
             requests = tuple(con.sql(sql("evidence/requests_digest")).fetchall()[0])
-            if same and not hits_added and kept.requests == requests:
+            if same and kept.requests == requests:
                 stats["reused"] += 1
                 answer = kept.answer
                 con.register("_answer", answer)

@@ -7,6 +7,7 @@ from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 
 class Coded(NamedTuple):
@@ -85,6 +86,27 @@ NO_DICTIONARY = {"tag_h", "hash", *HEX_HASHES}   # content hashes: they do not r
 LOOKUPS = {"ngrams": ("hash",)}
 LOOKUP_ROW_GROUP = 1 << 17
 LOOKUP_FPP = 0.001
+# the rows of a table a reader looks up apart, per table: (column, value) - a segment's rows holding
+# that value come first, in row groups of their own (the rest follow, each part in its order as it came),
+# so a reader filtering on the value reads only those row groups (their min and max are the value) and
+# one filtering it out never meets them. ngrams: the responses' output n-grams, which the n-gram evidence
+# reads by the exposed responses' incarnations (forensics/queries/evidence.py), where a prompt's
+# n-grams - every other row - are read by hash. At 121 M read rows (the forensics bench's store, 282 M
+# ngrams rows of which 190 K outputs) the outputs' lookup read 1,300 responses' row groups whole.
+APART = {"ngrams": ("role", "output")}
+
+
+def parts_apart(table: str, data: pa.Table) -> list[pa.Table]:
+    """A segment's rows as the parts written each in its own row groups: ``data`` as it is, or the
+    rows holding the table's APART value, then the others (both in their order in ``data``)."""
+    col, value = APART.get(table, (None, None))
+    if col is None or col not in data.column_names or data.num_rows == 0:
+        return [data]
+    first = pc.fill_null(pc.equal(data[col], pa.scalar(value)), False)
+    n = pc.sum(first).as_py() or 0
+    if n in (0, data.num_rows):
+        return [data]
+    return [data.filter(first), data.filter(pc.invert(first))]
 
 
 def parquet_options(schema: pa.Schema, table: str | None = None) -> dict:

@@ -41,7 +41,7 @@ import pyarrow.parquet as pq
 from telemetry.errors import StoreError
 from telemetry.store.chain import (GENESIS, Link, parse_chain_file, anchor_entry, anchor_path, append_anchor, chain_body,
                                    covered_chain_files, intent_body, read_chain, read_chain_files, replaced, verify)
-from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options, sized_for
+from telemetry.store.columns import Columns, columns_to_arrow, num_rows, parquet_options, parts_apart, sized_for
 from telemetry.store.keys import (STORE_FILE, KeyError_, WriterKeys, record_identity, recorded_identity,
                                   substituted)
 from telemetry.store.schema import arrow_schemas, conform
@@ -638,6 +638,10 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
-        pq.write_table(data, sink, **sized_for(self._parquet[table], data.num_rows))
+        options = sized_for(self._parquet[table], data.num_rows)
+        group = options.pop("row_group_size", None)
+        with pq.ParquetWriter(sink, data.schema, **options) as w:
+            for part in parts_apart(table, data):   # (ngrams: the outputs in row groups of their own)
+                w.write_table(part, row_group_size=group)
         body = sink.getvalue()
         return rel, hashlib.sha256(body).hexdigest(), body

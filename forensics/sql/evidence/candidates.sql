@@ -1,6 +1,7 @@
 -- The n-gram evidence in steps (forensics/queries/evidence.py), step 2: the candidate (response,
--- donor, hash) triples of exposure_ngrams.sql, from _ng - the ngrams rows of at least every pair's
--- incarnations (step 1; rows of other incarnations change nothing: every use joins on a pair).
+-- donor, hash) triples of exposure_ngrams.sql, from _ng - the output rows of at least every pair's
+-- response (step 1) - and _hits - every row of at least each hash those outputs hold (rows of other
+-- incarnations or hashes change nothing: every use joins on a pair and an output hash).
 WITH blocked AS (
     SELECT incarnation AS response FROM requests WHERE error_type = 'ReadCheckViolation'
 ),
@@ -14,7 +15,7 @@ prompt AS MATERIALIZED (    -- only a hash some output holds can match or be a r
                             -- read rows 2.1 M prompt rows -> 0.1 M, the step 0.2 -> 0.1 s (ro is made
                             -- first, on its own: joined in one query with prompt, DuckDB may join out to
                             -- prompt on the hash alone - 5 s where exposure_runs is a table)
-    SELECT incarnation, hash, pos, n FROM _ng WHERE role = 'prompt' AND hash IN (SELECT hash FROM out)
+    SELECT incarnation, hash, pos, n FROM _hits WHERE role = 'prompt' AND hash IN (SELECT hash FROM out)
 ),
 ro AS MATERIALIZED (        -- (out's rows are distinct: so are these)
     SELECT m.response, m.donor, o.hash FROM pairs m JOIN out o USING (response)
