@@ -638,7 +638,7 @@ class SegmentWriter:
         rel = f"segments/{table}/{seq:09d}.parquet"
         (self.root / rel).parent.mkdir(parents=True, exist_ok=True)
         sink = pa.BufferOutputStream()
-        options = sized_for(self._parquet[table], data.num_rows)
+        options = dict(sized_for(self._parquet[table], data.num_rows))     # (a copy: the table's own stays whole)
         group = options.pop("row_group_size", None)
         with pq.ParquetWriter(sink, data.schema, **options) as w:
             for part in parts_apart(table, data):   # (ngrams: the outputs in row groups of their own)
