@@ -23,7 +23,7 @@ import polars as pl
 import streamlit as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dashboard.data import (BANNER, PROTECTION, TIERS, TRANSFER_ORDER, Filters, Panels, Protection,  # noqa: E402
+from dashboard.data import (BANNER, PAGE, PROTECTION, TIERS, TRANSFER_ORDER, Filters, Panels, Protection,  # noqa: E402
                             chart_points, first_rows, page_loaded)
 from forensics.window import ago, parse_when, utcnow  # noqa: E402
 
@@ -438,7 +438,8 @@ def live() -> None:
         with state.container():
             banner(p, early, p.protection(early=True))
         st.session_state["early_banner_s"] = time.perf_counter() - _T0     # (bench/dashboard.py reads it)
-    p.prefetch(BANNER)
+    # the banner's queries; while the evidence is built for them, those of the page that read none of it
+    p.prefetch(BANNER if early is None else tuple(dict.fromkeys(BANNER + PAGE)))
     pr, t = p.protection(), p.totals()
     with state.container():
         banner(p, t, pr)

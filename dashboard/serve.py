@@ -93,7 +93,7 @@ def warm() -> None:
             warmed["skipped"] = str(e)
             return
         try:
-            fx.early_pairs()    # requests first, alone: what a page loaded meanwhile waits for to draw its
+            fx.request_count()  # requests first, alone: what a page loaded meanwhile waits for to draw its
             if _stopping.is_set():      # early banner (built beside the slots it came 0.3 s later); then the rest
                 warmed["skipped"] = "interrupted: the server is stopping"
                 return

@@ -428,6 +428,54 @@ def test_a_first_render_with_nothing_kept_draws_the_early_banner_then_the_whole_
     assert [e.value for e in again.error if e.value.startswith("EXPOSURE")][0].split(" (")[0] == exposure[0].split(" (")[0]
 
 
+def test_a_page_s_queries_that_read_no_evidence_run_while_it_is_built_with_the_answers_given_alone(
+        glm53_vulnerable, monkeypatch):
+    """A first page's queries asked at once (nothing kept): those that read no n-gram evidence start on
+    cursors of their own before its build ends, the others after it - and every answer is the one that
+    query gives asked alone."""
+    import threading
+
+    from dashboard.data import PAGE, UNORDERED
+    from forensics.queries import duckdb as D
+    _, store = glm53_vulnerable
+    _nothing_kept(monkeypatch)
+    fx = D.Forensics(store)
+    alone = {n: fx.queries([n], unordered=UNORDERED)[n] for n in PAGE}
+    fx.close()
+    texts = {D.without_order(D.sql(n)) if n in UNORDERED else D.sql(n): n for n in PAGE}
+    readers = {n for t, n in texts.items() if D.EVIDENCE_READERS.search(D.COMMENT.sub("", t))}
+    assert readers == {"exposures", "scores", "tenants"} and len(PAGE) - len(readers) >= 5
+    events, started = [], threading.Event()
+    run, build = D.Forensics._run, D.build_evidence
+
+    def timed_run(con, text, *a):
+        events.append(texts[text])
+        if texts[text] not in readers:
+            started.set()
+        return run(con, text, *a)
+
+    def timed_build(*a, **k):
+        started.wait(10)            # (a query that reads no evidence has started by now - or never will)
+        events.append("building")
+        build(*a, **k)
+        events.append("built")
+    monkeypatch.setattr(D.Forensics, "_run", staticmethod(timed_run))
+    monkeypatch.setattr(D, "build_evidence", timed_build)
+    _nothing_kept(monkeypatch)
+    fx = D.Forensics(store)
+    together = fx.queries(list(PAGE), unordered=UNORDERED)
+    fx.close()
+    built = events.index("built")
+    assert events.index("building") > 0 and all(events.index(n) > built for n in readers), events
+    assert set(events[:events.index("building")]) <= set(PAGE) - readers, events
+    for n in PAGE:
+        a, b = alone[n], together[n]
+        if n in UNORDERED:
+            a, b = a.sort(a.columns, nulls_last=True), b.sort(b.columns, nulls_last=True)
+        assert a.equals(b), n
+    assert all(alone[n].height for n in ("exposures", "scores", "tenants", "ttft", "transfers"))    # not zeros only
+
+
 def _shuffled(df: pl.DataFrame, seed: int) -> pl.DataFrame:
     return df.sample(fraction=1.0, shuffle=True, seed=seed)
 
@@ -629,12 +677,12 @@ def test_the_warm_up_skips_or_fails_quietly_and_keeps_nothing(case, glm53_vulner
         import threading
         stop = threading.Event()
         monkeypatch.setattr(serve, "_stopping", stop)
-        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: stop.set())
+        monkeypatch.setattr(F, "request_count", lambda self, *a, **k: stop.set())
     else:
         import duckdb
         error = {"fails": RuntimeError("disk gone"), "interrupted": duckdb.InterruptException("INTERRUPT Error"),
                  "exiting": RuntimeError("cannot schedule new futures after interpreter shutdown")}[case]
-        monkeypatch.setattr(F, "early_pairs", lambda self, *a, **k: (_ for _ in ()).throw(error))
+        monkeypatch.setattr(F, "request_count", lambda self, *a, **k: (_ for _ in ()).throw(error))
     serve.warm()
     assert not evidence._KEPT and not grown._KEPT
     err = capsys.readouterr().err

@@ -381,17 +381,26 @@ class Forensics:
         out = {n: df for n, t in texts.items() if (df := self._kept(n, t, start, end, params)) is not None}
         todo = {n: t for n, t in texts.items() if n not in out}
         reads_requests = any(READS_REQUESTS.search(COMMENT.sub("", t)) for t in todo.values())
+        evidence = {n for n, t in todo.items() if EVIDENCE_READERS.search(COMMENT.sub("", t))}
         if any(m in t for t in todo.values() for m in MATERIALISED[1:] + MACROS):
-            self.materialise(narrow=not reads_requests,
-                             evidence=any(EVIDENCE_READERS.search(COMMENT.sub("", t)) for t in todo.values()))
+            self.materialise(narrow=not reads_requests, evidence=False)
         if reads_requests:
             self._ensure("requests")
+        # where the n-gram evidence is still to be built, the queries that read none of it run while it
+        # is (on cursors of their own) - unless requests is the narrow table, which the build adds rows to
+        meanwhile = len(todo) > 1 and bool(evidence) and self.narrowed is None and "exposure_ngrams" not in self._made
+        if evidence and not meanwhile:
+            self.materialise(narrow=not reads_requests)
         if len(todo) == 1:
             (n, t), = todo.items()
             out[n] = self._run(self.con, t, start, end, params)
         elif todo:
             with ThreadPoolExecutor(workers) as pool:
-                futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params) for n, t in todo.items()}
+                futs = {n: pool.submit(self._run, self.con.cursor(), t, start, end, params)
+                        for n, t in todo.items() if not (meanwhile and n in evidence)}
+                if meanwhile:
+                    self.materialise(narrow=not reads_requests)     # the evidence, on this connection
+                    futs |= {n: pool.submit(self._run, self.con.cursor(), todo[n], start, end, params) for n in evidence}
                 out |= {n: f.result() for n, f in futs.items()}
         if self.answers is not None and start is None and end is None:
             for n in todo:
