@@ -141,8 +141,12 @@ def chart_points(tt: pl.DataFrame, limit: int) -> tuple[pl.DataFrame, int]:
                     uncached=pl.col("prompt_tokens_billed") - pl.col("prompt_tokens_cached"))
     healthy = pts.filter(~pl.col("anomaly"))
     if healthy.height > limit:
+        # the sample's rows all lie at or under the limit-th least hash: picked by the hash alone
+        # first, the six-key pick then runs over those few (at 391 K rows 14-22 -> ~6 ms)
+        h = healthy.select(pl.col("incarnation").hash(seed=0)).to_series()
+        few = healthy.filter(h <= h.bottom_k(limit).max())
         pts = pl.concat([pts.filter(pl.col("anomaly")),
-                         healthy.bottom_k(limit, by=[pl.col("incarnation").hash(seed=0), *DRAW_ORDER])])
+                         few.bottom_k(limit, by=[pl.col("incarnation").hash(seed=0), *DRAW_ORDER])])
     return pts.sort("anomaly", *DRAW_ORDER, nulls_last=True), healthy.height
 
 

@@ -523,8 +523,49 @@ def test_the_ttft_chart_draws_the_same_points_whatever_order_its_rows_come_in():
     for seed in range(4):
         again, _ = chart_points(_shuffled(tt, seed), 300)
         assert again.equals(first), seed
+    # the sample is the healthy requests of least (hash, DRAW_ORDER) - also where hashes tie (an
+    # incarnation twice, with other draw keys) right at the cut
+    from dashboard.data import DRAW_ORDER
+    twice = pl.concat([tt, tt.head(400).with_columns(service_ttft_s=pl.col("service_ttft_s") / 2)])
+    for frame, limit in [(tt, 300), (twice, 300), (twice, 1), (twice, 4000)]:
+        pts, _ = chart_points(frame, limit)
+        healthy = frame.filter(~(pl.col("below_floor") | pl.col("usage_dishonest")))
+        want = healthy.bottom_k(limit, by=[pl.col("incarnation").hash(seed=0), *DRAW_ORDER]).sort(DRAW_ORDER, nulls_last=True)
+        assert pts.filter(~pl.col("anomaly")).select(DRAW_ORDER).equals(want.select(DRAW_ORDER)), limit
     few, healthy = chart_points(tt.head(50), 300)     # under the limit: every request drawn
     assert few.height == 50 and healthy == 50 - tt.head(50).filter(pl.col("below_floor") | pl.col("usage_dishonest")).height
+
+
+MAPPED = """
+import os.path, sys
+import streamlit, polars, dashboard.data
+from dashboard import serve
+if sys.argv[1] == "mapped":
+    serve.map_modules()
+calls, real = [0], os.path.realpath
+def counted(*a, **k):
+    calls[0] += 1
+    return real(*a, **k)
+os.path.realpath = counted
+from streamlit import env_util
+env_util.is_repl()          # what Streamlit's first element of a process asks (delta_generator)
+print(calls[0], len(sys.modules))
+"""
+
+
+def test_the_server_maps_its_modules_files_before_the_first_page_s_first_element_asks():
+    """Streamlit's first element in a process calls inspect.stack(), which maps the file of every
+    module loaded since its last call (a realpath each); the server does that at its start
+    (serve.map_modules, in preload and once it listens), so the first page's element maps none of them."""
+    root = Path(__file__).resolve().parent.parent
+    seen = {}
+    for how in ("mapped", "not"):
+        out = subprocess.run([sys.executable, "-c", MAPPED, how], cwd=root, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "PYTHONPATH": str(root)})
+        assert out.returncode == 0, out.stderr
+        seen[how] = [int(x) for x in out.stdout.split()]
+    (mapped, modules), (unmapped, _) = seen["mapped"], seen["not"]
+    assert modules > 500 and unmapped >= modules // 2 and mapped <= 20, seen
 
 
 # ---- the server's warm-up (dashboard/serve.py: the shared tables built while the server starts) ----
