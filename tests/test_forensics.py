@@ -1089,6 +1089,7 @@ def test_grown_tables_are_not_copied_into_an_answers_entry(glm53_vulnerable, tmp
     assert first.narrowed and not first.all_kept() and _entries(store) == []   # requests: the pairs' rows only
     first.requests()                                      # every request: requests grown and kept too
     assert first.narrowed is None and first.all_kept() and _entries(store) == []
+    first.close()                                         # (its kept answers written: keep_result's threads)
     assert len(sorted(answers_dir(store).glob("*.arrow"))) == 3          # exposures, tenants, scores
     grown._KEPT.clear()                           # a new process
     evidence._KEPT.clear()
@@ -1110,6 +1111,7 @@ def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulne
     from forensics.queries.answers import answers_dir
     store = _own_copy(glm53_vulnerable[1], tmp_path)
     first, built = _answered(store)
+    first.close()                                            # (its kept answers written: keep_result's threads)
     kept = sorted(answers_dir(store).glob("*.arrow"))
     assert len(kept) == 3                                    # exposures, tenants, scores
     ran: list[str] = []
@@ -1131,6 +1133,34 @@ def test_whole_store_answers_are_kept_and_a_windowed_one_always_runs(glm53_vulne
     assert sorted(answers_dir(store).glob("*.arrow")) == kept
 
 
+def test_a_kept_answer_is_written_off_the_answer_s_path_at_the_lowest_priority_and_read_once_written(
+        tmp_path, monkeypatch):
+    """keep_result returns before its answer is written (a thread of its own, at nice 19 on Linux:
+    lowest_priority); result() and wait() wait for that write, and the answer read is the one kept."""
+    import os
+    import sys
+    import threading
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+    from forensics.queries import answers
+    gate, seen, real = threading.Event(), [], pa.ipc.new_file
+
+    def held(*a, **k):
+        if sys.platform == "linux":
+            seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        gate.wait(10)
+        return real(*a, **k)
+    monkeypatch.setattr(pa.ipc, "new_file", held)
+    a = answers.Answers(tmp_path / "store", SimpleNamespace(store_id="s", seq=1, head="h"), None, {})
+    a.keep_result("guards", "SELECT 1", {}, pl.DataFrame({"x": [7]}))
+    assert not list(answers.answers_dir(tmp_path / "store").glob("*.arrow"))       # not yet: held back
+    threading.Timer(0.2, gate.set).start()
+    assert a.result("guards", "SELECT 1", {})["x"].to_list() == [7]                # waited for it
+    a.wait()
+    assert seen == ([19] if sys.platform == "linux" else [])
+
+
 def test_kept_answers_of_old_snapshots_are_removed(tmp_path):
     """A store that grows snapshot after snapshot, asked only queries that build no table, keeps the
     answers of its newest KEEP snapshots and no more."""
@@ -1141,6 +1171,7 @@ def test_kept_answers_of_old_snapshots_are_removed(tmp_path):
     for seq in range(KEEP + 3):
         a = Answers(store, SimpleNamespace(store_id="s", seq=seq, head=f"h{seq}"), None, {})
         a.keep_result("guards", "SELECT 1", {}, pl.DataFrame({"x": [seq]}))
+        a.wait()                                # (written on a thread of its own)
         time.sleep(0.01)                        # distinct modification times
     left = sorted(answers_dir(store).glob("*.arrow"))
     assert len(left) == KEEP
