@@ -990,7 +990,9 @@ def _answered(store, **kw) -> tuple[Forensics, dict[str, pl.DataFrame]]:
     fx = Forensics(store, **kw)
     out = {q: fx.query(q) for q in ("exposures", "tenants", "scores")}
     out["slots"] = fx.exposure_slots().sort(pl.all())
-    return fx, out
+    if fx.answers is not None:
+        fx.answers.wait()       # its entry and kept answers are written on threads of their own (nice 19):
+    return fx, out              # what the next reader or a listing of the state directory finds is then set
 
 
 def _same(a: dict, b: dict) -> None:
