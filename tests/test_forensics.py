@@ -713,6 +713,7 @@ def test_the_evidences_kept_rows_outlive_the_process_and_a_bad_entry_is_ignored(
     (next(d.glob("hits-*.arrow"))).write_bytes(b"ARROW1 cut short")
     again, read = build()
     assert again == first and read["loaded"] == 0 and read["whole_scans"] == 2
+    evidence.entry_written(d)                   # (the rebuilt entry: written on a thread of its own)
     meta = json.loads((d / "meta.json").read_text())
     seg = next(iter(meta["files"]))
     meta["files"][seg][2] -= 1                 # the segment's change time is not the one kept
