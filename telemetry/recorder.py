@@ -28,7 +28,7 @@ from engine.errors import InputError
 from engine.recorder import LandedRecords, Recorder, RecorderFactory, TransferRecord
 from telemetry.ledger import PageLedger, forget_oldest_half, perf_to_unix_ns
 from telemetry.otel import OPERATION, PROVIDER, SCHEMA_URL, NodeTelemetry, RowSpan, SpanRows, otlp_processor
-from telemetry.store import FLUSH_INTERVAL, SegmentWriter
+from telemetry.store import FLUSH_INTERVAL, SegmentWriter, StoreError
 from telemetry.store.keys import Keys
 
 log = logging.getLogger("kvledger.telemetry")
@@ -331,19 +331,32 @@ class Telemetry(Recorder):
         Closing twice is harmless (the second call only returns the counts)."""
         if self.writer.closed:
             return self._counts()
-        for table, rows in self._finish_spans():    # the requests the writer's thread has not ended yet
-            self.writer.submit(table, rows)
-        for n in self.nodes.values():
+        error: StoreError | None = None         # a failed writer: everything is still shut down, then raised
+        try:
+            for table, rows in self._finish_spans():    # the requests the writer's thread has not ended yet
+                self.writer.submit(table, rows)
+        except StoreError as e:
+            error = e
+        for n in self.nodes.values():           # (their exporters report a failed writer as a failure)
             n.tracers.force_flush()
             n.tracers.shutdown()
             n.meters.force_flush()
             n.meters.shutdown()
-        self.writer.flush()                     # its anchor span ends before the anchor tracer shuts down
+        try:
+            if error is None:
+                self.writer.flush()             # its anchor span ends before the anchor tracer shuts down
+        except StoreError as e:
+            error = e
         tracers, self._store_tracers = self._store_tracers, None
         if tracers is not None:
             tracers.force_flush()
             tracers.shutdown()
-        self.writer.close()
+        try:
+            self.writer.close()                 # its thread and the store's lock released even where it failed
+        except StoreError as e:
+            error = error or e
+        if error is not None:
+            raise error
         return self._counts()
 
     def _counts(self) -> dict:

@@ -579,6 +579,10 @@ def test_exporters_report_failure_once_the_store_writer_failed(tmp_path):
     assert not tel.writer.accepting
     assert StoreSpanExporter(tel.writer).export([]) == SpanExportResult.FAILURE
     assert StoreMetricExporter(tel.writer, "n").export(None) == MetricExportResult.FAILURE
+    with pytest.raises(StoreError, match="missing columns"):    # closed: its error again, and the writer's
+        tel.close()                                             # thread and the store's lock released
+    assert not tel.writer._thread.is_alive() and tel.writer.closed
+    Telemetry(tmp_path / "s", model_name="recall", metric_interval=60).close()     # the store taken over
 
 
 def test_per_request_maps_stay_bounded_in_a_long_run(tmp_path):
