@@ -765,9 +765,28 @@ def segments_table(r: dict) -> str:
     return "\n".join(rows)
 
 
+def telemetry_steady_text(r: dict) -> str:
+    """The telemetry bench run with long turns (``--gens-per-round`` many flush intervals): whether the
+    turn's closing flush, which the engine waits for, is what makes the ledger's cost."""
+    t, c, a = r["tokens_per_s"], r["config"], r["cpu_accounting"]
+    turn = c["gens_per_round"] * c["batch"] * c["new_tokens"] / t["spans_ledger"]
+    lo, hi = r["spans_ledger_cost_ci95"]
+    return (f"With long turns (`bench/results/{r['bench']}.json`: {c['gens_per_round']} generate calls a turn, "
+            f"{turn:.1f} s with the ledger - about {turn / r['flush_interval_s']:.0f} of the writer's own "
+            f"{r['flush_interval_s']:g} s flushes before the one the turn ends with - {c['repeats']} rounds): the ledger's "
+            f"cost **{100 * r['spans_ledger_cost']:+.1f} %** (95 % interval over rounds {100 * lo:+.1f} to "
+            f"{100 * hi:+.1f} %), spans + metrics alone {100 * r['spans_cost']:+.1f} %, the writer "
+            f"{a['writer_ms_per_s']:.1f} ms of CPU per second of decoding and the engine thread's hooks "
+            f"{a['engine_thread_ms_per_s']:.1f}. A turn of the default 8 calls (about "
+            f"{8 * c['batch'] * c['new_tokens'] / t['spans_ledger']:.1f} s on this CPU, less than one flush interval) "
+            f"ends with a flush the engine waits for; in long turns that is one flush in "
+            f"{turn / r['flush_interval_s'] + 1:.0f}, and the cost is the short turns' within the runs' noise: "
+            f"a steady decode pays it too.")
+
+
 SECTIONS = {"segments": segments_table, "engine": engine_table, "prefill_attention": prefill_attention_table,
             "prefill_attention_avx2": prefill_attention_table, "prefill_attention_zen4": prefill_attention_table,
-            "decode_attention": decode_attention_table, "decode_prefetch_zen4": decode_prefetch_table, "decode_prefetch_zen4_1t": decode_prefetch_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "telemetry_zen4": telemetry_table, "forensics": forensics_table,
+            "decode_attention": decode_attention_table, "decode_prefetch_zen4": decode_prefetch_table, "decode_prefetch_zen4_1t": decode_prefetch_table, "engine_1t": engine_table, "engine_avx2": engine_table, "engine_avx2_1t": engine_table, "engine_bf16": engine_bf16_table, "engine_bf16_1t": engine_bf16_table, "engine_avx2_bf16": engine_bf16_table, "engine_zen4": engine_table, "engine_zen4_1t": engine_table, "engine_zen4_bf16": engine_bf16_table, "engine_zen4_bf16_1t": engine_bf16_table, "dashboard_replay": dashboard_replay_table, "guards": guards_table, "telemetry": telemetry_table, "telemetry_avx2": telemetry_table, "telemetry_zen4": telemetry_table, "telemetry_zen4_steady": telemetry_steady_text, "forensics": forensics_table,
             "dashboard": dashboard_table, "serve": serve_table, "serve_avx2": serve_table, "serve_zen4": serve_table, "collect": collect_table,
             "peers_collect": peers_collect_table, "index": index_table, "gpu_check_dot": gpu_table}
 
