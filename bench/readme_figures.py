@@ -771,6 +771,8 @@ def telemetry_steady_text(r: dict) -> str:
     t, c, a = r["tokens_per_s"], r["config"], r["cpu_accounting"]
     turn = c["gens_per_round"] * c["batch"] * c["new_tokens"] / t["spans_ledger"]
     lo, hi = r["spans_ledger_cost_ci95"]
+    short = 8 * c["batch"] * c["new_tokens"] / t["spans_ledger"]      # a turn of the bench's default 8 calls
+    than = "less than" if short < r["flush_interval_s"] else "at least"
     return (f"With long turns (`bench/results/{r['bench']}.json`: {c['gens_per_round']} generate calls a turn, "
             f"{turn:.1f} s with the ledger - about {turn / r['flush_interval_s']:.0f} of the writer's own "
             f"{r['flush_interval_s']:g} s flushes before the one the turn ends with - {c['repeats']} rounds): the ledger's "
@@ -778,7 +780,7 @@ def telemetry_steady_text(r: dict) -> str:
             f"{100 * hi:+.1f} %), spans + metrics alone {100 * r['spans_cost']:+.1f} %, the writer "
             f"{a['writer_ms_per_s']:.1f} ms of CPU per second of decoding and the engine thread's hooks "
             f"{a['engine_thread_ms_per_s']:.1f}. A turn of the default 8 calls (about "
-            f"{8 * c['batch'] * c['new_tokens'] / t['spans_ledger']:.1f} s on this CPU, less than one flush interval) "
+            f"{short:.1f} s on this CPU, {than} one flush interval) "
             f"ends with a flush the engine waits for; in long turns that is one flush in "
             f"{turn / r['flush_interval_s'] + 1:.0f}, and the cost is the short turns' within the runs' noise: "
             f"a steady decode pays it too.")
