@@ -218,8 +218,9 @@ def _accounting(r: dict) -> list[str]:
         f"decode{_slices(c)} by a pure-Python thread (it holds the GIL, as the writer's Python does) cost the decode "
         f"{_ci(c, 'normal')} at normal priority and {_ci(c, 'idle')} under SCHED_IDLE"
         + (f"; the same CPU under SCHED_IDLE by a thread that holds no GIL while it burns (sha256 of 64 KiB blocks) "
-           f"{_ci(c, 'idle_nogil')}, and by a separate process (pure Python, its own GIL) {_ci(c, 'idle_process')} "
-           f"({c['rounds']} rounds). " + _gil_reading(c) if "idle_process_cost" in c else f" ({c['rounds']} rounds).")
+           f"{_ci(c, 'idle_nogil')}, and by a separate process (pure Python, its own GIL) {_ci(c, 'idle_process')}"
+           + _yield_and_stream(c) + f" ({c['rounds']} rounds). " + _gil_reading(c)
+           if "idle_process_cost" in c else f" ({c['rounds']} rounds).")
         + " The writer runs under SCHED_IDLE so that it takes the gaps between the engine's steps first. "
         "The page ledger makes the engine wait only if "
         "the writer falls "
@@ -244,6 +245,15 @@ def _gil_reading(c: dict) -> str:
                 "waits for it). The writer's work in a process of its own - as vLLM keeps its engine core apart from "
                 "its API server - is the way to the 3 % goal (not done).")
     return "Whether a separate process would cost the decode less than a Python thread is within this run's noise."
+
+
+def _yield_and_stream(c: dict) -> str:
+    """The calibration's two later variants (the fifty-ninth session), when the run has them."""
+    if "idle_yield_cost" not in c:
+        return ""
+    return (f"; by a Python thread under SCHED_IDLE that lets the GIL go for 10 us after every "
+            f"{c['yield_every_us']:.0f} us of its CPU {_ci(c, 'idle_yield')}, and by a separate process streaming "
+            f"memory (numpy copies over {c['stream_mib']} MiB) {_ci(c, 'idle_process_mem')}")
 
 
 def _slices(c: dict) -> str:

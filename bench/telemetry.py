@@ -45,8 +45,8 @@ def main() -> None:
     ap.add_argument("--account-gens", type=int, default=40, help="generate calls of the CPU accounting pass")
     ap.add_argument("--calibrate-rounds", type=int, default=40,
                     help="rounds of the priority calibration (the writer's CPU burnt by a Python thread at normal and "
-                         "at idle priority, by an idle thread holding no GIL and by an idle process, vs nothing; one "
-                         "generate call each)")
+                         "at idle priority, by an idle thread holding no GIL, by one letting the GIL go every 200 us, "
+                         "and by an idle process burning Python or streaming memory, vs nothing; one generate call each)")
     ap.add_argument("--ingest-steps", type=count(1, 100_000), default=300,
                     help="decode steps captured and fed through the ledger in the ingest part (default 300)")
     ap.add_argument("--ingest-context", type=count(16, 4092), default=2048,
@@ -176,8 +176,9 @@ def main() -> None:
           f"all collections {gcs['count']}, {gcs['total_ms']:.0f} ms, longest {gcs['longest_ms']:.1f} ms")
     print(f"{c['burn_ms_per_s']:.1f} ms of CPU a second (the writer's) burnt beside the decode costs it: a Python "
           f"thread {100 * c['normal_cost']:+.1f} % at normal priority, {100 * c['idle_cost']:+.1f} % under SCHED_IDLE; "
-          f"under SCHED_IDLE holding no GIL {100 * c['idle_nogil_cost']:+.1f} %, from a separate process "
-          f"{100 * c['idle_process_cost']:+.1f} %")
+          f"under SCHED_IDLE holding no GIL {100 * c['idle_nogil_cost']:+.1f} %, letting the GIL go every "
+          f"{c['yield_every_us']:.0f} us {100 * c['idle_yield_cost']:+.1f} %; from a separate process "
+          f"{100 * c['idle_process_cost']:+.1f} %, streaming {c['stream_mib']} MiB {100 * c['idle_process_mem_cost']:+.1f} %")
     ing = res["ingest"]
     print(f"ledger ingest end to end: {ing['rows_per_s_end_to_end'] / 1e6:.2f} M rows/s "
           f"({rows_in} rows in {total:.2f} s; engine-side {ing['rows_per_s_engine_side'] / 1e6:.1f} M rows/s); "
@@ -254,11 +255,18 @@ def _account(engine, tel, prompts, sp, gens: int, tokens_per_gen: int) -> dict:
 
 BURN_SLICE_S = 0.005      # a burner's CPU in slices of 5 ms, each followed by the sleep that keeps its rate
 
-# the separate process's burner (_calibrate): SCHED_IDLE, pure Python, burning while told "on" (stdin)
+# the separate process's burner (_calibrate): SCHED_IDLE, burning while told "on" (stdin) - pure Python, or
+# (a third argument > 0) numpy copies over a buffer of that many bytes, streaming memory as a fold does
 _PROCESS_BURNER = """
 import os, select, sys, time
 os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-rate, piece = float(sys.argv[1]), float(sys.argv[2])
+rate, piece, size = float(sys.argv[1]), float(sys.argv[2]), int(sys.argv[3])
+if size:
+    import numpy as np
+    src, dst = np.ones(size // 8), np.empty(size // 8)
+    burn = lambda: np.copyto(dst, src)
+else:
+    burn = lambda: sum(range(200))
 on, line = False, b""
 while True:
     if select.select([0], [], [], 0 if on else None)[0]:
@@ -273,9 +281,12 @@ while True:
         continue
     t = time.thread_time()
     while time.thread_time() - t < piece:
-        sum(range(200))
+        burn()
     select.select([0], [], [], piece * (1e3 / rate - 1))
 """
+STREAM_BYTES = 32 << 20   # the memory-streaming burner's buffer: beyond this CPU's L2s, as big as its L3 (the
+                          # engine's weights and KV pages live there)
+YIELD_EVERY_S = 200e-6    # the yielding burner lets the GIL go (a 10 us sleep) after this much of its CPU
 
 
 def _burn_slices(stop, on: threading.Event, ms_per_s: float, burn) -> None:
@@ -298,58 +309,77 @@ def _calibrate(engine, prompts, sp, ms_per_s: float, rounds: int) -> dict:
       SCHED_IDLE (``normal``, ``idle``);
     - a thread under SCHED_IDLE whose burn holds no GIL (sha256 of 64 KiB blocks: hashlib lets the GIL go),
       the same CPU (``idle_nogil``);
-    - a separate process under SCHED_IDLE burning pure Python (its own GIL) (``idle_process``);
+    - a Python thread under SCHED_IDLE that lets the GIL go for 10 us after every YIELD_EVERY_S of its CPU
+      (``idle_yield``): whether what costs is holding the GIL at all or holding it long;
+    - a separate process under SCHED_IDLE burning pure Python (its own GIL) (``idle_process``), and one
+      streaming memory instead (numpy copies over STREAM_BYTES, ``idle_process_mem``): whether a fold's
+      memory traffic, moved to a process of its own, would still cost the decode through the caches;
     vs nothing; one generate call a variant, rounds interleaved, the order rotated. The gap between
     ``idle`` and ``idle_nogil`` / ``idle_process`` is what holding the engine's GIL costs beyond the CPU."""
     import hashlib
     import subprocess
     from telemetry.store.writer import enter_idle_priority
     ms_per_s = max(ms_per_s, 0.1)
-    on = {"normal": threading.Event(), "idle": threading.Event(), "idle_nogil": threading.Event()}
+    on = {k: threading.Event() for k in ("normal", "idle", "idle_nogil", "idle_yield")}
     stop = threading.Event()
     block = os.urandom(64 << 10)
 
     def burner(k: str) -> None:
         if k != "normal":
             enter_idle_priority()
-        burn = (lambda: hashlib.sha256(block).digest()) if k == "idle_nogil" else (lambda: sum(range(200)))
+        if k == "idle_nogil":
+            burn = lambda: hashlib.sha256(block).digest()          # noqa: E731
+        elif k == "idle_yield":
+            mark = [time.thread_time()]
+
+            def burn() -> None:
+                sum(range(200))
+                if time.thread_time() - mark[0] >= YIELD_EVERY_S:
+                    time.sleep(10e-6)
+                    mark[0] = time.thread_time()
+        else:
+            burn = lambda: sum(range(200))                          # noqa: E731
         _burn_slices(stop, on[k], ms_per_s, burn)
     threads = [threading.Thread(target=burner, args=(k,), daemon=True) for k in on]
     for t in threads:
         t.start()
-    child = subprocess.Popen([sys.executable, "-c", _PROCESS_BURNER, str(ms_per_s), str(BURN_SLICE_S)],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    children = {k: subprocess.Popen([sys.executable, "-c", _PROCESS_BURNER, str(ms_per_s), str(BURN_SLICE_S), str(size)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                for k, size in (("idle_process", 0), ("idle_process_mem", STREAM_BYTES))}
 
-    def tell(cmd: bytes) -> None:
+    def tell(k: str, cmd: bytes) -> None:
+        child = children[k]
         child.stdin.write(cmd + b"\n")
         child.stdin.flush()
         if child.stdout.readline() != b"ok\n":
             raise RuntimeError("the calibration's burner process did not answer")
-    wall: dict[str, list[float]] = {"off": [], **{k: [] for k in on}, "idle_process": []}
+    wall: dict[str, list[float]] = {"off": [], **{k: [] for k in on}, **{k: [] for k in children}}
     names = list(wall)
     try:
         for rep in track(range(rounds), description="priority calibration"):
             for k in names[rep % len(names):] + names[:rep % len(names)]:
                 if k in on:
                     on[k].set()
-                elif k == "idle_process":
-                    tell(b"on")
+                elif k in children:
+                    tell(k, b"on")
                 t0 = time.perf_counter()
                 engine.generate(prompts, sp)
                 wall[k].append(time.perf_counter() - t0)
                 for ev in on.values():
                     ev.clear()
-                if k == "idle_process":
-                    tell(b"off")
+                if k in children:
+                    tell(k, b"off")
     finally:
         stop.set()
         for t in threads:
             t.join()
-        child.stdin.close()
-        child.wait(10)
+        for child in children.values():
+            child.stdin.close()
+            child.wait(10)
     off = sum(wall["off"])
     burners = [k for k in names if k != "off"]
     return {"burn_ms_per_s": ms_per_s, "rounds": rounds, "slice_ms": 1e3 * BURN_SLICE_S,
+            "yield_every_us": 1e6 * YIELD_EVERY_S, "stream_mib": STREAM_BYTES >> 20,
             **{f"{k}_cost": 1 - off / sum(wall[k]) for k in burners},
             **{f"{k}_cost_ci95": _bootstrap_cost(wall["off"], wall[k]) for k in burners}}
 
