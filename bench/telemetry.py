@@ -284,8 +284,8 @@ while True:
         burn()
     select.select([0], [], [], piece * (1e3 / rate - 1))
 """
-STREAM_BYTES = 32 << 20   # the memory-streaming burner's buffer: beyond this CPU's L2s, as big as its L3 (the
-                          # engine's weights and KV pages live there)
+STREAM_BYTES = 32 << 20   # the memory-streaming burner copies an array this big into another: each beyond this
+                          # CPU's L2s and as big as the Zen 4's L3 (where the engine's weights and KV pages live)
 YIELD_EVERY_S = 200e-6    # the yielding burner lets the GIL go (a 10 us sleep) after this much of its CPU
 
 
