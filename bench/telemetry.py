@@ -43,11 +43,11 @@ def main() -> None:
     ap.add_argument("--flush-intervals", default=None,
                     help="comma-separated flush intervals (s) to measure the ledger at (default: the default only)")
     ap.add_argument("--account-gens", type=int, default=40, help="generate calls of the CPU accounting pass")
-    ap.add_argument("--calibrate-rounds", type=int, default=12,
+    ap.add_argument("--calibrate-rounds", type=count(1, 1000), default=12,
                     help="rounds of the priority calibration (the writer's CPU burnt by a Python thread at normal and "
                          "at idle priority, by an idle thread holding no GIL, by one letting the GIL go every 200 us, "
                          "and by an idle process burning Python or streaming memory, vs nothing)")
-    ap.add_argument("--calibrate-gens", type=int, default=4,
+    ap.add_argument("--calibrate-gens", type=count(1, 100), default=4,
                     help="generate calls in each calibration window (a burner keeps its rate over a window's wall time)")
     ap.add_argument("--ingest-steps", type=count(1, 100_000), default=300,
                     help="decode steps captured and fed through the ledger in the ingest part (default 300)")
