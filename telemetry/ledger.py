@@ -14,6 +14,7 @@ read. Read runs are coalesced on the writer thread (``ReadRuns``), off the engin
 from __future__ import annotations
 
 import itertools
+import operator
 import threading
 import time
 from collections import deque
@@ -131,6 +132,18 @@ class _Batch:
         return self._memo("ids", lambda: [x for f, k in zip(self._first, self._len) for _ in range(k)
                                           for x in self.recs[f].ids])
 
+    def id_columns(self, rows: np.ndarray) -> dict[str, Coded]:
+        """The trace and span id columns of the batch rows ``rows`` (indices into the concatenation),
+        each distinct (trace, span) pair once in the columns' values: a segment's dictionary is the
+        requests', not a copy per step (``writing_schema`` writes the values as they are)."""
+        def make() -> np.ndarray:
+            uniq: dict = {}
+            codes = [np.tile(np.array([uniq.setdefault(x, len(uniq)) for x in self.recs[f].ids], dtype=np.int32), k)
+                     for f, k in zip(self._first, self._len)]
+            return (np.concatenate(codes) if codes else np.zeros(0, np.int32)), list(uniq)
+        codes, pairs = self._memo("id_codes", make)
+        return {"trace_id": Coded(codes[rows], [t for t, _ in pairs]), "span_id": Coded(codes[rows], [s for _, s in pairs])}
+
 
 def _index_reads(row_cells: np.ndarray, row_reader: np.ndarray, page, gen, sr, bad) \
         -> "tuple[np.ndarray, np.ndarray] | None":
@@ -207,6 +220,10 @@ class Scopes:
         u, inv = np.unique(incarnations, return_inverse=True)
         codes = np.fromiter((self.code.get(int(i), 0) for i in u), dtype=np.int32, count=len(u))
         return Coded(codes[inv.reshape(np.shape(incarnations))], list(self.values))
+
+
+_INCARNATION = operator.attrgetter("req.incarnation")      # a scheduled batch row's reader
+_tuple_new = tuple.__new__      # a NamedTuple made without its __new__'s Python frame (every step)
 
 
 class StepRecord(NamedTuple):
@@ -567,19 +584,24 @@ class PageLedger:
         every flush and whenever FOLD_CELLS reads are waiting. A writer that falls behind by more
         than MAX_WAITING_CELLS blocks the engine until it catches up: memory stays bounded, and no
         step is lost."""
-        chk = out.read_check if out.read_check is not None else read_check(engine.pool, out.layout)
-        lay = out.layout
-        incs = [s.req.incarnation for s in out.batch]
+        # (every step, on the engine's thread: built without a Python call that can be spared - a map over
+        # the batch, the generations through the pool's numpy view inline, the record made as a tuple)
+        pool, lay, batch = engine.pool, out.layout, out.batch
+        chk = out.read_check if out.read_check is not None else read_check(pool, lay)
+        incs = list(map(_INCARNATION, batch))
         if incs != self._batch[0]:              # a decode batch is usually the same requests step after step
-            self._batch = (incs, [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in out.batch])
+            self._batch = (incs, [self.span_ids(i) for i in incs], [len(s.req.prompt_ids) for s in batch])
         incs, ids, prompt_lens = self._batch
-        self._pending.append(StepRecord(
-            engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, ids, prompt_lens, engine.pool.page_size,
-            lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets,
-            self._generations(engine.pool, out.slot_pages if (pn := getattr(out, "slot_pages_np", None)) is None else pn),
-            out.new_writers, out.new_tags,
+        view, pages = self._gen_view, getattr(out, "slot_pages_np", None)
+        if view is None or view[0] is not pool or view[1] is None or pages is None:
+            gens = self._generations(pool, out.slot_pages if pages is None else pages)
+        else:
+            gens = view[1][pages]
+        self._pending.append(_tuple_new(StepRecord, (
+            engine.cfg.node_id, engine.steps, engine.lclock, time.time_ns(), incs, ids, prompt_lens, pool.page_size,
+            lay.tok_batch, lay.positions, out.slot_pages, out.slot_offsets, gens, out.new_writers, out.new_tags,
             lay.block_tables, lay.expected_gen, chk.slots_read, chk.found_gen, chk.bad_mask, chk.found_writers,
-            out.page_mass))
+            out.page_mass)))
         self.writer.nudge()                     # an idle-priority writer's overdue flush goes ahead
         cells = lay.block_tables.numel()
         self._pending_cells += cells
@@ -649,7 +671,6 @@ class PageLedger:
         rows = cat.row_counts()                                              # each step's batch rows
         base = np.cumsum(rows) - rows                                        # ... where they start in the concatenation
         tb = cat("tok_batch").astype(np.int64, copy=False) + np.repeat(base, n)
-        ids = cat.ids()
         positions = cat("positions")
         runs = self.runs.get(node)
         if runs is None:
@@ -663,7 +684,7 @@ class PageLedger:
         return self._write_cols(
             node, len(positions), lc, cat("slot_pages"), cat("gen_written"), cat("slot_offsets"), positions,
             cat("new_writers"), cat("new_tags"), decode,     # decode append
-            ["prefill", "decode"], {"trace_id": _dict([t for t, _ in ids], tb), "span_id": _dict([s for _, s in ids], tb)}, ts)
+            ["prefill", "decode"], cat.id_columns(tb), ts)
 
     def _index(self, node: str, recs: "list[StepRecord] | None", writes: "list[Writes]", cat=None) -> None:
         """Writer thread: the exposure index's part of a fold - every read of the steps held (who

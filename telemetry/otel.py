@@ -143,12 +143,18 @@ class SpanRows:
 
     def __init__(self):
         self.cols, self.n, self.by_node = _span_columns(), 0, {}
+        self.kids: list[tuple] = []         # child spans (``add``), made columns at ``take``
 
     def add(self, node: "NodeTelemetry", parent, name: str, start: int, end: int, attrs: dict) -> None:
         """A child of ``parent`` (a span context) on ``node``, from ``start`` to ``end`` (ns since the
-        epoch), kind INTERNAL, status UNSET, its id from the node's tracer provider's id generator."""
-        self.add_span(node, start, end, parent.trace_id, node.tracers.id_generator.generate_span_id(),
-                      parent.span_id, str(parent.trace_state.to_header()), name, "INTERNAL", attrs)
+        epoch), kind INTERNAL, status UNSET, its id from the node's tracer provider's id generator.
+        Kept as one tuple until ``take`` makes every child's columns at once (``_children_table``: the
+        same row as ``add_span``'s, about a third of its CPU - three children a request)."""
+        self.kids.append((node, parent.trace_id, node.tracers.id_generator.generate_span_id(), parent.span_id,
+                          parent.trace_state, name, start, end, attrs))
+        node.direct_ended += 1
+        self.by_node[node] = self.by_node.get(node, 0) + 1
+        self.n += 1
 
     def add_span(self, node: "NodeTelemetry", start: int, end: int, trace_id: int, span_id: int,
                  parent_id: int | None, trace_state: str, name: str, kind: str, attrs,
@@ -163,12 +169,64 @@ class SpanRows:
     def take(self, handed_over: bool = True) -> pa.Table | None:
         """The rows so far (None: none), counted as exported where ``handed_over`` (the caller gives
         them to the store's writer; False: the writer no longer accepts - they are dropped)."""
-        table = _spans_table(self.cols) if self.n else None
+        parts = [] if self.n == len(self.kids) else [_spans_table(self.cols)]
+        if self.kids:
+            parts.append(_children_table(self.kids))
+        table = None if not parts else parts[0] if len(parts) == 1 else pa.concat_tables(parts)
         if handed_over:
             for node, k in self.by_node.items():
                 node.direct_exported += k
-        self.cols, self.n, self.by_node = _span_columns(), 0, {}
+        self.cols, self.n, self.by_node, self.kids = _span_columns(), 0, {}, []
         return table
+
+
+def _children_table(kids: list[tuple]) -> pa.Table:
+    """``SpanRows.add``'s child spans as the ``spans`` columns ``_append_span`` makes of each (kind
+    INTERNAL, status UNSET, no events or links): a row's own values in one pass, its node's resource
+    and scope taken per node, the constant columns repeated in Arrow."""
+    n = len(kids)
+    ts, dur, tid, sid, pid, state, names, at, keys, vals = [], [], [], [], [], [], [], [], [], []
+    offsets = [0]
+    nodes: dict = {}
+    promoted = {col: [None] * n for col in _PROMOTED.values()}
+    for i, (node, trace_id, span_id, parent_id, trace_state, name, start, end, a) in enumerate(kids):
+        ts.append(start)
+        dur.append(end - start)
+        tid.append(f"{trace_id:032x}")
+        sid.append(f"{span_id:016x}")
+        pid.append(f"{parent_id:016x}")
+        state.append(str(trace_state.to_header()))
+        names.append(name)
+        at.append(nodes.setdefault(node, len(nodes)))
+        for k, v in a.items():
+            keys.append(k)
+            vals.append(_s(v))
+            col = _PROMOTED.get(k)
+            if col is not None:
+                promoted[col][i] = _s(v) if isinstance(v, (list, tuple)) else v
+        offsets.append(len(keys))
+    schema = arrow_schemas()["spans"]
+    typ = schema.field
+    at = pa.array(at, pa.int32())
+    per_node = {"ServiceName": [nd.resource_row[0] for nd in nodes], "ResourceAttributes": [nd.resource_row[1] for nd in nodes],
+                "ScopeName": [nd.scope[0] for nd in nodes], "ScopeVersion": [nd.scope[1] for nd in nodes]}
+    const = {"SpanKind": "INTERNAL", "StatusCode": "UNSET", "StatusMessage": ""}
+    own = {"Timestamp": ts, "TraceId": tid, "SpanId": sid, "ParentSpanId": pid, "TraceState": state, "SpanName": names,
+           "Duration": dur, **promoted}
+    cols = {}
+    for k in _span_columns():
+        if k in own:
+            cols[k] = pa.array(own[k], typ(k).type)
+        elif k in per_node:
+            cols[k] = pa.array(per_node[k], typ(k).type).take(at)
+        elif k in const:
+            cols[k] = pa.repeat(pa.scalar(const[k], typ(k).type), n)
+        elif k == "SpanAttributes":
+            cols[k] = pa.MapArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(keys, pa.string()),
+                                              pa.array(vals, pa.string())).cast(typ(k).type)
+        else:                                   # Events.*, Links.*: none
+            cols[k] = pa.array([[]] * n, typ(k).type)
+    return pa.table(cols)
 
 
 class _Event:

@@ -59,8 +59,14 @@ def columns_to_arrow(batches: list[Columns]) -> pa.Table:
     out = {}
     for name, v in cols.items():
         if isinstance(v, Coded):
-            codes = v.codes.astype(np.int32, copy=False)
-            arr = pa.DictionaryArray.from_arrays(codes.ravel(), pa.array(v.values, pa.string()))
+            codes = v.codes.astype(np.int32, copy=False).ravel()
+            if None in v.values:        # NULL in the codes, not the dictionary (Parquet writes no NULL entry)
+                nulls = np.isin(codes, [i for i, x in enumerate(v.values) if x is None])
+                arr = pa.DictionaryArray.from_arrays(pa.array(codes, mask=nulls),
+                                                     pa.array(["" if x is None else x for x in v.values], pa.string()))
+            else:
+                arr = pa.DictionaryArray.from_arrays(codes, pa.array(v.values, pa.string()))
+            codes = v.codes
             if codes.ndim == 2:         # one list of strings per row (e.g. a scope per slot)
                 arr = pa.ListArray.from_arrays(np.arange(codes.shape[0] + 1, dtype=np.int32) * codes.shape[1], arr)
             out[name] = arr
@@ -120,7 +126,10 @@ def parquet_options(schema: pa.Schema, table: str | None = None) -> dict:
     else:
         compression = {_leaf_path(f): "zstd" if f.name in HEX_HASHES else "lz4" for f in schema}
     out = {"write_statistics": [f.name for f in schema if not pa.types.is_list(f.type) and not pa.types.is_map(f.type)],
-           "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY], "compression": compression}
+           "use_dictionary": [_leaf_path(f) for f in schema if f.name not in NO_DICTIONARY], "compression": compression,
+           # no Arrow schema in the file: its columns read back as Parquet's types make them - the store's
+           # schema (tests/test_store.py), never the Arrow dictionaries a segment is encoded from
+           "store_schema": False}
     lookups = [c for c in LOOKUPS.get(table, ()) if c in schema.names]
     if lookups:
         out |= {"row_group_size": LOOKUP_ROW_GROUP, "bloom_filter_options": {c: {"fpp": LOOKUP_FPP} for c in lookups}}

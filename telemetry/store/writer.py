@@ -626,9 +626,12 @@ class SegmentWriter:
         """The table's buffered rows as one Parquet segment, in memory, with its sha256."""
         raw = [b for b in self._buf[table] if not isinstance(b, pa.Table)]
         fill = {"boot": self.boot}
+        # string columns stay the dictionaries the producers' columns hold (``writing_schema``) where every
+        # part is columns; an Arrow table's strings (spans: ids that never repeat) are cheaper as strings
+        coded = len(raw) == len(self._buf[table])
         tables = [conform(table, b, fill) for b in self._buf[table] if isinstance(b, pa.Table)]
         if raw:
-            tables.append(conform(table, columns_to_arrow(raw), fill))
+            tables.append(conform(table, columns_to_arrow(raw), fill, dictionaries=coded))
         data = tables[0] if len(tables) == 1 else pa.concat_tables(tables)     # parts are conformed already
         rel, sha, body = self._parquet_body(table, seq, data)
         return seq, table, rel, data.num_rows, sha, body
