@@ -188,22 +188,29 @@ def _children_table(kids: list[tuple]) -> pa.Table:
     ts, dur, tid, sid, pid, state, names, at, keys, vals = [], [], [], [], [], [], [], [], [], []
     offsets = [0]
     nodes: dict = {}
-    promoted = {col: [None] * n for col in _PROMOTED.values()}
+    promoted: dict[str, list] = {}          # the promoted attributes' columns the children set (others: NULL)
+    parent = None
     for i, (node, trace_id, span_id, parent_id, trace_state, name, start, end, a) in enumerate(kids):
+        if (parent_id, trace_id) != parent:     # a request's children follow each other: its ids made once
+            parent = (parent_id, trace_id)
+            t, p, st = f"{trace_id:032x}", f"{parent_id:016x}", str(trace_state.to_header())
         ts.append(start)
         dur.append(end - start)
-        tid.append(f"{trace_id:032x}")
+        tid.append(t)
         sid.append(f"{span_id:016x}")
-        pid.append(f"{parent_id:016x}")
-        state.append(str(trace_state.to_header()))
+        pid.append(p)
+        state.append(st)
         names.append(name)
         at.append(nodes.setdefault(node, len(nodes)))
         for k, v in a.items():
             keys.append(k)
-            vals.append(_s(v))
+            listed = isinstance(v, (list, tuple))
+            vals.append(_s(v) if listed else str(v))
             col = _PROMOTED.get(k)
             if col is not None:
-                promoted[col][i] = _s(v) if isinstance(v, (list, tuple)) else v
+                if col not in promoted:
+                    promoted[col] = [None] * n
+                promoted[col][i] = _s(v) if listed else v
         offsets.append(len(keys))
     schema = arrow_schemas()["spans"]
     typ = schema.field
@@ -219,6 +226,8 @@ def _children_table(kids: list[tuple]) -> pa.Table:
             cols[k] = pa.array(own[k], typ(k).type)
         elif k in per_node:
             cols[k] = pa.array(per_node[k], typ(k).type).take(at)
+        elif k in _PROMOTED.values():
+            cols[k] = pa.nulls(n, typ(k).type)
         elif k in const:
             cols[k] = pa.repeat(pa.scalar(const[k], typ(k).type), n)
         elif k == "SpanAttributes":

@@ -82,6 +82,10 @@ class Telemetry(Recorder):
         self._child_rows = SpanRows()       # their spans, where written as rows (NodeTelemetry.direct)
         self._finish_lock = threading.Lock()
         self._finish_queued = False
+        # the rows are taken once a flush, not each time the writer ends a batch of requests' spans: a
+        # spans table made of a few requests' rows at a time cost about as much as its rows (pyarrow's
+        # per-column costs), ~1 ms a call beside the tiny decode
+        self.writer.add_drain(self._drain_spans)
         # every signed chain head also leaves as telemetry - a span `kvledger.anchor` to the OTLP
         # collector when one is configured, so a collector or SIEM keeps a copy outside the machine.
         # Not into the store itself: it holds the chain already, and a span per flush would make
@@ -250,9 +254,10 @@ class Telemetry(Recorder):
 
     def _finish_spans(self) -> list:
         """The store writer's thread (or ``close``): end every queued request's spans. A failure is
-        logged and the rest go on - it must not fail the writer, which holds the ledger too. Returns
-        the child spans written as rows (the writer's lazy-build contract: (table, rows) pairs); a
-        caller other than the writer submits them."""
+        logged and the rest go on - it must not fail the writer, which holds the ledger too. The
+        spans written as rows wait in ``_child_rows`` for the next flush (``_drain_spans``); where the
+        writer no longer accepts they are dropped here (counted: ended, not exported). Returns no rows
+        (the writer's lazy-build contract: (table, rows) pairs)."""
         with self._finish_lock:
             self._finish_queued = False         # before draining: a request queued from now on queues a new call
             while self._finishing:
@@ -261,7 +266,14 @@ class Telemetry(Recorder):
                     self._end_request(*item)
                 except Exception:               # noqa: BLE001 - one request's spans, not the store
                     log.exception("ending request %s's spans failed", item[4].incarnation)
-            rows = self._child_rows.take(handed_over=self.writer.accepting)
+            if not self.writer.accepting:
+                self._child_rows.take(handed_over=False)
+        return []
+
+    def _drain_spans(self) -> list:
+        """The store writer's thread, before every flush: the spans written as rows since the last."""
+        with self._finish_lock:
+            rows = self._child_rows.take()
         return [] if rows is None else [("spans", rows)]
 
     def _end_request(self, engine, root, rec: TransferRecord | None, rejection, req: "_Ended") -> None:
@@ -333,8 +345,7 @@ class Telemetry(Recorder):
             return self._counts()
         error: StoreError | None = None         # a failed writer: everything is still shut down, then raised
         try:
-            for table, rows in self._finish_spans():    # the requests the writer's thread has not ended yet
-                self.writer.submit(table, rows)
+            self._finish_spans()        # the requests the writer's thread has not ended yet (their rows: the flush's)
         except StoreError as e:
             error = e
         for n in self.nodes.values():           # (their exporters report a failed writer as a failure)
