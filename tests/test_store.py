@@ -186,6 +186,51 @@ def test_a_failed_segment_write_leaves_the_store_verifiable(tmp_path, monkeypatc
     assert v.ok and v.segments == 4 and v.rows == 13 and w2.adopted == []
 
 
+def _page_writes(n: int, trace_ids: list, span_ids: list, codes: np.ndarray, writer: int) -> dict:
+    """page_writes columns as the page ledger hands them over (``Coded`` strings, a ``Ragged`` list)."""
+    from telemetry.store import Coded, Ragged
+    return {"node": Coded(np.zeros(n, np.int32), ["n0"]), "lclock": np.arange(n, dtype=np.int64),
+            "ts": np.full(n, time.time_ns(), dtype=np.int64), "page": np.arange(n, dtype=np.int32),
+            "generation": np.ones(n, dtype=np.int64), "slot_first": np.zeros(n, dtype=np.int16),
+            "n_slots": np.full(n, 2, dtype=np.int16), "position_first": np.arange(n, dtype=np.int32) * 2,
+            "writer": np.full(n, writer, dtype=np.int64), "scope_h": Coded(np.zeros(n, np.int32), ["scope-a"]),
+            "tag_h": Ragged(np.arange(n + 1, dtype=np.int64) * 2, np.arange(2 * n, dtype=np.int64)),
+            "path": Coded(np.arange(n, dtype=np.int32) % 2, ["prefill", "decode"]),
+            "trace_id": Coded(codes, trace_ids), "span_id": Coded(codes, span_ids)}
+
+
+def test_a_segment_is_encoded_from_the_string_dictionaries_and_reads_back_as_the_schema(tmp_path):
+    """The writer encodes the producers' coded strings as Arrow dictionaries (``writing_schema``: no
+    value hashed again), a NULL among a dictionary's values included, and stores no Arrow schema in
+    the file: every segment reads back - pyarrow and DuckDB - with the schema's types and the values
+    handed over, a flush of several parts too."""
+    import pyarrow.parquet as pq
+
+    from telemetry.store.schema import arrow_schemas, writing_schema
+    assert pa.types.is_dictionary(writing_schema("page_writes").field("trace_id").type)
+    assert pa.types.is_dictionary(writing_schema("ngrams").field("role").type)
+    assert writing_schema("page_writes").field("tag_h").type == arrow_schemas()["page_writes"].field("tag_h").type
+    root = tmp_path / "s"
+    w = SegmentWriter(root)
+    w.submit("page_writes", _page_writes(4, ["t1", None, "t3"], ["s1", None, "s3"], np.array([0, 1, 2, 0], np.int32), 7))
+    w.submit("page_writes", _page_writes(3, [None, "t9"], [None, "s9"], np.array([1, 1, 0], np.int32), 8))
+    w.submit("releases", _releases(2))          # a table of plain lists beside it
+    w.close()
+    segs = sorted((root / "segments").rglob("*.parquet"))
+    assert len(segs) == 2
+    for f in segs:
+        table = f.parent.name
+        meta = pq.read_schema(f).metadata or {}
+        assert b"ARROW:schema" not in meta
+        assert [(x.name, x.type) for x in pq.read_schema(f)] == [(x.name, x.type) for x in arrow_schemas()[table]]
+    got = open_store(root).sql("SELECT trace_id, span_id, path, scope_h, boot IS NOT NULL AS b FROM page_writes "
+                               "ORDER BY writer, lclock").fetchall()
+    assert [r[:2] for r in got] == [("t1", "s1"), (None, None), ("t3", "s3"), ("t1", "s1"),
+                                    ("t9", "s9"), ("t9", "s9"), (None, None)]
+    assert {r[2] for r in got} == {"prefill", "decode"} and {r[3] for r in got} == {"scope-a"} and all(r[4] for r in got)
+    assert verify(root).ok
+
+
 def test_a_second_writer_is_refused_with_a_clear_error(tmp_path):
     """One writer, really: the lock is the kernel's, on the store directory's descriptor. Deleting
     any file (an old writer.lock, or one planted) lets no second writer in, in this process or in
