@@ -136,7 +136,7 @@ class _Batch:
         """The trace and span id columns of the batch rows ``rows`` (indices into the concatenation),
         each distinct (trace, span) pair once in the columns' values: a segment's dictionary is the
         requests', not a copy per step (``writing_schema`` writes the values as they are)."""
-        def make() -> np.ndarray:
+        def make() -> tuple[np.ndarray, list]:
             uniq: dict = {}
             codes = [np.tile(np.array([uniq.setdefault(x, len(uniq)) for x in self.recs[f].ids], dtype=np.int32), k)
                      for f, k in zip(self._first, self._len)]
