@@ -344,10 +344,7 @@ class Telemetry(Recorder):
         if self.writer.closed:
             return self._counts()
         error: StoreError | None = None         # a failed writer: everything is still shut down, then raised
-        try:
-            self._finish_spans()        # the requests the writer's thread has not ended yet (their rows: the flush's)
-        except StoreError as e:
-            error = e
+        self._finish_spans()        # the requests the writer's thread has not ended yet (their rows: the flush's)
         for n in self.nodes.values():           # (their exporters report a failed writer as a failure)
             n.tracers.force_flush()
             n.tracers.shutdown()
