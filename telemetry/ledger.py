@@ -894,38 +894,49 @@ NGRAM_MIN_CONTENT = 4   # distinct content tokens an n-gram needs to be evidence
 def ngram_hashes(keys: Keys, token_lists: list[list[int]], n: int = NGRAM,
                  content: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The keyed hashes of every n-token window of each token list that can be evidence, all lists
-    in one pass: (list index, hash, start position) ordered by list then hash, each (list, hash,
-    position) once. A window is evidence only with at least ``NGRAM_MIN_CONTENT`` distinct content
-    tokens (``content``: the tokenizer's mask of tokens holding a letter or digit; None: every token
-    counts): whitespace, punctuation and one repeated token are nobody's data."""
+    in one pass: (list index, hash, start position), ordered by list then position. A window is
+    evidence only with at least ``NGRAM_MIN_CONTENT`` distinct content tokens (``content``: the
+    tokenizer's mask of tokens holding a letter or digit; None: every token counts): whitespace,
+    punctuation and one repeated token are nobody's data."""
     empty = np.zeros(0, dtype=np.int64)
-    lens = np.array([len(t) for t in token_lists], dtype=np.int64)
+    lens = np.fromiter(map(len, token_lists), dtype=np.int64, count=len(token_lists))
     if not (lens >= n).any():
         return empty, empty, empty
-    toks = np.concatenate([np.asarray(t, dtype=np.uint64) for t in token_lists])
+    total = int(lens.sum())
+    toks = np.fromiter(itertools.chain.from_iterable(token_lists), dtype=np.uint64, count=total)
     ends = np.cumsum(lens)
-    group = np.repeat(np.arange(len(lens)), lens)[: len(toks) - n + 1]
+    group = np.repeat(np.arange(len(lens)), lens)[: total - n + 1]
     start = np.flatnonzero(np.arange(len(group)) + n <= ends[group])      # windows inside one list
-    win = np.lib.stride_tricks.sliding_window_view(toks, n)[start]
-    informative = _distinct_content(win, content) >= NGRAM_MIN_CONTENT
-    start, win = start[informative], win[informative]
-    h = keys.ngram_pseudonyms(win)
+    start = start[_distinct_content(toks, n, content)[start] >= NGRAM_MIN_CONTENT]
+    h = keys.ngram_pseudonyms(np.lib.stride_tricks.sliding_window_view(toks, n)[start])
     g = group[start]
-    pos = start - (ends - lens)[g]                       # the window's first token, in its own list
-    order = np.lexsort((pos, h, g))
-    return g[order], h[order], pos[order]
+    return g, h, start - (ends - lens)[g]                # the window's first token, in its own list
 
 
-def _distinct_content(win: np.ndarray, content: np.ndarray | None) -> np.ndarray:
-    """Per window (row): how many distinct tokens of it carry content."""
-    none = np.uint64(np.iinfo(np.uint64).max)
-    if content is not None:
-        idx = np.minimum(win, np.uint64(len(content) - 1)).astype(np.int64)
-        ok = content[idx] & (win < np.uint64(len(content)))
-        win = np.where(ok, win, none)
-    s = np.sort(win, axis=1)
-    new = (s[:, 1:] != s[:, :-1]) & (s[:, 1:] != none)
-    return new.sum(axis=1) + (s[:, 0] != none)
+def _distinct_content(toks: np.ndarray, n: int, content: np.ndarray | None) -> np.ndarray:
+    """For the window ``toks[s:s + n]`` at every s (0 past the last): how many distinct tokens of it
+    carry content, in a few passes over ``toks`` (no per-window sort). A token counts at its first
+    place in a window: one whose last occurrence before it lies p places back (p < n) is a repeat
+    in the windows that start between its own place - n + 1 and that occurrence's."""
+    N = len(toks)
+    if content is None:
+        ok = np.ones(N, dtype=bool)
+    elif len(content) == 0:
+        ok = np.zeros(N, dtype=bool)
+    else:
+        mask = np.asarray(content, dtype=bool)
+        ok = (toks < np.uint64(len(mask))) & mask[np.minimum(toks, np.uint64(len(mask) - 1)).astype(np.intp)]
+    back = np.zeros(N, dtype=np.int64)              # places back to the token's last occurrence (0: none within n - 1)
+    for k in range(n - 1, 0, -1):                   # (the nearest wins: written last)
+        back[k:][toks[k:] == toks[:-k]] = k
+    j = np.flatnonzero(ok & (back > 0))
+    repeats = np.cumsum(np.bincount(np.maximum(j - n + 1, 0), minlength=N + 1)
+                        - np.bincount(j - back[j] + 1, minlength=N + 1))
+    held = np.concatenate([[0], np.cumsum(ok)])    # content tokens before each place
+    out = np.zeros(N, dtype=np.int64)
+    s = np.arange(max(N - n + 1, 0))
+    out[: len(s)] = held[s + n] - held[s] - repeats[: len(s)]
+    return out
 
 
 _PERF_EPOCH_NS = time.time_ns() - time.perf_counter_ns()

@@ -93,6 +93,27 @@ def test_an_ngram_of_whitespace_punctuation_or_one_token_is_never_evidence():
     assert len(h) == len("the secret is CANARY-x9Fq2") - 11 and sorted(pos.tolist()) == list(range(len(h)))
 
 
+def test_ngram_windows_are_the_reference_s_on_random_token_lists_with_repeats():
+    """``ngram_hashes`` counts a window's distinct content tokens in passes over all lists at once;
+    the windows it keeps must be exactly those a window-at-a-time reference keeps (a set of the
+    window's content tokens, ids past the mask carry none), each hashed as its own 12 tokens, in list
+    then position order - over small vocabularies, where tokens repeat inside windows."""
+    from telemetry.ledger import NGRAM, NGRAM_MIN_CONTENT, ngram_hashes
+    from telemetry.store.keys import Keys
+    keys, rng = Keys(b"p" * 32, b"n" * 32), np.random.default_rng(5)
+    kept = 0
+    for trial in range(150):
+        vocab = int(rng.choice([2, 5, 9, 40, 5000]))
+        lists = [[int(t) for t in rng.integers(0, vocab, int(rng.integers(0, 50)))] for _ in range(int(rng.integers(1, 5)))]
+        mask = None if trial % 4 == 0 else rng.random(max(1, vocab - int(rng.integers(0, 3)))) < rng.random()
+        want = [(i, k, keys.ngram_pseudonym(t[k:k + NGRAM])) for i, t in enumerate(lists) for k in range(len(t) - NGRAM + 1)
+                if len({x for x in t[k:k + NGRAM] if mask is None or (x < len(mask) and mask[x])}) >= NGRAM_MIN_CONTENT]
+        g, h, pos = ngram_hashes(keys, lists, content=mask)
+        assert list(zip(g.tolist(), pos.tolist(), h.tolist())) == want, trial
+        kept += len(want)
+    assert kept > 1000
+
+
 def test_ngrams_and_releases_come_from_the_requests(glm53_vulnerable):
     """Finished requests' n-grams are hashed together on the writer thread: per request and role
     they must be exactly the keyed hashes of that request's own 12-token windows (a reference
