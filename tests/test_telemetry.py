@@ -886,7 +886,7 @@ def _index_reads_both_ways(row_cells, row_reader, page, gen, sr, bad) -> tuple[i
 @NEEDS_CC
 def test_the_native_index_reads_give_the_numpy_holdings_and_failing_cells():
     """Random folds (pages repeating, none (-1), slots read 0, failing masks, readers sharing
-    pages) and an empty one, both ways."""
+    pages), an empty one and one holding thousands, both ways."""
     rng = np.random.default_rng(5)
     total = [0, 0]
     for _ in range(40):
@@ -905,6 +905,13 @@ def test_the_native_index_reads_give_the_numpy_holdings_and_failing_cells():
     assert total[0] > 1000 and total[1] > 1000
     empty = np.zeros(0, np.int64)
     assert _index_reads_both_ways(np.array([0]), np.array([7]), empty, empty, empty, empty) == (0, 0)
+    # one fold holding thousands of (page, generation, reader): the kernel's set starts at 1,024
+    # entries and doubles past half full, several times here
+    row_cells = np.full(500, 40)
+    n = int(row_cells.sum())
+    page, gen = rng.integers(0, 3000, n), rng.integers(0, 4, n)
+    holds, _ = _index_reads_both_ways(row_cells, rng.integers(0, 50, 500), page, gen, rng.integers(1, 17, n), np.zeros(n, np.int64))
+    assert holds > 8000
 
 
 @NEEDS_CC

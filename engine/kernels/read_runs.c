@@ -112,7 +112,9 @@ done:
    (page, generation, reader) its cells read - a page in the block table, slots read - once each,
    in first-read order (the index's holdings: who held which page in which generation), and the
    cells whose read failed the check (bad mask set), in cell order. numpy found the holdings with a
-   lexsort of every read cell (a decode step re-reads all of its sequences' pages); here a hash set.
+   lexsort of every read cell (a decode step re-reads all of its sequences' pages); here a hash set
+   sized by the holdings, not the cells (a fold of 65,536 decode cells holds a few hundred: a table
+   of 2 x cells was 1 MiB, zeroed each fold and missed in cache at every probe), doubled past half full.
    Cells: the rows' block-table cells concatenated, row r's row_cells[r] of them read by
    row_reader[r]. out_hold: [cap, 3], out_bad: [cap]. Returns the holdings' count (the failing
    cells' in *n_bad), -1 where the set's memory was not given. */
@@ -125,16 +127,28 @@ static inline uint64_t mix3(int64_t a, int64_t b, int64_t c) {
     return h * 0x94D049BB133111EBULL;
 }
 
+/* Doubles the holdings' set (slot: index into out_hold + 1; 0: empty) and puts the nh held back in. */
+static int64_t *grow_set(int64_t *slot, size_t *size, const int64_t *out_hold, int64_t nh) {
+    size_t ns = *size * 2;
+    int64_t *n = calloc(ns, sizeof(int64_t));
+    if (!n) return NULL;
+    for (int64_t k = 0; k < nh; k++) {
+        const int64_t *t = out_hold + 3 * k;
+        size_t h = (size_t)mix3(t[0], t[1], t[2]) & (ns - 1);
+        while (n[h]) h = (h + 1) & (ns - 1);
+        n[h] = k + 1;
+    }
+    free(slot);
+    *size = ns;
+    return n;
+}
+
 int64_t kvl_index_reads(int64_t nrows, const int64_t *row_cells, const int64_t *row_reader, const int64_t *page,
                         const int64_t *gen, const int64_t *sr, const int64_t *bad, int64_t *out_hold,
                         int64_t *out_bad, int64_t *n_bad, int64_t cap) {
-    int64_t cells = 0;
-    for (int64_t r = 0; r < nrows; r++) cells += row_cells[r];
-    size_t size = 64;
-    while (size < (size_t)(2 * cells)) size <<= 1;
-    int64_t *slot = malloc(sizeof(int64_t) * size);       /* index into out_hold + 1; 0: empty */
+    size_t size = 1024;
+    int64_t *slot = calloc(size, sizeof(int64_t));        /* index into out_hold + 1; 0: empty */
     if (!slot) return -1;
-    memset(slot, 0, sizeof(int64_t) * size);
     int64_t nh = 0, nb = 0, i = 0;
     for (int64_t r = 0; r < nrows; r++) {
         const int64_t reader = row_reader[r];
@@ -148,6 +162,11 @@ int64_t kvl_index_reads(int64_t nrows, const int64_t *row_cells, const int64_t *
                     if (nh < cap) {
                         out_hold[3 * nh] = page[i]; out_hold[3 * nh + 1] = gen[i]; out_hold[3 * nh + 2] = reader;
                         slot[h] = ++nh;
+                        if ((size_t)(2 * nh) >= size) {
+                            int64_t *more = grow_set(slot, &size, out_hold, nh);
+                            if (!more) { free(slot); return -1; }
+                            slot = more;
+                        }
                     }
                     break;
                 }
