@@ -730,7 +730,7 @@ class PageLedger:
                              bad_mask=bad[cells].astype(np.int64), slots_read=sr[cells].astype(np.int64),
                              step=step_of("step"), lclock=step_of("lclock"), ts=step_of("ts_ns"),
                              mass=cat("page_mass")[cells].astype(np.float64), ids=[ids[i] for i in cell_row])
-        w = Writes.concat(writes) if writes else Writes(*(np.zeros(0, np.int64),) * 8)
+        w = writes[0] if len(writes) == 1 else Writes.concat(writes) if writes else Writes(*(np.zeros(0, np.int64),) * 8)
         rows = ix.fold(w, reads)
         if rows is not None:
             self._index_rows.append(rows)
